@@ -1,0 +1,3 @@
+from ascendfactory.cli import main
+
+main()

@@ -1,0 +1,370 @@
+"""The `ascendfactory` command line (Typer + Rich). Heavy imports stay inside the commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ascendfactory.errors import JobError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Declarative training for large models: one YAML job, checked before the cluster is booked.")
+matrix_app = typer.Typer(no_args_is_help=True, help="Validate the capability matrix and the engines behind it.")
+app.add_typer(matrix_app, name="matrix")
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def _fail(err: JobError) -> None:
+    _console(stderr=True).print(f"[bold red]error:[/] {err.render()}", markup=True, highlight=False)
+    raise typer.Exit(err.exit_code)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _load(job_file: Path, overrides: Optional[List[str]]):
+    from ascendfactory.spec import load_job
+
+    return load_job(job_file, overrides or [])
+
+
+def _plan(job_file: Path, overrides, allow_unsupported: bool = False, check_memory: bool = True):
+    from ascendfactory.plan import make_plan
+
+    return make_plan(_load(job_file, overrides), allow_unsupported=allow_unsupported, check_memory=check_memory)
+
+
+def _warn(warnings: list[str]) -> None:
+    con = _console(stderr=True)
+    for w in warnings:
+        style = "bold red" if w.startswith("UNSUPPORTED") else "yellow"
+        con.print(f"[{style}]warning:[/] {_escape(w)}")
+
+
+JOB = typer.Argument(..., help="job YAML file", show_default=False)
+OVERRIDES = typer.Argument(None, help="key.sub=value overrides, e.g. train.lr=2e-5", show_default=False)
+ALLOW = typer.Option(False, "--allow-unsupported", help="proceed past ❌ cells with a loud warning")
+
+
+@app.command()
+def validate(job_files: List[Path] = typer.Argument(..., help="one or more job files"),
+             allow_unsupported: bool = ALLOW) -> None:
+    """Check job files: schema, capability matrix, layout and memory. Exit 2 if any fails."""
+    from ascendfactory.plan import make_plan
+    from ascendfactory.spec import load_job
+
+    con, failed = _console(), 0
+    for path in job_files:
+        try:
+            plan = make_plan(load_job(path), allow_unsupported=allow_unsupported)
+        except JobError as err:
+            failed += 1
+            _console(stderr=True).print(f"[bold red]✗[/] {_escape(str(path))}\n{_escape(err.render())}")
+            continue
+        con.print(f"[green]✓[/] {_escape(str(path))}: {plan.model_id} on {plan.job.framework}, "
+                  f"{plan.layout.describe()}, ~{plan.memory.total_gib:.1f} GiB/device")
+        _warn(plan.warnings)
+    if failed:
+        raise typer.Exit(2)
+
+
+@app.command()
+def plan(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES, allow_unsupported: bool = ALLOW,
+         as_json: bool = typer.Option(False, "--json", help="print the effective configuration as JSON")) -> None:
+    """Print the resolved layout, the effective configuration and the memory estimate."""
+    from ascendfactory.plan import effective_yaml
+
+    try:
+        p = _plan(job_file, overrides, allow_unsupported)
+    except JobError as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(p.effective_config(), indent=2))
+        return
+    from rich.table import Table
+
+    con = _console()
+    con.print(f"[bold]{p.card['name']}[/] ({p.model_id}, {p.family}) on [bold]{p.job.framework}[/], stage {p.job.stage}, "
+              f"{p.job.finetuning}")
+    con.print(f"architecture from {_escape(p.arch_source)}")
+    lay = p.layout
+    con.print(f"layout: {lay.describe()}; micro-batch {lay.micro_batch} × accumulation {lay.grad_accum} × dp "
+              f"{lay.dp} = global batch {lay.global_batch}; layers per stage {lay.pp_layers}")
+    t = Table(title="memory per device (estimate)")
+    t.add_column("part")
+    t.add_column("GiB", justify="right")
+    for k, v in p.memory.parts.items():
+        t.add_row(k, f"{v / 2**30:.2f}")
+    limit = p.memory.device_memory_gib
+    t.add_row("[bold]total[/]", f"[bold]{p.memory.total_gib:.2f}[/]" + (f" of {limit:g}" if limit else ""))
+    con.print(t)
+    for n in p.memory.notes:
+        con.print(f"  · {_escape(n)}")
+    con.print("[bold]capability cells used:[/] " + (", ".join(f"{u.feature}" for u in p.capability.uses) or "none"))
+    con.print("\n[bold]effective configuration[/] (every default explicit):")
+    con.print(_escape(effective_yaml(p)), highlight=False)
+    _warn(p.warnings)
+
+
+def _render_to(job_file: Path, overrides, out_dir: Optional[Path], allow_unsupported: bool):
+    import yaml
+
+    from ascendfactory.plan import effective_yaml
+    from ascendfactory.render import render, write_files
+
+    p = _plan(job_file, overrides, allow_unsupported)
+    target = Path(out_dir) if out_dir else Path(p.job.output_dir)
+    rendered = render(p, run_dir=target)
+    job_yaml = yaml.safe_dump(p.job.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    extra = {"job.yaml": job_yaml, "exp-config.yaml": effective_yaml(p)}
+    written = write_files(rendered, rendered.run_dir, extra)
+    return p, rendered, written
+
+
+@app.command()
+def render(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
+           out: Optional[Path] = typer.Option(None, "-o", "--out", help="directory to write (default: output_dir)"),
+           allow_unsupported: bool = ALLOW) -> None:
+    """Write the engine config and launch script without running anything."""
+    try:
+        p, rendered, written = _render_to(job_file, overrides, out, allow_unsupported)
+    except JobError as err:
+        _fail(err)
+    con = _console()
+    for path in written:
+        con.print(f"wrote {_escape(str(path))}")
+    _warn(p.warnings)
+
+
+@app.command()
+def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
+        dry_run: bool = typer.Option(False, "--dry-run", help="stop after rendering"),
+        allow_unsupported: bool = ALLOW) -> None:
+    """Validate, plan, render into the run directory and launch; returns the engine's exit code."""
+    from ascendfactory.engines import engine_info
+    from ascendfactory.errors import Problem
+    from ascendfactory.launch import run_with_progress
+
+    try:
+        p, rendered, written = _render_to(job_file, overrides, None, allow_unsupported)
+        con = _console()
+        con.print(f"run directory: {_escape(str(rendered.run_dir))}")
+        _warn(p.warnings)
+        if dry_run:
+            con.print("dry run: rendered " + ", ".join(x.name for x in written) + "; launch with: "
+                      + _escape(" ".join(rendered.argv)))
+            return
+        if p.job.launcher in ("slurm", "k8s", "modelarts"):
+            raise JobError(f"launcher {p.job.launcher} is submitted, not run here",
+                           [Problem("launcher", f"{rendered.run_dir / ('launch.yaml' if p.job.launcher == 'k8s' else 'launch.sh')} "
+                                                "is ready", hint={"slurm": "sbatch it", "k8s": "kubectl apply -f it",
+                                                                  "modelarts": "use it as the ModelArts job's boot command"}[p.job.launcher])])
+        info = engine_info(p.job.framework)
+        if not info.present:
+            raise JobError(f"The {p.job.framework} engine is not in this build yet",
+                           [Problem("framework", f"{info.module} is not installed in this build, so the job cannot run",
+                                    hint="`ascendfactory render` and `run --dry-run` still write the launch files")])
+        _check_inputs(p)
+    except JobError as err:
+        _fail(err)
+    code = run_with_progress(rendered.argv, rendered.env, rendered.run_dir / "metrics.jsonl",
+                             rendered.run_dir / "logs" / f"launcher-node{p.job.resources.node_rank}.log",
+                             p.job.train.steps, console=_console())
+    con.print(("[green]finished[/]" if code == 0 else f"[red]engine exited with code {code}[/]")
+              + f"; logs in {_escape(str(rendered.run_dir / 'logs'))}")
+    raise typer.Exit(code)
+
+
+def _check_inputs(p) -> None:
+    """Files the engine will need must exist before anything starts."""
+    from ascendfactory.errors import Problem
+
+    problems = []
+    if not Path(p.job.data.path).exists():
+        problems.append(Problem("data.path", f"{p.job.data.path} does not exist", hint="fix the path (relative paths start at the current directory)"))
+    if p.job.resume not in ("auto", "never") and not Path(p.job.resume).exists():
+        problems.append(Problem("resume", f"checkpoint {p.job.resume} does not exist", hint="use resume: auto or never, or a checkpoints/step_N directory"))
+    if problems:
+        raise JobError("Inputs are missing", problems)
+
+
+@app.command()
+def capabilities(model: str = typer.Option(..., "--model", "-m", help="model id, display name or HF repo"),
+                 framework: Optional[str] = typer.Option(None, "--framework", "-f"),
+                 as_json: bool = typer.Option(False, "--json")) -> None:
+    """What a model can do on each framework, cell for cell from the matrix."""
+    from ascendfactory import catalog
+
+    try:
+        model_id = catalog.require_model(model, where="--model")
+        frameworks = _frameworks(framework)
+    except JobError as err:
+        _fail(err)
+    card = catalog.models()[model_id]
+    if as_json:
+        typer.echo(json.dumps({"model": model_id, "name": card["name"], "series": card["series"], "type": card["type"],
+                               "frameworks": {fw: catalog.row(fw, model_id) for fw in frameworks}},
+                              ensure_ascii=False, indent=2))
+        return
+    from rich.table import Table
+
+    con = _console()
+    con.print(f"[bold]{card['name']}[/] ({model_id}) · {card['series']} · {card['type']} · family {card['family']} · "
+              f"{card['hf_repo']}")
+    for fw in frameworks:
+        tab = catalog.table(fw)
+        row = tab.rows.get(model_id)
+        if row is None:
+            con.print(f"\n[bold]{tab.display_name}[/] ({fw}): unlisted — this model has no row in its table")
+            continue
+        t = Table(title=f"{tab.display_name} ({fw})", title_justify="left")
+        t.add_column("feature")
+        t.add_column("cell", justify="center")
+        t.add_column("covers")
+        for key, meta in tab.features.items():
+            t.add_row(f"{meta.get('title', key)} [dim]({key})[/]", catalog.cell_symbol(row[key]), meta.get("covers", ""))
+        con.print(t)
+    con.print("[dim]✅ supported · ❌ unsupported · NA never planned · unlisted: no row in that table[/]")
+
+
+def _frameworks(framework: Optional[str]) -> list[str]:
+    from ascendfactory.catalog import FRAMEWORKS
+    from ascendfactory.errors import Problem, did_you_mean
+
+    if framework is None:
+        return list(FRAMEWORKS)
+    if framework not in FRAMEWORKS:
+        guess = did_you_mean(framework, FRAMEWORKS)
+        raise JobError(f"Unknown framework '{framework}'", [Problem(
+            "--framework", f"'{framework}' is not one of {', '.join(FRAMEWORKS)}",
+            hint=f"did you mean '{guess}'?" if guess else None)])
+    return [framework]
+
+
+@app.command()
+def models(type_: Optional[str] = typer.Option(None, "--type", help="llm or multimodal"),
+           family: Optional[str] = typer.Option(None, "--family"),
+           framework: Optional[str] = typer.Option(None, "--framework", help="only models with a ✅ cell there"),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the model cards."""
+    from ascendfactory import catalog
+    from ascendfactory.params import count_params
+
+    try:
+        fws = _frameworks(framework) if framework else []
+    except JobError as err:
+        _fail(err)
+    rows = []
+    for model_id, card in catalog.models().items():
+        if type_ and card["type"] != type_ or family and card["family"] != family:
+            continue
+        if fws and not _any_supported(fws[0], model_id):
+            continue
+        rows.append({"model": model_id, "name": card["name"], "series": card["series"], "type": card["type"],
+                     "family": card["family"], "params_b": round(count_params(card) / 1e9, 2),
+                     "frameworks": catalog.frameworks_listing(model_id)})
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2, ensure_ascii=False))
+        return
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} models")
+    for col in ("model", "name", "type", "family", "params (B)", "frameworks listing it"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["model"], r["name"], r["type"], r["family"], f"{r['params_b']:g}", ", ".join(r["frameworks"]))
+    _console().print(t)
+
+
+def _any_supported(framework: str, model_id: str) -> bool:
+    from ascendfactory import catalog
+    from ascendfactory.matrix import cell_state
+
+    row = catalog.table(framework).rows.get(model_id)
+    return row is not None and any(
+        (bool(v) if isinstance(v, list) else cell_state(v) == catalog.SUPPORTED) for v in row.values())
+
+
+@matrix_app.command("check")
+def matrix_check(framework: Optional[str] = typer.Option(None, "--framework", "-f")) -> None:
+    """Verify the matrix files, plan every ✅ cell, and hold the engines' declarations against them."""
+    from ascendfactory.matrix_check import coverage_table, run_check
+
+    try:
+        result = run_check(_frameworks(framework))
+    except JobError as err:
+        _fail(err)
+    con = _console()
+    con.print(coverage_table(result))
+    for problem in result.problems:
+        con.print(f"[red]✗[/] {_escape(problem)}")
+    for note in result.notes:
+        con.print(f"[dim]· {_escape(note)}[/]")
+    if result.problems:
+        raise typer.Exit(1)
+    con.print("[green]matrix check passed[/]")
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of the job file (for editor completion)."""
+    from ascendfactory.spec import json_schema
+
+    typer.echo(json.dumps(json_schema(), indent=2))
+
+
+@app.command()
+def init(model: str = typer.Option(..., "--model", "-m"),
+         framework: str = typer.Option("mindspeed-llm", "--framework", "-f"),
+         stage: str = typer.Option("sft", "--stage", "-s"),
+         out: Path = typer.Option(Path("job.yaml"), "-o", "--out"),
+         force: bool = typer.Option(False, "--force", help="overwrite an existing file")) -> None:
+    """Write a commented starter job for a model, framework and stage."""
+    from ascendfactory.starter import starter_job
+
+    try:
+        text = starter_job(model, framework, stage)
+        if out.exists() and not force:
+            from ascendfactory.errors import Problem
+
+            raise JobError(f"{out} exists", [Problem("--out", f"{out} would be overwritten", hint="pass --force or pick another -o")])
+    except JobError as err:
+        _fail(err)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    _console().print(f"wrote {_escape(str(out))}; check it with `ascendfactory plan {_escape(str(out))}`")
+
+
+@app.command()
+def env() -> None:
+    """Device, library versions, collective backend and the kernel table (imports torch)."""
+    from ascendfactory.environment import describe_environment
+
+    con = _console()
+    for key, value in describe_environment().items():
+        if isinstance(value, dict):
+            con.print(f"[bold]{key}[/]")
+            for k, v in value.items():
+                con.print(f"  {k}: {v}")
+        else:
+            con.print(f"[bold]{key}[/]: {value}")
+
+
+def main() -> None:
+    try:
+        app()
+    except JobError as err:  # a command that raised outside its own handler
+        _console(stderr=True).print(f"error: {err.render()}", markup=False)
+        sys.exit(err.exit_code)

@@ -1,0 +1,71 @@
+"""Run a rendered launch as an argv list, with live progress from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+
+def read_metrics(path: Path, offset: int) -> tuple[list[dict], int]:
+    """New complete lines of metrics.jsonl from a byte offset (a partial last line waits)."""
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        chunk = fh.read()
+    records, consumed = [], 0
+    for line in chunk.split(b"\n")[:-1]:
+        consumed += len(line) + 1
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records, offset + consumed
+
+
+def run_with_progress(argv: list[str], env: dict[str, str], metrics: Path, log_file: Path,
+                      total_steps: int | None, console=None, poll_s: float = 0.5) -> int:
+    """Start the launch, follow metrics.jsonl with a Rich progress bar, forward Ctrl-C to the workers."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    full_env = {**os.environ, **env}
+    offset = metrics.stat().st_size if metrics.exists() else 0
+    with log_file.open("ab") as log:
+        proc = subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                            TimeRemainingColumn(), console=console, transient=False)
+        task = progress.add_task("train", total=total_steps, status="starting…")
+        interrupted = 0
+        with progress:
+            while True:
+                try:
+                    code = proc.wait(timeout=poll_s)
+                except subprocess.TimeoutExpired:
+                    code = None
+                except KeyboardInterrupt:
+                    interrupted += 1
+                    sig = signal.SIGINT if interrupted == 1 else signal.SIGTERM
+                    _signal_group(proc, sig)
+                    progress.update(task, status="[yellow]interrupt sent to the workers, waiting…")
+                    continue
+                records, offset = read_metrics(metrics, offset)
+                for r in records:
+                    if "step" in r:
+                        status = f"loss {r.get('loss', float('nan')):.4f}  {r.get('tokens_per_s', 0):,.0f} tok/s"
+                        progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps),
+                                        status=status)
+                if code is not None:
+                    break
+    return 130 if interrupted and code in (-signal.SIGINT, -signal.SIGTERM) else code
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,205 @@
+"""Render the engine config and launch script of a plan with Jinja (templates/).
+
+Every value that reaches a shell goes through `finalize`: shell templates quote it with
+shlex.quote unless a template marks it `raw` (numbers, validated names), and YAML templates
+emit it as a JSON scalar. A path holding `; rm -rf ~` therefore stays one plain word.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ascendfactory.plan import Plan
+from ascendfactory.resources import templates_dir
+
+ENGINE_MODULE = {
+    "mindspeed-llm": "backends.llm",
+    "llamafactory": "backends.lf",
+    "mindspeed-mm": "backends.mm",
+    "verl": "backends.rl",
+    "mindspeed-rl": "backends.rl",
+}
+ENGINE_CONFIG = {  # template → file name in the run directory
+    "mindspeed-llm": ("engines/mindspeed-llm.args.j2", "mindspeed_llm_args.sh"),
+    "llamafactory": ("engines/llamafactory.yaml.j2", "llamafactory_train.yaml"),
+    "mindspeed-mm": ("engines/mindspeed-mm.yaml.j2", "mindspeed_mm.yaml"),
+    "verl": ("engines/verl.yaml.j2", "verl_config.yaml"),
+    "mindspeed-rl": ("engines/mindspeed-rl.yaml.j2", "mindspeed_rl.yaml"),
+}
+LAUNCH_TEMPLATE = {
+    "local": ("launch/local.sh.j2", "launch.sh"),
+    "torchrun": ("launch/torchrun.sh.j2", "launch.sh"),
+    "slurm": ("launch/slurm.sbatch.j2", "launch.sh"),
+    "modelarts": ("launch/modelarts.sh.j2", "launch.sh"),
+    "k8s": ("launch/k8s.yaml.j2", "launch.yaml"),
+}
+
+
+class Raw(str):
+    """A string a template may emit as is (a number, a validated name, a shell expression we wrote)."""
+
+
+def _shell_finalize(value: Any) -> str:
+    if isinstance(value, Raw):
+        return value
+    if value is None:
+        return "''"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return shlex.quote(str(value))
+
+
+def _yaml_finalize(value: Any) -> str:
+    if isinstance(value, Raw):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _raw_comment(value: Any) -> Raw:
+    """Text for a comment or #SBATCH line: no line breaks or control characters can get out."""
+    return Raw(re.sub(r"[\x00-\x1f\x7f]+", " ", str(value)))
+
+
+def _environment(kind: str):
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        finalize=_shell_finalize if kind == "shell" else _yaml_finalize,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["raw"] = lambda v: Raw(str(v))
+    env.filters["raw_comment"] = _raw_comment
+    return env
+
+
+@dataclass
+class Rendered:
+    files: dict[str, str]            # name in the run directory → content
+    argv: list[str]                  # what `run` executes on this node (no shell)
+    env: dict[str, str]              # extra environment for the workers
+    engine_module: str
+    run_dir: Path
+    warnings: list[str] = field(default_factory=list)
+
+
+def run_paths(plan: Plan, run_dir: Path) -> dict[str, str]:
+    job = plan.job
+    run_dir = run_dir.resolve()
+    resume = {"auto": str(run_dir / "checkpoints"), "never": ""}.get(job.resume, job.resume)
+    data = Path(job.data.path)
+    return {
+        "workdir": str(Path.cwd()),
+        "run_dir": str(run_dir),
+        "metrics": str(run_dir / "metrics.jsonl"),
+        "logs": str(run_dir / "logs"),
+        "checkpoints": str(run_dir / "checkpoints"),
+        "resume": resume,
+        "hf_dir": str(run_dir / "hf"),
+        "data_prefix": str(run_dir / "data" / "dataset"),
+        "dataset_dir": str(data.parent if data.suffix else data),
+        "dataset_name": data.stem if data.suffix else data.name,
+    }
+
+
+def _k8s_name(name: str) -> str:
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    return (cleaned or "ascendfactory-job")[:63].rstrip("-")
+
+
+def _merge_dotted(tree: dict, overrides: dict) -> None:
+    for key, value in overrides.items():
+        node = tree
+        parts = str(key).split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            _merge_dotted(node[parts[-1]], value)
+        else:
+            node[parts[-1]] = value
+
+
+def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = None) -> Rendered:
+    import yaml
+
+    job = plan.job
+    run_dir = Path(run_dir if run_dir is not None else job.output_dir)
+    paths = run_paths(plan, run_dir)
+    device = job.resources.device
+    env = {"PYTHONUNBUFFERED": "1", "AF_KERNELS": job.kernels.backend}
+    if device in ("cpu", "auto") and plan.layout.devices_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"  # several CPU ranks on one host would oversubscribe the cores
+    env.update(job.env)
+    context: dict[str, Any] = {
+        "job": job.model_dump(mode="json") | {"lora": job.lora.model_dump() if job.lora else None},
+        "model_id": plan.model_id,
+        "family": plan.family,
+        "arch": plan.arch,
+        "layout": plan.layout.__dict__,
+        "paths": paths,
+        "device": device,
+        "python": python or "python",
+        "env": env,
+        "env_list": [{"name": k, "value": v} for k, v in env.items()],
+        "rdzv_endpoint": f"{job.resources.master_addr}:{job.resources.master_port}",
+        "k8s_name": _k8s_name(job.name),
+        "resource_name": job.k8s.resource_name or ("nvidia.com/gpu" if device == "cuda" else "huawei.com/Ascend910"),
+    }
+    shell, yml = _environment("shell"), _environment("yaml")
+    files: dict[str, str] = {}
+
+    template, config_name = ENGINE_CONFIG[job.framework]
+    if job.framework == "mindspeed-llm":
+        text = shell.get_template(template).render(context)
+        args = shlex.split(text, comments=False)
+        files[config_name] = "# MindSpeed-LLM flags rendered by ascendfactory (one per line)\n" + text
+    else:
+        text = yml.get_template(template).render(context)
+        tree = yaml.safe_load(text)
+        _merge_dotted(tree, job.backend_overrides)
+        header = (f"# {job.framework} config rendered by ascendfactory from the job "
+                  f"'{_raw_comment(job.name)}'; run it with python -m {ENGINE_MODULE[job.framework]}\n")
+        files[config_name] = header + yaml.safe_dump(tree, sort_keys=False, allow_unicode=True)
+        args = (["train"] if job.framework == "llamafactory" else []) + [str(Path(paths["run_dir"]) / config_name)]
+    context["engine"] = {"module": ENGINE_MODULE[job.framework], "args": args}
+
+    launch_template, launch_name = LAUNCH_TEMPLATE[job.launcher]
+    engine = yml if job.launcher == "k8s" else shell
+    context_script = dict(context, node_rank=Raw('"$NODE_RANK"'))
+    files[launch_name] = engine.get_template(launch_template).render(context_script)
+
+    argv_template = "launch/local.cmd.j2" if job.launcher == "local" else "launch/torchrun.cmd.j2"
+    argv_ctx = dict(context, node_rank=job.resources.node_rank, python=python or sys.executable)
+    argv = shlex.split(shell.get_template(argv_template).render(argv_ctx))
+    if job.launcher == "local":
+        env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(job.resources.master_port)})
+    return Rendered(files=files, argv=argv, env=env, engine_module=ENGINE_MODULE[job.framework],
+                    run_dir=Path(paths["run_dir"]), warnings=list(plan.warnings))
+
+
+def write_files(rendered: Rendered, out_dir: Path, extra: dict[str, str] | None = None) -> list[Path]:
+    """Write every rendered file atomically (temporary name, then rename)."""
+    import os
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in {**rendered.files, **(extra or {})}.items():
+        target = out_dir / name
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        if name.endswith(".sh"):
+            tmp.chmod(0o755)
+        os.replace(tmp, target)
+        written.append(target)
+    return written

@@ -1,0 +1,390 @@
+"""The job spec: one pydantic model for every framework, with errors a person can act on.
+
+`load_job(path, overrides)` reads YAML, applies `key.sub=value` overrides and validates. Every
+problem of the file is collected into one JobError (dotted path, YAML line, did-you-mean).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ascendfactory.errors import JobError, Problem, did_you_mean
+
+Framework = Literal["mindspeed-llm", "llamafactory", "mindspeed-mm", "verl", "mindspeed-rl"]
+Stage = Literal["pt", "sft", "dpo", "grpo", "dapo", "ppo"]
+RL_STAGES = ("grpo", "dapo", "ppo")
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraSpec(_Block):
+    rank: int = Field(8, ge=1, description="LoRA rank r (MindSpeed --lora-r, LLaMA-Factory lora_rank)")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] = Field(
+        default_factory=lambda: ["all"],
+        description="linear layers to adapt: 'all' or names such as q_proj, k_proj, v_proj, o_proj, "
+                    "gate_proj, up_proj, down_proj")
+    merge_on_export: bool = Field(False, description="also write merged full weights at HF export")
+
+
+class DataSpec(_Block):
+    path: str = Field(..., description="data file or directory (JSON/JSONL/parquet), or a Megatron prefix")
+    format: Literal["alpaca", "sharegpt", "text", "pairwise", "prompt"] = "alpaca"
+    template: Optional[str] = Field(None, description="chat template name; default: the model's own")
+    seq_len: int = Field(2048, ge=8, description="sequence length (cutoff_len / --seq-length)")
+    packing: bool = Field(False, description="pack several samples into one row (documents stay separate)")
+    neat_packing: bool = Field(False, description="packing without cross-document attention (needs packing)")
+    dynamic_seq_len: bool = Field(False, description="pad each batch only to its longest sample")
+    pad_to_multiple_of: int = Field(8, ge=1)
+    shuffle: bool = True
+    max_samples: Optional[int] = Field(None, ge=1)
+    answer_key: Optional[str] = Field(None, description="RL prompts: field that holds the reference answer")
+
+
+class ParallelSpec(_Block):
+    tp: int = Field(1, ge=1, description="tensor parallel size")
+    pp: int = Field(1, ge=1, description="pipeline parallel size")
+    vpp: int = Field(1, ge=1, description="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
+    pp_layers: Optional[list[int]] = Field(None, description="explicit layers per pipeline stage")
+    cp: int = Field(1, ge=1, description="context parallel size")
+    cp_algo: Literal["ring", "ulysses", "hybrid"] = "ring"
+    ulysses_degree: Optional[int] = Field(None, ge=1, description="Ulysses group size inside CP (hybrid)")
+    ep: int = Field(1, ge=1, description="expert parallel size")
+    moe_dispatcher: Literal["alltoall", "alltoall_seq", "allgather"] = Field(
+        "alltoall", description="MoE token dispatcher (--moe-token-dispatcher-type); LoRA on MoE needs alltoall_seq")
+    sp: bool = Field(False, description="sequence parallel (needs tp > 1)")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage (llamafactory engine)")
+    fsdp: bool = Field(False, description="shard parameters, gradients and optimizer states with FSDP2")
+    distributed_optimizer: bool = Field(False, description="shard optimizer states over data parallel")
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+class KernelSpec(_Block):
+    flash_attention: bool = Field(True, description="fused flash attention (npu_fusion_attention / flash-attn / SDPA)")
+    fused_ops: bool = Field(True, description="fused RMSNorm, SwiGLU and rotary kernels")
+    backend: Literal["auto", "reference", "npu", "cuda"] = "auto"
+    overrides: dict[str, Literal["auto", "reference", "npu", "cuda"]] = Field(default_factory=dict)
+
+
+class TrainSpec(_Block):
+    lr: float = Field(1e-5, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, gt=0, lt=1)
+    adam_beta2: float = Field(0.95, gt=0, lt=1)
+    global_batch: int = Field(8, ge=1, description="samples per optimizer step over all data-parallel ranks")
+    micro_batch: int = Field(1, ge=1, description="samples per forward pass on one rank")
+    steps: Optional[int] = Field(None, ge=1, description="optimizer steps (or give epochs)")
+    epochs: Optional[float] = Field(None, gt=0)
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    seed: int = 42
+    log_interval: int = Field(1, ge=1)
+    save_interval: Optional[int] = Field(None, ge=1, description="steps between resume checkpoints")
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+    moe_aux_loss_coeff: float = Field(0.01, ge=0)
+    export_hf: bool = Field(True, description="write a Hugging Face export at the end")
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self):
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give train.steps or train.epochs, not both")
+        if self.steps is None and self.epochs is None:
+            self.steps = 100
+        return self
+
+
+class RewardSpec(_Block):
+    type: Literal["gsm8k", "math", "exact_match", "length", "function"] = "gsm8k"
+    function: Optional[str] = Field(None, description="module:function for type=function")
+
+
+class RLSpec(_Block):
+    n: int = Field(8, ge=1, description="responses sampled per prompt")
+    engine: Literal["vllm", "sglang", "hf"] = "vllm"
+    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    kl_coef: float = Field(0.001, ge=0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    clip_eps_high: Optional[float] = Field(None, gt=0, description="default: 0.28 for dapo, else clip_eps_low")
+    dual_clip_c: float = Field(3.0, gt=1)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batch: Optional[int] = Field(None, ge=1, description="prompts per policy update (default: global)")
+    overlong_buffer: Optional[int] = Field(None, ge=1, description="DAPO soft overlong punishment buffer")
+    max_gen_rounds: int = Field(3, ge=1, description="DAPO dynamic sampling: generation rounds at most")
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+
+
+class ResourceSpec(_Block):
+    device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+    nnodes: int = Field(1, ge=1)
+    devices_per_node: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29500, ge=1, le=65535)
+    device_memory_gib: Optional[float] = Field(
+        None, gt=0, description="memory of one device; default 64 (npu), 80 (cuda), none (cpu)")
+
+    @model_validator(mode="after")
+    def _rank_in_range(self):
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        return self
+
+
+class SlurmSpec(_Block):
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time_limit: str = "24:00:00"
+    extra_args: list[str] = Field(default_factory=list, description="extra #SBATCH lines, e.g. --qos=high")
+
+
+class K8sSpec(_Block):
+    image: str = "ascendfactory:latest"
+    namespace: str = "default"
+    resource_name: Optional[str] = Field(None, description="device resource, default huawei.com/Ascend910 or nvidia.com/gpu")
+
+
+class JobSpec(_Block):
+    name: Optional[str] = Field(None, description="job name; default <model>-<stage>")
+    model: str = Field(..., description="model id, display name or Hugging Face repo id")
+    model_path: Optional[str] = Field(None, description="local Hugging Face model directory; without it, random init from the card")
+    model_overrides: dict[str, Union[int, float, bool, None]] = Field(
+        default_factory=dict, description="architecture numbers to change for random init (e.g. num_layers: 2)")
+    framework: Framework
+    stage: Stage = "sft"
+    finetuning: Literal["full", "lora"] = "full"
+    lora: Optional[LoraSpec] = None
+    data: DataSpec
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    kernels: KernelSpec = Field(default_factory=KernelSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    rl: Optional[RLSpec] = None
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    launcher: Literal["local", "torchrun", "slurm", "k8s", "modelarts"] = "torchrun"
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+    k8s: K8sSpec = Field(default_factory=K8sSpec)
+    output_dir: Optional[str] = Field(None, description="run directory; default runs/<name>")
+    resume: str = Field("auto", description="auto (latest complete checkpoint), never, or a checkpoint path")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the workers")
+    backend_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="native keys of the framework's own dialect, passed through")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        import re
+
+        bad = [k for k in value if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+        if bad:
+            raise ValueError(f"environment variable names must be letters, digits and _: {', '.join(map(repr, bad))}")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        from ascendfactory.catalog import closest_models, resolve_model
+
+        model_id = resolve_model(value)
+        if model_id is None:
+            close = closest_models(value)
+            raise ValueError(f"unknown model '{value}'" + (f"; did you mean {', '.join(close)}?" if close else
+                                                             "; run `ascendfactory models` for the list"))
+        return model_id
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        problems = []
+        if self.lora is not None and self.finetuning != "lora":
+            problems.append("a lora block needs finetuning: lora")
+        if self.finetuning == "lora" and self.lora is None:
+            self.lora = LoraSpec()
+        if self.stage in RL_STAGES:
+            if self.rl is None:
+                self.rl = RLSpec()
+            if self.rl.clip_eps_high is None:
+                self.rl.clip_eps_high = 0.28 if self.stage == "dapo" else self.rl.clip_eps_low
+        elif self.rl is not None:
+            problems.append(f"an rl block is only used by the RL stages {', '.join(RL_STAGES)}, not stage {self.stage}")
+        if self.resume not in ("auto", "never") and not self.resume.strip():
+            problems.append("resume must be auto, never or a checkpoint path")
+        if self.name is None:
+            self.name = f"{self.model}-{self.stage}"
+        if self.output_dir is None:
+            self.output_dir = f"runs/{self.name}"
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+# ---------------------------------------------------------------- loading and error reporting
+
+def _line_index(text: str) -> dict[tuple, int]:
+    """Map each key path in the YAML text to its 1-based line number."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple, int] = {}
+
+    def walk(node, path):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = k.value
+                out[path + (key,)] = k.start_mark.line + 1
+                walk(v, path + (key,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                out[path + (i,)] = v.start_mark.line + 1
+                walk(v, path + (i,))
+
+    if root is not None:
+        walk(root, ())
+    return out
+
+
+def _block_fields(loc: tuple) -> list[str]:
+    """Field names valid at the parent of `loc` (for did-you-mean on an unknown key)."""
+    model: Any = JobSpec
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return []
+        ann = field.annotation
+        for candidate in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                model = candidate
+                break
+        else:
+            return []
+    return list(model.model_fields) if hasattr(model, "model_fields") else []
+
+
+def _problems_from(err: ValidationError, lines: dict[tuple, int], overridden: set[tuple]) -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        where = ".".join(str(p) for p in loc)
+        line = None if loc in overridden else lines.get(loc)
+        if line is None and loc not in overridden:
+            for i in range(len(loc) - 1, 0, -1):
+                if loc[:i] in lines:
+                    line = lines[loc[:i]]
+                    break
+        origin = " (from a command-line override)" if loc in overridden else ""
+        hint = None
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key '{loc[-1]}'{origin}"
+            options = _block_fields(loc)
+            guess = did_you_mean(loc[-1], options)
+            hint = f"did you mean '{guess}'?" if guess else (
+                "allowed here: " + ", ".join(options) if options else None)
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        elif e["type"] == "literal_error":
+            expected = e.get("ctx", {}).get("expected", "")
+            got = e.get("input")
+            msg = f"'{got}' is not allowed{origin}; expected {expected}"
+            choices = [c.strip(" '") for c in str(expected).replace(" or ", ",").split(",")]
+            guess = did_you_mean(got, choices)
+            hint = f"did you mean '{guess}'?" if guess else None
+        else:
+            msg = e["msg"].removeprefix("Value error, ") + origin
+            if e["type"] not in ("value_error", "assertion_error") and "input" in e and not isinstance(e["input"], dict):
+                msg += f" (got {e['input']!r})"
+        problems.append(Problem(where or "(job)", msg, line=line, hint=hint))
+    return sorted(problems, key=lambda p: (p.line is None, p.line or 0))
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise JobError("Bad override", [Problem(item, "overrides look like key.sub=value",
+                                                hint="e.g. train.lr=2e-5 parallel.tp=2")])
+    key, _, raw = item.partition("=")
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise JobError("Bad override", [Problem(item, "empty key")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> set[tuple]:
+    touched = set()
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+        touched.add(tuple(path))
+    return touched
+
+
+def read_job_text(path: str | Path) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise JobError(f"Job file not found: {p}", [Problem("(file)", f"{p} does not exist",
+                                                            hint="check the path, or create one with `ascendfactory init`")])
+    if p.is_dir():
+        raise JobError(f"Not a job file: {p}", [Problem("(file)", f"{p} is a directory; pass the YAML file")])
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobError(f"Cannot read job file {p}", [Problem("(file)", str(exc))]) from None
+
+
+def parse_job(text: str, overrides: list[str] | None = None, source: str = "job") -> JobSpec:
+    from ascendfactory.catalog import load_yaml_unique
+
+    try:
+        data = load_yaml_unique(text) if text.strip() else {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        what = getattr(exc, "problem", None) or str(exc)
+        raise JobError(f"{source} is not valid YAML", [Problem("(yaml)", str(what), line=line,
+                                                               hint="fix the YAML syntax at that line")]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise JobError(f"{source} must be a YAML mapping of keys (model:, framework:, data:, …)",
+                       [Problem("(job)", f"the file holds a {type(data).__name__}, not a mapping")])
+    overridden = apply_overrides(data, overrides or [])
+    lines = _line_index(text)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        problems = _problems_from(err, lines, overridden)
+        n = len(problems)
+        raise JobError(f"{source}: {n} problem{'s' if n != 1 else ''} in the job file", problems) from None
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    return parse_job(read_job_text(path), overrides, source=str(path))
+
+
+def json_schema() -> dict:
+    schema = JobSpec.model_json_schema()
+    schema["title"] = "AscendFactory job"
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema
