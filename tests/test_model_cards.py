@@ -1,0 +1,189 @@
+"""capability_matrix/models.yaml: schema, config values, and parameter counts against published sizes."""
+
+from pathlib import Path
+
+import pytest
+
+from ascendfactory.catalog import load_yaml_unique
+from ascendfactory.params import count_active_params, count_params, describe_params
+
+MODELS_YAML = Path(__file__).resolve().parents[1] / "capability_matrix" / "models.yaml"
+CARDS = load_yaml_unique(MODELS_YAML.read_text(encoding="utf-8"))["models"]
+
+IDS = [
+    "deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b",
+    "qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b",
+    "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
+    "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+    "qwen3-30b-a3b", "qwen3-235b-a22b",
+    "llama3.1-8b", "llama3.1-70b", "llama3.2-1b", "llama3.2-3b",
+    "glm-4-9b-chat", "mixtral-8x7b-instruct-v0.1",
+    "qwen2-vl-2b", "qwen2-vl-7b", "qwen2-vl-72b",
+    "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b", "qwen2.5-vl-72b",
+    "gemma3-27b",
+]
+MOE = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+       "mixtral-8x7b-instruct-v0.1"}
+MLA = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b"}
+MULTIMODAL = {i for i in IDS if "-vl-" in i} | {"gemma3-27b"}
+FAMILIES = {"qwen2", "qwen3", "llama", "glm4", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_vl",
+            "qwen2_5_vl", "gemma3"}
+# families whose config sets head_dim independently of hidden_size / heads
+FREE_HEAD_DIM = {"qwen3", "qwen3_moe", "gemma3"}
+
+CARD_KEYS = {"name": str, "series": str, "type": str, "family": str, "hf_repo": str,
+             "published_params_b": (int, float), "arch": dict}
+ARCH_KEYS = {"num_layers": int, "hidden_size": int, "ffn_hidden_size": int, "num_attention_heads": int,
+             "num_kv_heads": int, "head_dim": int, "vocab_size": int, "max_position_embeddings": int,
+             "rope_theta": float, "tie_word_embeddings": bool, "qkv_bias": bool, "qk_norm": bool,
+             "rotary_fraction": float}
+MOE_KEYS = {"num_experts": int, "experts_per_token": int, "moe_ffn_hidden_size": int, "shared_experts": int,
+            "first_k_dense": int, "moe_layer_freq": int}
+MLA_KEYS = {"q_lora_rank": (int, type(None)), "kv_lora_rank": int, "qk_nope_head_dim": int,
+            "qk_rope_head_dim": int, "v_head_dim": int}
+VISION_KEYS = {"depth": int, "hidden_size": int, "ffn_hidden_size": int, "num_heads": int, "patch_size": int,
+               "out_hidden_size": int}
+
+
+def _check_types(where: str, block: dict, keys: dict) -> None:
+    for key, kind in keys.items():
+        assert key in block, f"{where}: missing {key}"
+        value = block[key]
+        assert isinstance(value, kind), f"{where}.{key} = {value!r} is not {kind}"
+        if kind is int:  # bool is an int subclass; a YAML true/false here is a typo
+            assert not isinstance(value, bool), f"{where}.{key} = {value!r}"
+        if kind is int and value is not None:
+            assert value > 0 or key in ("shared_experts", "first_k_dense"), f"{where}.{key} = {value}"
+
+
+def test_exactly_the_35_models_in_order():
+    assert list(CARDS) == IDS
+
+
+@pytest.mark.parametrize("model_id", IDS)
+def test_card_schema(model_id):
+    card = CARDS[model_id]
+    _check_types(model_id, card, CARD_KEYS)
+    assert card["family"] in FAMILIES
+    assert card["type"] == ("multimodal" if model_id in MULTIMODAL else "llm")
+    arch = card["arch"]
+    _check_types(f"{model_id}.arch", arch, ARCH_KEYS)
+    assert 0 < arch["rotary_fraction"] <= 1
+    assert arch["num_attention_heads"] % arch["num_kv_heads"] == 0
+    assert ("moe" in arch) == (model_id in MOE)
+    assert ("mla" in arch) == (model_id in MLA)
+    assert ("vision" in card) == (model_id in MULTIMODAL)
+    assert ("published_active_params_b" in card) == (model_id in MOE)
+    if "moe" in arch:
+        moe = arch["moe"]
+        _check_types(f"{model_id}.arch.moe", moe, MOE_KEYS)
+        assert moe["experts_per_token"] <= moe["num_experts"]
+        assert moe["first_k_dense"] < arch["num_layers"]
+    if "mla" in arch:
+        mla = arch["mla"]
+        _check_types(f"{model_id}.arch.mla", mla, MLA_KEYS)
+        assert arch["head_dim"] == mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        assert arch["num_kv_heads"] == arch["num_attention_heads"]
+    elif card["family"] not in FREE_HEAD_DIM:
+        assert arch["num_attention_heads"] * arch["head_dim"] == arch["hidden_size"]
+    if "vision" in card:
+        vision = card["vision"]
+        _check_types(f"{model_id}.vision", vision, VISION_KEYS)
+        assert vision["hidden_size"] % vision["num_heads"] == 0
+        assert vision["out_hidden_size"] == arch["hidden_size"]
+
+
+@pytest.mark.parametrize("model_id", IDS)
+def test_count_matches_published_size(model_id):
+    card = CARDS[model_id]
+    assert count_params(card) / 1e9 == pytest.approx(card["published_params_b"], rel=0.05)
+
+
+@pytest.mark.parametrize("model_id", sorted(MOE))
+def test_active_count_matches_published_active_size(model_id):
+    card = CARDS[model_id]
+    active = count_active_params(card)
+    assert active < count_params(card)
+    assert active / 1e9 == pytest.approx(card["published_active_params_b"], rel=0.10)
+
+
+def test_active_equals_total_for_dense():
+    for model_id in set(IDS) - MOE:
+        assert count_active_params(CARDS[model_id]) == count_params(CARDS[model_id])
+
+
+@pytest.mark.parametrize("model_id", IDS)
+def test_breakdown_adds_up(model_id):
+    card = CARDS[model_id]
+    parts = describe_params(card)
+    assert parts["total"] == sum(v for k, v in parts.items() if k not in ("total", "experts"))
+    assert parts["experts"] <= parts["mlp"]
+    assert (parts["vision"] > 0) == (model_id in MULTIMODAL)
+    assert (parts["head"] == 0) == card["arch"]["tie_word_embeddings"]
+    # the memory estimator passes the arch alone (vision None for LLMs)
+    text_only = count_params({"arch": card["arch"], "vision": None})
+    assert text_only == parts["total"] - parts["vision"]
+
+
+# Parameter totals of the transformers implementations, instantiated on the meta device from these
+# cards (Qwen2VL / Qwen2_5_VL / Gemma3 ForConditionalGeneration, DeepseekV3 incl. e_score_correction_bias).
+EXACT = {
+    "llama3.1-8b": 8_030_261_248,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "deepseek-v3-671b": 671_026_419_200,
+    "deepseek-v2-lite-16b": 15_706_484_224,
+    "glm-4-9b-chat": 9_399_951_360,
+    "mixtral-8x7b-instruct-v0.1": 46_702_792_704,
+    "qwen2-vl-2b": 2_208_985_600,
+    "qwen2.5-vl-3b": 3_754_622_976,
+    "gemma3-27b": 27_432_406_640,
+}
+
+
+@pytest.mark.parametrize("model_id", sorted(EXACT))
+def test_exact_counts_match_the_reference_implementation(model_id):
+    assert count_params(CARDS[model_id]) == EXACT[model_id]
+
+
+# Values read from the published config.json files.
+SPOT = [
+    ("qwen3-32b", "num_layers", 64), ("qwen3-32b", "num_kv_heads", 8), ("qwen3-32b", "vocab_size", 151936),
+    ("qwen3-32b", "ffn_hidden_size", 25600), ("qwen3-32b", "max_position_embeddings", 40960),
+    ("qwen3-4b", "tie_word_embeddings", True), ("qwen3-8b", "tie_word_embeddings", False),
+    ("qwen3-30b-a3b", "moe.moe_ffn_hidden_size", 768), ("qwen3-30b-a3b", "num_kv_heads", 4),
+    ("qwen3-235b-a22b", "num_layers", 94), ("qwen3-235b-a22b", "moe.moe_ffn_hidden_size", 1536),
+    ("qwen2.5-0.5b", "max_position_embeddings", 32768), ("qwen2.5-14b", "rms_norm_eps", 1e-5),
+    ("qwen2-72b", "ffn_hidden_size", 29568), ("qwen2-7b", "vocab_size", 152064),
+    ("llama3.1-8b", "rope_theta", 500000.0), ("llama3.1-8b", "rope_scaling.factor", 8.0),
+    ("llama3.2-1b", "head_dim", 64), ("llama3.2-3b", "rope_scaling.factor", 32.0),
+    ("deepseek-v3-671b", "vocab_size", 129280), ("deepseek-v3-671b", "moe.first_k_dense", 3),
+    ("deepseek-v3-671b", "moe.num_experts", 256), ("deepseek-v3-671b", "mla.q_lora_rank", 1536),
+    ("deepseek-v3-671b", "moe.scoring_func", "sigmoid"), ("deepseek-v3-671b", "rope_scaling.mscale_all_dim", 1.0),
+    ("deepseek-v2-lite-16b", "mla.q_lora_rank", None), ("deepseek-v2-lite-16b", "moe.shared_experts", 2),
+    ("deepseek-v2-lite-16b", "moe.experts_per_token", 6), ("deepseek-v2-lite-16b", "rope_scaling.mscale", 0.707),
+    ("glm-4-9b-chat", "num_kv_heads", 2), ("glm-4-9b-chat", "vocab_size", 151552),
+    ("glm-4-9b-chat", "rope_theta", 5000000.0), ("glm-4-9b-chat", "rotary_fraction", 0.5),
+    ("mixtral-8x7b-instruct-v0.1", "vocab_size", 32000), ("mixtral-8x7b-instruct-v0.1", "rope_theta", 1e6),
+    ("qwen2.5-vl-3b", "num_layers", 36), ("qwen2.5-vl-3b", "max_position_embeddings", 128000),
+    ("qwen2.5-vl-3b", "mrope_section", [16, 24, 24]),
+    ("gemma3-27b", "vocab_size", 262208), ("gemma3-27b", "sliding_window", 1024),
+    ("gemma3-27b", "query_pre_attn_scalar", 168),
+]
+VISION_SPOT = [
+    ("qwen2.5-vl-3b", "ffn_hidden_size", 3420), ("qwen2.5-vl-3b", "out_hidden_size", 2048),
+    ("qwen2-vl-7b", "ffn_hidden_size", 5120), ("gemma3-27b", "depth", 27), ("gemma3-27b", "ffn_hidden_size", 4304),
+]
+
+
+@pytest.mark.parametrize("model_id,path,expected", SPOT)
+def test_config_spot_values(model_id, path, expected):
+    value = CARDS[model_id]["arch"]
+    for key in path.split("."):
+        value = value[key]
+    assert value == expected
+
+
+@pytest.mark.parametrize("model_id,key,expected", VISION_SPOT)
+def test_vision_spot_values(model_id, key, expected):
+    assert CARDS[model_id]["vision"][key] == expected
