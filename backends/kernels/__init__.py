@@ -1,0 +1,204 @@
+"""The shared kernel layer: one op API, three implementations (npu / cuda / reference).
+
+Every engine computes attention, norms, rotary, SwiGLU, MoE routing/dispatch and the loss
+through these functions, so one fused Ascend kernel serves all engines. The implementation is
+chosen per call from the inputs' device and `configure` / AF_KERNELS (see registry.py).
+Importing this package is cheap: torch_npu and flash_attn load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import registry
+from .loss import auto_chunk_size
+from .moe import moe_aux_loss
+from .registry import KernelUnavailableError, configure, describe
+from .rotary import mrope_cos_sin, rotary_cos_sin, rotary_inv_freq
+
+__all__ = [
+    "KernelUnavailableError",
+    "apply_rotary",
+    "attention",
+    "auto_chunk_size",
+    "configure",
+    "describe",
+    "grouped_mm",
+    "linear_cross_entropy",
+    "moe_aux_loss",
+    "moe_permute",
+    "moe_route",
+    "moe_unpermute",
+    "mrope_cos_sin",
+    "patch_hf_model",
+    "rms_norm",
+    "rotary_cos_sin",
+    "rotary_inv_freq",
+    "swiglu",
+]
+
+
+def _impl(op: str, device: Any):
+    return registry.backend_module(registry.resolve(op, device))
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    cu_seqlens: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    return_lse: bool = False,
+):
+    """Scaled dot-product attention.
+
+    Batched q [B,Sq,H,D], k/v [B,Skv,Hkv,D]; or packed q [T,H,D], k/v [T,Hkv,D] with
+    cu_seqlens (int32 [n_docs+1], starting at 0): documents never attend across boundaries.
+    H must be a multiple of Hkv (GQA/MQA). Causal with Sq < Skv is bottom-right aligned.
+    window=w: a token sees itself and the w-1 tokens before it (flash-attn window_size=(w-1, 0);
+    w-1 on both sides when not causal). scale defaults to D**-0.5.
+    Returns out shaped like q (last dim of v), or (out, lse) with lse fp32 [B,H,Sq] / [H,T].
+    """
+    packed = cu_seqlens is not None
+    want = 3 if packed else 4
+    if q.dim() != want or k.dim() != want or v.dim() != want:
+        layout = "[T,H,D] with cu_seqlens" if packed else "[B,S,H,D] (pass cu_seqlens for packed [T,H,D])"
+        raise ValueError(f"attention expects {layout}; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"{q.shape[-2]} query heads are not a multiple of {k.shape[-2]} kv heads")
+    if packed:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError("packed attention needs as many key tokens as query tokens")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("cu_seqlens must be 1-D [n_docs+1]")
+        first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+        if first != 0 or last != q.shape[0]:
+            raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[0]}, got {first}..{last}")
+    elif q.shape[0] != k.shape[0]:
+        raise ValueError("q and k batch sizes differ")
+    elif causal and q.shape[1] > k.shape[1]:
+        raise ValueError("causal attention with more queries than keys is not supported")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return _impl("attention", q.device).attention(
+        q, k, v, causal=causal, cu_seqlens=cu_seqlens, window=window, scale=scale, dropout=dropout,
+        return_lse=return_lse,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """HF RMSNorm: x / sqrt(mean(x^2) + eps) in fp32, cast back to x.dtype, times weight."""
+    return _impl("rms_norm", x.device).rms_norm(x, weight, eps)
+
+
+def apply_rotary(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    rotary_dim: int | None = None,
+) -> torch.Tensor:
+    """Rotate the first rotary_dim (default cos.shape[-1]) dims of x; the rest pass through.
+
+    cos/sin use the HF table layout (see rotary.py). If cos has one dim less than x it is
+    taken as [..., S, rotary_dim] for x [..., S, H, D] (heads right before D); otherwise it must
+    broadcast against x as given (e.g. cos.unsqueeze(1) for HF's [B,H,S,D]).
+    interleaved=False: half split (HF / NeoX rotate_half); True: adjacent pairs (GPT-J / GLM).
+    """
+    rd = cos.shape[-1] if rotary_dim is None else rotary_dim
+    if cos.shape[-1] != rd or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin last dim {cos.shape[-1]} must equal rotary_dim {rd}, and cos/sin match")
+    if rd % 2 or rd > x.shape[-1]:
+        raise ValueError(f"rotary_dim {rd} must be even and <= head dim {x.shape[-1]}")
+    if cos.dim() == x.dim() - 1:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    impl = _impl("apply_rotary", x.device)
+    if rd == x.shape[-1]:
+        return impl.rotate(x, cos, sin, interleaved).to(x.dtype)
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat((impl.rotate(x_rot, cos, sin, interleaved).to(x.dtype), x_pass), dim=-1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up; with up=None, gate is one fused tensor split in half on the last dim (gate first)."""
+    if up is None and gate.shape[-1] % 2:
+        raise ValueError(f"fused swiglu input needs an even last dim, got {gate.shape[-1]}")
+    return _impl("swiglu", gate.device).swiglu(gate, up)
+
+
+def moe_route(
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    score: str = "softmax",
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    correction_bias: torch.Tensor | None = None,
+    normalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T,k] fp32, expert_ids [T,k] int64); see moe.moe_route for the semantics."""
+    return _impl("moe_route", logits.device).moe_route(
+        logits, top_k, score=score, n_group=n_group, topk_group=topk_group, correction_bias=correction_bias,
+        normalize=normalize, scaling_factor=scaling_factor,
+    )
+
+
+def moe_permute(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, num_experts: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [T,H], expert_ids [T,k] -> (permuted [T*k,H] grouped by expert, row_map [T*k], tokens_per_expert [E]).
+
+    row_map[t*k + j] is the permuted row of (token t, slot j). num_experts defaults to max id + 1
+    (pass it: experts that got no token still need their zero count).
+    """
+    if hidden.dim() != 2 or expert_ids.dim() != 2 or hidden.shape[0] != expert_ids.shape[0]:
+        raise ValueError(f"moe_permute expects hidden [T,H], expert_ids [T,k]; got {tuple(hidden.shape)}, "
+                         f"{tuple(expert_ids.shape)}")
+    return _impl("moe_permute", hidden.device).moe_permute(hidden, expert_ids, num_experts)
+
+
+def moe_unpermute(permuted_out: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j weights[t,j] * permuted_out[row_map[t*k+j]] -> [T,H]."""
+    if row_map.numel() != weights.numel():
+        raise ValueError(f"row_map has {row_map.numel()} entries but weights {tuple(weights.shape)}")
+    return _impl("moe_unpermute", permuted_out.device).moe_unpermute(permuted_out, row_map, weights)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """x [N,K] (rows grouped by expert), w [E,K,M], tokens_per_expert [E] -> [N,M]."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_mm expects x [N,K], w [E,K,M]; got {tuple(x.shape)}, {tuple(w.shape)}")
+    return _impl("grouped_mm", x.device).grouped_mm(x, w, tokens_per_expert)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed CE loss fp32, valid-token count) of hidden [N,H] @ weight[V,H].T vs labels [N],
+    chunked over tokens so the [N,V] logits never exist (chunk_size default: ~512 MiB of logits)."""
+    return _impl("linear_cross_entropy", hidden.device).linear_cross_entropy(
+        hidden, weight, labels, ignore_index, chunk_size
+    )
+
+
+def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:
+    """Route a transformers model's norms, attention, rotary, SwiGLU MLPs and MoE blocks through
+    these ops (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Qwen2-VL / Qwen2.5-VL text). Returns a summary."""
+    from .hf_patch import patch_hf_model as _patch
+
+    return _patch(model)
+

@@ -1,0 +1,109 @@
+"""CUDA implementations: flash-attn when importable, else SDPA limited to its flash/efficient
+kernels; torch._grouped_mm for MoE where this build and the inputs allow it.
+
+flash_attn is imported only when attention first runs here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .loss import linear_cross_entropy  # noqa: F401  (chunked torch; cuBLAS does the matmuls)
+from .moe import moe_permute, moe_route, moe_unpermute, swiglu  # noqa: F401
+from .registry import flash_attn_available, log_once
+from .rotary import rotate  # noqa: F401
+
+
+def impl_name(op: str) -> str:
+    if op == "attention":
+        return "cuda (flash-attn)" if flash_attn_available() else "cuda (sdpa flash/efficient)"
+    if op == "grouped_mm":
+        return "cuda (torch._grouped_mm)" if hasattr(torch, "_grouped_mm") else "cuda (per-expert loop)"
+    return {
+        "rms_norm": "cuda (torch fp32)",
+        "apply_rotary": "cuda (torch)",
+        "swiglu": "cuda (torch)",
+        "moe_route": "cuda (torch)",
+        "moe_permute": "cuda (argsort+index_select)",
+        "moe_unpermute": "cuda (index_select+sum)",
+        "linear_cross_entropy": "cuda (chunked torch)",
+    }[op]
+
+
+rms_norm = reference.rms_norm
+
+
+def flash_window(window: int | None, causal: bool) -> tuple[int, int]:
+    """Our window -> flash-attn window_size (left, right); (-1, -1) means unbounded."""
+    if window is None:
+        return (-1, -1)
+    return (window - 1, 0 if causal else window - 1)
+
+
+def _flash_ok(q) -> bool:
+    d = q.shape[-1]
+    return flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
+
+
+def attention(q, k, v, *, causal, cu_seqlens=None, window=None, scale=None, dropout=0.0, return_lse=False):
+    if _flash_ok(q):
+        return _flash_attention(q, k, v, causal, cu_seqlens, window, scale, dropout, return_lse)
+    why = ("flash-attn is not importable" if not flash_attn_available()
+           else f"flash-attn does not take {q.dtype} / head dim {q.shape[-1]}")
+    if return_lse:
+        log_once("cuda-lse", "attention: %s and SDPA returns no lse -> explicit reference path", why)
+        return reference.attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens, window=window, scale=scale,
+                                   dropout=dropout, return_lse=True)
+    log_once(f"cuda-sdpa-{q.dtype}", "attention: %s -> SDPA (flash/efficient kernels)", why)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # The efficient kernel has no GQA support, so repeat KV heads here (flash-attn does not need to).
+    groups = q.shape[-2] // k.shape[-2]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=-2)
+        v = v.repeat_interleave(groups, dim=-2)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        return reference.attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens, window=window, scale=scale,
+                                   dropout=dropout)
+
+
+def _flash_attention(q, k, v, causal, cu_seqlens, window, scale, dropout, return_lse):
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    kw = dict(dropout_p=dropout, softmax_scale=scale, causal=causal, window_size=flash_window(window, causal),
+              return_attn_probs=return_lse)
+    if cu_seqlens is None:
+        res = flash_attn_func(q, k, v, **kw)
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        res = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, **kw)
+    if return_lse:
+        out, lse = res[0], res[1]
+        if cu_seqlens is None:
+            lse = lse[..., : q.shape[1]]  # some flash-attn 2 releases round seqlen up
+        return out, lse.float()
+    return res
+
+
+def _grouped_mm_ok(x, w) -> bool:
+    # torch._grouped_mm (CUTLASS, sm90+) takes bf16 with 16-byte aligned K and M.
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0
+
+
+def grouped_mm(x, w, tokens_per_expert):
+    if _grouped_mm_ok(x, w):
+        offs = torch.cumsum(tokens_per_expert.to(x.device), dim=0, dtype=torch.int32)
+        try:
+            return torch._grouped_mm(x, w, offs=offs)
+        except RuntimeError as err:  # layout/alignment limits differ across builds
+            log_once("cuda-gmm-error", "grouped_mm: torch._grouped_mm refused (%s) -> per-expert loop", err)
+    else:
+        log_once(f"cuda-gmm-{x.dtype}", "grouped_mm: torch._grouped_mm unusable for %s here -> per-expert loop",
+                 x.dtype)
+    return reference.grouped_mm(x, w, tokens_per_expert)

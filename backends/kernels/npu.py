@@ -1,0 +1,116 @@
+"""Ascend NPU implementations: one torch_npu call each, arguments from npu_args.
+
+torch_npu is imported only when an op first runs on the npu backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import npu_args
+from .loss import linear_cross_entropy  # noqa: F401  (chunked torch; the matmuls run on the NPU)
+from .moe import moe_route  # noqa: F401
+
+IMPL_NAMES = {
+    "attention": "npu (npu_fusion_attention)",
+    "rms_norm": "npu (npu_rms_norm)",
+    "apply_rotary": "npu (npu_rotary_mul)",
+    "swiglu": "npu (npu_swiglu)",
+    "moe_route": "npu (torch)",
+    "moe_permute": "npu (npu_moe_token_permute)",
+    "moe_unpermute": "npu (npu_moe_token_unpermute)",
+    "grouped_mm": "npu (npu_grouped_matmul)",
+    "linear_cross_entropy": "npu (chunked torch)",
+}
+
+
+def impl_name(op: str) -> str:
+    return IMPL_NAMES[op]
+
+
+def _torch_npu():
+    import torch_npu  # noqa: PLC0415  (lazy on purpose)
+
+    return torch_npu
+
+
+@functools.lru_cache(maxsize=None)
+def _compressed_causal_mask(device: str) -> torch.Tensor:
+    n = npu_args.COMPRESSED_MASK_SIZE
+    return torch.triu(torch.ones(n, n, device=device), diagonal=1).bool()
+
+
+def attention(q, k, v, *, causal, cu_seqlens=None, window=None, scale=None, dropout=0.0, return_lse=False):
+    cu = None if cu_seqlens is None else cu_seqlens.tolist()
+    kwargs, mask = npu_args.fusion_attention_kwargs(
+        q_shape=q.shape, causal=causal, window=window, scale=scale, dropout=dropout, cu_seqlens=cu
+    )
+    if mask is not None:
+        kwargs["atten_mask"] = _compressed_causal_mask(str(q.device))
+    res = _torch_npu().npu_fusion_attention(q, k, v, **kwargs)
+    if not return_lse:
+        return res[0]
+    # No gradient flows through lse here: the fused backward only takes grad(out).
+    lse = npu_args.lse_from_softmax_stats(res[1], res[2], kwargs["input_layout"]).detach()
+    return res[0], lse
+
+
+def rms_norm(x, weight, eps):
+    out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+    gamma = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device) if weight is None else weight.to(x.dtype)
+    return _torch_npu().npu_rms_norm(x, gamma, **npu_args.rms_norm_kwargs(eps))[0].to(out_dtype)
+
+
+def rotate(x, cos, sin, interleaved):
+    shape = x.shape
+    x4 = x.reshape(npu_args.rotary_4d_shape(shape))
+    cos4 = cos.reshape(npu_args.rotary_4d_shape(cos.shape))
+    sin4 = sin.reshape(npu_args.rotary_4d_shape(sin.shape))
+    if interleaved:
+        from .rotary import interleave_table
+
+        cos4, sin4 = interleave_table(cos4), interleave_table(sin4)
+        out = _torch_npu().npu_rotary_mul(x4, cos4.to(x.dtype), sin4.to(x.dtype), rotary_mode="interleave")
+    else:  # positional call: older torch_npu has no rotary_mode argument
+        out = _torch_npu().npu_rotary_mul(x4, cos4.to(x.dtype), sin4.to(x.dtype))
+    return out.reshape(shape)
+
+
+def swiglu(gate, up=None):
+    if up is not None:
+        gate = torch.cat((gate, up), dim=-1)
+    return _torch_npu().npu_swiglu(gate, **npu_args.swiglu_kwargs())
+
+
+def moe_permute(hidden, expert_ids, num_experts=None):
+    num_experts = num_experts if num_experts is not None else int(expert_ids.max()) + 1
+    permuted, row_map = _torch_npu().npu_moe_token_permute(hidden, expert_ids.to(torch.int32))
+    tokens_per_expert = torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
+    return permuted, row_map, tokens_per_expert
+
+
+def moe_unpermute(permuted_out, row_map, weights):
+    return _torch_npu().npu_moe_token_unpermute(permuted_out, row_map, probs=weights.to(permuted_out.dtype))
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, group_list):
+        ctx.save_for_backward(x, w, group_list)
+        gmm = _torch_npu().npu_grouped_matmul
+        return gmm([x], [w], group_list=group_list, **npu_args.grouped_matmul_kwargs("forward"))[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, group_list = ctx.saved_tensors
+        gmm = _torch_npu().npu_grouped_matmul
+        grad = grad.contiguous()
+        gx = gmm([grad], [w.transpose(1, 2)], group_list=group_list, **npu_args.grouped_matmul_kwargs("grad_input"))[0]
+        gw = gmm([x.t()], [grad], group_list=group_list, **npu_args.grouped_matmul_kwargs("grad_weight"))[0]
+        return gx, gw, None
+
+
+def grouped_mm(x, w, tokens_per_expert):
+    return _GroupedMatmul.apply(x, w, tokens_per_expert.to(device=x.device, dtype=torch.int64))

@@ -1,0 +1,117 @@
+"""Pure mappings from our op arguments to torch_npu keyword arguments (tested on the CPU).
+
+Sources: the torch_npu API reference for npu_fusion_attention (sparse_mode table, TND
+actual_seq_qlen as cumulative ends, 2048x2048 compressed mask for modes 2/3/4),
+npu_grouped_matmul (group_list_type 0 = cumsum, 1 = counts; split_item 2/3 = one output
+tensor) and LLaMA-Factory's NPU MoE kernels (the grouped-matmul backward calls).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+MAX_TOKENS = 2147483647  # torch_npu's "unbounded" pre/next tokens
+COMPRESSED_MASK_SIZE = 2048
+
+# npu_fusion_attention sparse modes we use
+SPARSE_NONE = 0  # no mask: full attention
+SPARSE_RIGHT_DOWN_CAUSAL = 3  # causal aligned to the bottom-right corner (flash-attn's rule)
+SPARSE_BAND = 4  # keep keys in [i - pre_tockens, i + next_tockens] (bottom-right origin)
+
+
+def cumulative_ends(cu_seqlens: Sequence[int]) -> list[int]:
+    """[0, 3, 7, 12] -> [3, 7, 12]: TND's actual_seq_qlen/kvlen (cumulative ends, no leading 0)."""
+    bounds = [int(x) for x in cu_seqlens]
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {bounds}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return bounds[1:]
+
+
+def fusion_attention_kwargs(
+    *,
+    q_shape: Sequence[int],
+    causal: bool,
+    window: int | None = None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    cu_seqlens: Sequence[int] | None = None,
+) -> tuple[dict[str, Any], str | None]:
+    """(kwargs for torch_npu.npu_fusion_attention after q, k, v; mask kind or None).
+
+    mask kind "compressed_causal" means atten_mask = triu(ones(2048, 2048), 1).bool(): the
+    compressed lower-triangular mask sparse modes 2/3/4 expect.
+    Window w (ours: the token itself plus w-1 before) -> band with pre_tockens = w-1,
+    next_tockens = 0 (or w-1 when not causal).
+    """
+    head_dim = int(q_shape[-1])
+    kwargs: dict[str, Any] = {
+        "head_num": int(q_shape[-2]),
+        "input_layout": "TND" if cu_seqlens is not None else "BSND",
+        "scale": float(head_dim**-0.5 if scale is None else scale),
+        "keep_prob": 1.0 - float(dropout),
+    }
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        kwargs.update(sparse_mode=SPARSE_BAND, pre_tockens=window - 1, next_tockens=0 if causal else window - 1)
+        mask = "compressed_causal"
+    elif causal:
+        kwargs.update(sparse_mode=SPARSE_RIGHT_DOWN_CAUSAL, pre_tockens=MAX_TOKENS, next_tockens=0)
+        mask = "compressed_causal"
+    else:
+        kwargs.update(sparse_mode=SPARSE_NONE, pre_tockens=MAX_TOKENS, next_tockens=MAX_TOKENS)
+        mask = None
+    if cu_seqlens is not None:
+        ends = cumulative_ends(cu_seqlens)
+        kwargs.update(actual_seq_qlen=ends, actual_seq_kvlen=list(ends))
+    return kwargs, mask
+
+
+def lse_from_softmax_stats(softmax_max, softmax_sum, input_layout: str):
+    """npu_fusion_attention's softmax_max/softmax_sum (last dim of 8 repeated values) -> lse.
+
+    BSND: stats [B, N, S, 8] -> lse [B, N, S]; TND: stats [T, N, 8] -> lse [N, T].
+    """
+    lse = softmax_max[..., 0] + softmax_sum[..., 0].log()
+    if input_layout == "TND":
+        return lse.transpose(0, 1)
+    if input_layout == "BSND":
+        return lse
+    raise ValueError(f"unsupported layout {input_layout!r}")
+
+
+def rotary_mode(interleaved: bool) -> str:
+    """npu_rotary_mul's rotary_mode: 'half' (rotate_half) or 'interleave' (adjacent pairs)."""
+    return "interleave" if interleaved else "half"
+
+
+def rotary_4d_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """npu_rotary_mul takes 4-D x / cos / sin: left-pad shapes with 1s ([T,H,D] -> [1,T,H,D])."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) > 4:
+        raise ValueError(f"npu_rotary_mul supports at most 4-D inputs, got {shape}")
+    return (1,) * (4 - len(shape)) + shape
+
+
+def grouped_matmul_kwargs(kind: str) -> dict[str, Any]:
+    """Keyword arguments of npu_grouped_matmul([a], [b], group_list=counts, ...) for one step.
+
+    forward / grad_input: x [N,K] split on M by per-expert counts, one [E,K,M] weight -> one [N,M].
+    grad_weight: x.T [K,N] @ grad [N,M] grouped along the shared N axis -> one [E,K,M] tensor.
+    """
+    if kind in ("forward", "grad_input"):
+        return {"bias": None, "split_item": 2, "group_type": 0, "group_list_type": 1}
+    if kind == "grad_weight":
+        return {"bias": None, "split_item": 3, "group_type": 2, "group_list_type": 1}
+    raise ValueError(f"unknown grouped matmul step {kind!r}")
+
+
+def rms_norm_kwargs(eps: float) -> dict[str, Any]:
+    return {"epsilon": float(eps)}
+
+
+def swiglu_kwargs() -> dict[str, Any]:
+    # npu_swiglu splits its input in half on `dim`: first half = gate (silu), second = up.
+    return {"dim": -1}

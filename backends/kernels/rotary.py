@@ -1,0 +1,111 @@
+"""Rotary position embedding tables (RoPE, llama3 scaling, Qwen2-VL M-RoPE) and the reference rotation.
+
+Table convention (the Hugging Face one): cos/sin have last dim = rotary_dim laid out as
+cat(freqs, freqs). The interleaved (GPT-J / GLM) rotation reads the first half and repeats each
+frequency twice, exactly as transformers' GLM does, so one table serves both layouts.
+Tables are per position, so packed sequences whose position ids restart per document just work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+
+def rotary_inv_freq(dim: int, theta: float = 10000.0, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies [dim/2] in fp32; `scaling` follows HF rope_parameters (default, linear, llama3)."""
+    if dim % 2:
+        raise ValueError(f"rotary dim must be even, got {dim}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by the factor, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def cos_sin_from_inv_freq(
+    position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor,
+    dim: int,
+    theta: float = 10000.0,
+    scaling: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [*position_ids.shape, dim] for rotary dim `dim`."""
+    return cos_sin_from_inv_freq(position_ids, rotary_inv_freq(dim, theta, scaling), dtype)
+
+
+def mrope_cos_sin(
+    position_ids: torch.Tensor,
+    dim: int,
+    theta: float = 10000.0,
+    mrope_section: Sequence[int] = (16, 24, 24),
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-VL / Qwen2.5-VL multimodal RoPE tables.
+
+    position_ids: [3, ...] (temporal, height, width). The frequency axis (dim/2) is split into
+    `mrope_section` chunks; chunk i takes its angles from position row i % 3. Returns cos, sin
+    of shape [..., dim] (the same layout as `rotary_cos_sin`).
+    """
+    if position_ids.shape[0] != 3:
+        raise ValueError(f"mrope position_ids must have a leading dim of 3, got {tuple(position_ids.shape)}")
+    if sum(mrope_section) != dim // 2:
+        raise ValueError(f"mrope_section {list(mrope_section)} must sum to dim/2 = {dim // 2}")
+    inv_freq = rotary_inv_freq(dim, theta).to(position_ids.device)
+    freqs = position_ids[..., None].float() * inv_freq  # [3, ..., dim/2]
+    chunks = freqs.split(list(mrope_section), dim=-1)
+    merged = torch.cat([chunk[i % 3] for i, chunk in enumerate(chunks)], dim=-1)
+    emb = torch.cat((merged, merged), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def interleave_table(t: torch.Tensor) -> torch.Tensor:
+    """HF half-duplicated table -> per-pair table [f0, f0, f1, f1, ...]."""
+    return t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Reference rotation of the full last dim of x (cos/sin already broadcastable)."""
+    if interleaved:
+        return x * interleave_table(cos) + rotate_pairs(x) * interleave_table(sin)
+    return x * cos + rotate_half(x) * sin
