@@ -161,7 +161,9 @@ def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_mem
         if job.stage == "ppo":
             est.parts["critic"] = weights + grads + opt
     if job.stage == "dpo":
-        est.parts["reference_model"] = c * on_device
+        # ZeRO-3 / FSDP shard the frozen reference copy like the policy weights
+        sharded_ref = p.fsdp or (fw == "llamafactory" and p.zero >= 3)
+        est.parts["reference_model"] = c * on_device / (dp if sharded_ref else 1)
         est.parts["activations"] *= 2  # chosen and rejected sequences
     if parts.get("vision"):
         est.notes.append("vision-tower activations depend on the images and are not counted")

@@ -4,7 +4,6 @@
 problem of the file is collected into one JobError (dotted path, YAML line, did-you-mean).
 """
 
-from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -235,7 +234,7 @@ class JobSpec(_Block):
 def _line_index(text: str) -> dict[tuple, int]:
     """Map each key path in the YAML text to its 1-based line number."""
     try:
-        root = yaml.compose(text)
+        root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError:
         return {}
     out: dict[tuple, int] = {}

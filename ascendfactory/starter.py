@@ -1,6 +1,13 @@
-"""`ascendfactory init`: a commented starter job that validates for the chosen model."""
+"""`ascendfactory init`: a commented starter job that validates, with a layout that fits in memory.
+
+The starter searches the smallest layout (nodes of 8 devices, then sharding, then tp / pp / ep)
+whose memory estimate fits the device, so a new user starts from a job that `plan` accepts.
+"""
 
 from __future__ import annotations
+
+from itertools import product
+from typing import Any, Iterator
 
 from ascendfactory import catalog
 from ascendfactory.errors import JobError, Problem
@@ -8,21 +15,46 @@ from ascendfactory.errors import JobError, Problem
 _DATA = {"pt": ("data/corpus.jsonl", "text"), "sft": ("data/train.json", "alpaca"),
          "dpo": ("data/pairs.json", "pairwise"), "grpo": ("data/prompts.jsonl", "prompt"),
          "dapo": ("data/prompts.jsonl", "prompt"), "ppo": ("data/prompts.jsonl", "prompt")}
+_RL = ("grpo", "dapo", "ppo")
+_DEVICES_PER_NODE = 8
+_NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+_MEGATRON = ("mindspeed-llm", "mindspeed-mm", "mindspeed-rl")
 
 
-def starter_job(model: str, framework: str, stage: str) -> str:
-    from ascendfactory.plan import make_plan
-    from ascendfactory.spec import parse_job
+def _sharding(framework: str) -> list[dict[str, Any]]:
+    """Optimizer/weight sharding choices, cheapest communication first."""
+    if framework == "llamafactory":
+        return [{"zero": 0}, {"zero": 1}, {"zero": 2}, {"zero": 3}]
+    if framework == "verl":
+        return [{"fsdp": True}]
+    return [{}, {"distributed_optimizer": True}]
 
-    model_id = catalog.require_model(model, where="--model")
-    if stage not in _DATA:
-        raise JobError(f"Unknown stage '{stage}'", [Problem("--stage", f"choose one of {', '.join(_DATA)}")])
-    card = catalog.models()[model_id]
+
+def _model_splits(framework: str, arch: dict[str, Any], world: int) -> Iterator[dict[str, int]]:
+    """tp / pp / ep choices that the architecture divides, fewest model-parallel ranks first."""
+    if framework not in _MEGATRON:
+        yield {}
+        return
+    heads, kv, layers = arch["num_attention_heads"], arch["num_kv_heads"], arch["num_layers"]
+    experts = (arch.get("moe") or {}).get("num_experts", 0)
+    sizes = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= world]
+    tps = [t for t in sizes if t <= 8 and heads % t == 0 and kv % t == 0]
+    pps = [p for p in sizes if layers % p == 0]
+    eps = [e for e in sizes if experts and experts % e == 0] or [1]
+    choices = [(t, p, e) for t, p, e in product(tps, pps, eps) if world % (t * p) == 0
+               and (world // (t * p)) % e == 0]
+    for t, p, e in sorted(choices, key=lambda c: (c[0] * c[1], c[1], -c[2])):
+        yield {"tp": t, "pp": p, "ep": e}
+
+
+def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int,
+              parallel: dict[str, Any], global_batch: int) -> str:
     path, fmt = _DATA[stage]
-    rl = stage in ("grpo", "dapo", "ppo")
+    rl = stage in _RL
+    par = {"tp": 1, "pp": 1, **parallel}
     lines = [
         f"# AscendFactory job: {card['name']} · {framework} · {stage}",
-        f"# Check it with `ascendfactory plan <this file>`; run with `ascendfactory run <this file>`.",
+        "# Check it with `ascendfactory plan <this file>`; run with `ascendfactory run <this file>`.",
         f"# What the model supports: `ascendfactory capabilities --model {model_id}`.",
         f"model: {model_id}              # id, display name or HF repo ({card['hf_repo']})",
         "# model_path: /path/to/hf/model   # local HF weights; without it the model starts from random init",
@@ -34,14 +66,24 @@ def starter_job(model: str, framework: str, stage: str) -> str:
         f"  format: {fmt}                 # alpaca | sharegpt | text | pairwise | prompt",
         "  seq_len: 4096",
         "  packing: false                 # pack several samples per row (no cross-document attention)",
-        "parallel:",
-        "  tp: 1                          # tensor parallel",
-        "  pp: 1                          # pipeline parallel",
+        "parallel:                        # chosen by `init` so the memory estimate fits the device",
+        f"  tp: {par['tp']}                          # tensor parallel",
+        f"  pp: {par['pp']}                          # pipeline parallel",
         "  cp: 1                          # context parallel (cp_algo: ring | ulysses | hybrid)",
+    ]
+    if par.get("ep", 1) > 1:
+        lines.append(f"  ep: {par['ep']}                          # expert parallel")
+    if "zero" in par:
+        lines.append(f"  zero: {par['zero']}                        # ZeRO stage 0-3")
+    if par.get("fsdp"):
+        lines.append("  fsdp: true                     # FSDP2: shard parameters, gradients, optimizer states")
+    if par.get("distributed_optimizer"):
+        lines.append("  distributed_optimizer: true    # shard optimizer states over data parallel")
+    lines += [
         "  recompute: selective           # none | selective | full",
         "train:",
         "  lr: 1.0e-5",
-        "  global_batch: 8                # samples per optimizer step over all data-parallel ranks"
+        f"  global_batch: {global_batch}                # samples per optimizer step over all data-parallel ranks"
         + (" (prompts, for RL)" if rl else ""),
         "  micro_batch: 1",
         "  steps: 1000",
@@ -51,9 +93,42 @@ def starter_job(model: str, framework: str, stage: str) -> str:
     if rl:
         lines += ["rl:", "  n: 8                           # responses per prompt", "  engine: vllm",
                   "  max_new_tokens: 1024", "  reward: {type: gsm8k}"]
-    lines += ["resources:", "  device: npu                    # auto | npu | cuda | cpu", "  nnodes: 1",
-              "  devices_per_node: 8", "launcher: torchrun              # local | torchrun | slurm | k8s | modelarts",
+    lines += ["resources:", "  device: npu                    # auto | npu | cuda | cpu", f"  nnodes: {nnodes}",
+              f"  devices_per_node: {_DEVICES_PER_NODE}",
+              "launcher: torchrun              # local | torchrun | slurm | k8s | modelarts",
               "resume: auto                     # auto | never | a checkpoint path", ""]
-    text = "\n".join(lines)
-    make_plan(parse_job(text, source="starter job"), check_memory=False)  # refuses combinations the matrix refuses
-    return text
+    return "\n".join(lines)
+
+
+def starter_job(model: str, framework: str, stage: str) -> str:
+    from ascendfactory.plan import make_plan
+    from ascendfactory.spec import parse_job
+
+    model_id = catalog.require_model(model, where="--model")
+    if stage not in _DATA:
+        raise JobError(f"Unknown stage '{stage}'", [Problem("--stage", f"choose one of {', '.join(_DATA)}")])
+    card = catalog.models()[model_id]
+    # the plain layout first: a combination the matrix refuses is refused here, whatever the layout
+    plain = _job_text(card, model_id, framework, stage, 1, {}, 8)
+    make_plan(parse_job(plain, source="starter job"), check_memory=False)
+
+    best: tuple[float, str] | None = None
+    for nnodes in _NODE_COUNTS:
+        world = nnodes * _DEVICES_PER_NODE
+        for split in _model_splits(framework, card["arch"], world):
+            for shard in _sharding(framework):
+                dp = world // (split.get("tp", 1) * split.get("pp", 1))
+                text = _job_text(card, model_id, framework, stage, nnodes, {**split, **shard},
+                                 dp * max(1, 8 // dp))
+                try:
+                    plan = make_plan(parse_job(text, source="starter job"), check_memory=False)
+                except JobError:
+                    continue  # this layout breaks a rule or a matrix cell; try the next one
+                need, limit = plan.memory.total_gib, plan.memory.device_memory_gib
+                if limit is None or need <= limit:
+                    return text
+                if best is None or need < best[0]:
+                    best = (need, text)
+    need, text = best if best else (0.0, plain)
+    return (f"# NOTE: no layout up to {_NODE_COUNTS[-1]} nodes fits the memory estimate (best about {need:.0f} GiB "
+            "per device); try finetuning: lora or parallel.recompute: full\n" + text)

@@ -1,0 +1,178 @@
+"""Every command of the CLI, through Typer's runner and (for exit codes and tracebacks) a subprocess."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ascendfactory.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def job_text(job_text):
+    """The shared job, sharded so its memory estimate fits (the CLI checks memory)."""
+    def make(**changes):
+        parallel = {"tp": 2, "distributed_optimizer": True, **changes.pop("parallel", {})}
+        return job_text(parallel=parallel, **changes)
+
+    return make
+
+
+def write(tmp_path, text, name="job.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_capabilities_table_and_json():
+    res = invoke("capabilities", "--model", "qwen3-32b")
+    assert res.exit_code == 0, res.output
+    for title in ("MindSpeed-LLM", "Llama-Factory", "MindSpeed-MM", "VeRL", "MindSpeed-RL", "✅", "❌"):
+        assert title in res.output
+    # qwen3-32b has a row in every table: "unlisted" shows up only in the legend line
+    assert res.output.count("unlisted") == 1 and "unlisted: no row" in res.output
+    res = invoke("capabilities", "--model", "Qwen/Qwen3-32B", "--json")
+    data = json.loads(res.output)
+    assert data["model"] == "qwen3-32b" and data["name"] == "Qwen3-32B" and data["type"] == "llm"
+    assert data["frameworks"]["verl"]["methods"] == ["grpo", "dapo", "ppo"]
+    assert data["frameworks"]["mindspeed-llm"]["lora"] == "supported"
+    assert set(data["frameworks"]) == {"mindspeed-llm", "llamafactory", "mindspeed-mm", "verl", "mindspeed-rl"}
+    res = invoke("capabilities", "--model", "qwen2-1.5b", "--json", "--framework", "verl")
+    assert json.loads(res.output)["frameworks"] == {"verl": "unlisted"}
+
+
+def test_capabilities_unknown_model_and_framework():
+    res = invoke("capabilities", "--model", "qwen3-33b")
+    assert res.exit_code == 2 and "qwen3-32b" in res.output
+    res = invoke("capabilities", "--model", "qwen3-32b", "--framework", "verll")
+    assert res.exit_code == 2 and "did you mean 'verl'" in res.output
+
+
+def test_models_listing_and_filters():
+    data = json.loads(invoke("models", "--json").output)
+    assert len(data) == 35
+    mm = json.loads(invoke("models", "--json", "--type", "multimodal").output)
+    assert {m["family"] for m in mm} <= {"qwen2_vl", "qwen2_5_vl", "gemma3"} and len(mm) == 8
+    rl = json.loads(invoke("models", "--json", "--framework", "mindspeed-rl").output)
+    assert {m["model"] for m in rl} == {"qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"}
+    moe = json.loads(invoke("models", "--json", "--family", "qwen3_moe").output)
+    assert {m["model"] for m in moe} == {"qwen3-30b-a3b", "qwen3-235b-a22b"}
+    assert invoke("models").exit_code == 0
+
+
+def test_validate_many_files(tmp_path, job_text):
+    good = write(tmp_path, job_text(), "good.yaml")
+    bad = write(tmp_path, job_text(parallel={"tp": 3}), "bad.yaml")
+    res = invoke("validate", good)
+    assert res.exit_code == 0 and "✓" in res.output
+    res = invoke("validate", good, bad)
+    assert res.exit_code == 2 and "✓" in res.output and "✗" in res.output and "tp=3" in res.output
+
+
+def test_plan_prints_layout_estimate_and_effective_config(tmp_path, job_text):
+    job = write(tmp_path, job_text(parallel={"tp": 2, "pp": 2}))
+    res = invoke("plan", job, "train.micro_batch=2")
+    assert res.exit_code == 0, res.output
+    assert "tp 2" in res.output and "dp 2" in res.output and "memory per device" in res.output
+    assert "effective configuration" in res.output and "grad_clip" in res.output
+    data = json.loads(invoke("plan", job, "--json").output)
+    assert data["resolved"]["layout"]["dp"] == 2 and data["train"]["micro_batch"] == 1
+    assert data["parallel"]["recompute"] == "none"
+
+
+def test_plan_refuses_what_does_not_fit(tmp_path, job_text):
+    job = write(tmp_path, job_text(model="qwen2.5-72b", resources={"devices_per_node": 1}, train={"global_batch": 1},
+                                    parallel={"tp": 1}))
+    res = invoke("plan", job)
+    assert res.exit_code == 2
+    assert "does not fit in device memory" in res.output and "optimizer_states" in res.output
+
+
+def test_render_writes_the_run_files(tmp_path, job_text):
+    job = write(tmp_path, job_text())
+    res = invoke("render", job, "-o", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"launch.sh", "mindspeed_llm_args.sh", "job.yaml", "exp-config.yaml"} <= names
+    resolved = yaml.safe_load((tmp_path / "out" / "job.yaml").read_text())
+    assert resolved["train"]["steps"] == 100 and resolved["model"] == "qwen3-8b"
+
+
+def test_run_dry_run_and_refusal_of_missing_engine(tmp_path, job_text, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = write(tmp_path, job_text(output_dir=str(tmp_path / "run")))
+    res = invoke("run", job, "--dry-run")
+    assert res.exit_code == 0 and "dry run" in res.output and (tmp_path / "run" / "launch.sh").exists()
+    from ascendfactory.engines import engine_info
+
+    if not engine_info("mindspeed-mm").present:
+        mm = write(tmp_path, job_text(framework="mindspeed-mm", model="qwen2.5-vl-7b", output_dir=str(tmp_path / "mm")),
+                   "mm.yaml")
+        res = invoke("run", mm)
+        assert res.exit_code == 2 and "engine is not in this build" in res.output
+        assert (tmp_path / "mm" / "launch.sh").exists()
+
+
+def test_run_refuses_cluster_launchers_and_missing_data(tmp_path, job_text):
+    job = write(tmp_path, job_text(launcher="slurm", output_dir=str(tmp_path / "s")))
+    res = invoke("run", job)
+    assert res.exit_code == 2 and "sbatch" in res.output
+
+
+def test_schema_is_json_schema():
+    data = json.loads(invoke("schema").output)
+    assert data["title"] == "AscendFactory job" and "parallel" in data["properties"]
+
+
+@pytest.mark.parametrize("model,framework,stage", [
+    ("qwen3-8b", "mindspeed-llm", "sft"), ("qwen2.5-14b", "llamafactory", "dpo"),
+    ("qwen2.5-vl-7b", "mindspeed-mm", "pt"), ("qwen3-14b", "verl", "ppo"), ("qwen2.5-7b", "mindspeed-rl", "grpo"),
+])
+def test_init_writes_a_starter_that_validates(tmp_path, model, framework, stage):
+    out = tmp_path / "starter.yaml"
+    res = invoke("init", "--model", model, "--framework", framework, "--stage", stage, "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "#" in out.read_text()
+    assert invoke("validate", out).exit_code == 0
+    again = invoke("init", "--model", model, "--framework", framework, "--stage", stage, "-o", out)
+    assert again.exit_code == 2 and "--force" in again.output
+
+
+def test_init_refuses_a_combination_the_matrix_refuses(tmp_path):
+    res = invoke("init", "--model", "deepseek-v3-671b", "--framework", "llamafactory", "--stage", "sft",
+                 "-o", tmp_path / "x.yaml")
+    assert res.exit_code == 2 and "unlisted" in res.output and not (tmp_path / "x.yaml").exists()
+
+
+def test_matrix_check_passes():
+    res = invoke("matrix", "check")
+    assert res.exit_code == 0, res.output
+    assert "backed / promised" in res.output and "matrix check passed" in res.output
+
+
+def test_env_lists_versions():
+    res = invoke("env")
+    assert res.exit_code == 0, res.output
+    assert "torch" in res.output and "collective backend" in res.output
+
+
+def test_bad_job_exits_2_without_traceback(tmp_path):
+    job = write(tmp_path, "model: qwen3-8b\nframework: mindspeed-llm\ndata: {path: x}\ntrain: {lrr: 1}\n")
+    proc = subprocess.run([sys.executable, "-m", "ascendfactory", "validate", str(job)], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout and "did you mean 'lr'" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "ascendfactory", "plan", str(tmp_path / "missing.yaml")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,99 @@
+"""The capability check: ❌ refused (or a loud warning), NA and unlisted always refused."""
+
+import json
+
+import pytest
+
+from ascendfactory import catalog
+from ascendfactory.errors import JobError
+from ascendfactory.matrix import check, features_used, frameworks_serving
+from ascendfactory.spec import parse_job
+
+
+def test_unsupported_cell_is_refused_with_cell_and_command(job_text):
+    job = parse_job(job_text(model="qwen3-30b-a3b", finetuning="lora"))
+    report = check(job)
+    text = "\n".join(p.render() for p in report.refusals)
+    assert "mindspeed-llm × qwen3-30b-a3b × lora" in text and "❌" in text
+    assert "ascendfactory capabilities --model qwen3-30b-a3b --framework mindspeed-llm" in text
+    assert "--allow-unsupported" in text
+
+
+def test_allow_unsupported_turns_refusal_into_loud_warning(job_text):
+    job = parse_job(job_text(model="qwen3-30b-a3b", finetuning="lora", parallel={"moe_dispatcher": "alltoall_seq"}))
+    report = check(job, allow_unsupported=True)
+    assert not report.refusals
+    assert report.warnings and report.warnings[0].startswith("UNSUPPORTED")
+
+
+def test_every_feature_of_an_all_unsupported_row_is_refused(job_text):
+    job = parse_job(job_text(model="qwen2.5-1.5b", data={"packing": True}))
+    features = {p.message.split(" × ")[2].split(" ")[0] for p in check(job).refusals}
+    assert {"pretrain_full", "packing", "flash_attention", "sptd"} <= features
+
+
+def test_not_planned_is_refused_even_with_allow_unsupported(job_text):
+    job = parse_job(job_text(model="qwen2-vl-7b"))
+    report = check(job, allow_unsupported=True)
+    text = "\n".join(p.render() for p in report.refusals)
+    assert "NA: support is never planned" in text
+    assert "llamafactory" in text  # which framework serves it instead
+
+
+def test_unlisted_model_is_refused_with_alternatives(job_text):
+    job = parse_job(job_text(model="deepseek-v3-671b", framework="llamafactory", stage="sft"))
+    text = "\n".join(p.render() for p in check(job, allow_unsupported=True).refusals)
+    assert "no row in the llamafactory table (unlisted)" in text
+    assert "frameworks that serve deepseek-v3-671b for stage sft: mindspeed-llm" in text
+    job = parse_job(job_text(model="qwen2-7b", framework="mindspeed-rl", stage="grpo"))
+    text = "\n".join(p.render() for p in check(job, allow_unsupported=True).refusals)
+    assert "no row in the mindspeed-rl table (unlisted)" in text
+    assert "no framework's table lists qwen2-7b for stage grpo" in text
+
+
+def test_stage_list_cells(job_text):
+    assert not check(parse_job(job_text(model="qwen2.5-14b", framework="llamafactory", stage="dpo"))).refusals
+    text = "\n".join(p.render() for p in check(parse_job(job_text(framework="llamafactory", stage="dpo"))).refusals)
+    assert "does not include dpo" in text
+
+
+def test_rl_method_and_rollout_engine_cells(job_text):
+    base = dict(model="qwen3-8b", framework="verl", parallel={"fsdp": True})
+    assert not check(parse_job(job_text(stage="grpo", **base))).refusals
+    assert "does not include dapo" in check(parse_job(job_text(stage="dapo", **base))).refusals[0].render()
+    sglang = check(parse_job(job_text(stage="grpo", rl={"engine": "sglang"}, **base))).refusals
+    assert "sglang" in sglang[0].render()
+
+
+def test_framework_level_limits(job_text):
+    text = "\n".join(p.render() for p in check(parse_job(job_text(framework="llamafactory", parallel={"tp": 2}))).refusals)
+    assert "ZeRO only" in text
+    text = "\n".join(p.render() for p in check(parse_job(job_text(stage="grpo"))).refusals)
+    assert "verl or mindspeed-rl" in text
+    text = "\n".join(p.render() for p in check(parse_job(job_text(parallel={"zero": 1}))).refusals)
+    assert "distributed_optimizer" in text
+
+
+def test_features_used_derivation(job_text):
+    job = parse_job(job_text(finetuning="lora", data={"packing": True}, parallel={"tp": 2, "cp": 2},
+                             resources={"devices_per_node": 8}))
+    uses = {u.feature: u.because for u in features_used(job)}
+    assert set(uses) == {"lora", "packing", "flash_attention", "sptd", "long_seq"}
+    assert "parallel.tp=2" in uses["sptd"] and "dp=2" in uses["sptd"]
+    one = parse_job(job_text(resources={"devices_per_node": 1}, train={"global_batch": 1}))
+    assert {u.feature for u in features_used(one)} == {"pretrain_full", "flash_attention"}
+
+
+def test_frameworks_serving():
+    assert frameworks_serving("qwen2.5-vl-7b", "dpo") == ["llamafactory"]
+    assert set(frameworks_serving("qwen2.5-32b", "grpo")) == {"verl", "mindspeed-rl"}
+    assert frameworks_serving("qwen2-vl-2b", "sft") == ["llamafactory"]
+
+
+def test_capabilities_json_matches_tables():
+    row = catalog.row("verl", "qwen3-32b")
+    assert row == {"methods": ["grpo", "dapo", "ppo"], "sglang": "unsupported", "vllm": "0.9.1", "train_backend": "fsdp"}
+    assert catalog.row("mindspeed-rl", "qwen3-32b") == {"methods": [], "vllm": "unsupported",
+                                                         "megatron_backend": "unsupported", "long_seq": "unsupported"}
+    assert catalog.row("mindspeed-rl", "qwen2-7b") == "unlisted"
+    json.dumps(row)

@@ -1,0 +1,172 @@
+"""Rendering: every launcher and engine dialect, and shell-safe quoting of every value."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ascendfactory.render import render, write_files
+
+EVIL = "x; touch {sentinel}; echo $(touch {sentinel}) `touch {sentinel}` '\" \n #"
+
+
+def test_mindspeed_llm_flags(plan_of, tmp_path):
+    r = render(plan_of(parallel={"tp": 2, "pp": 2, "sp": True, "cp": 4, "cp_algo": "hybrid", "ulysses_degree": 2,
+                                 "distributed_optimizer": True, "recompute": "full"},
+                       data={"packing": True, "seq_len": 8192}, resources={"devices_per_node": 16},
+                       finetuning="lora"), tmp_path)
+    args = r.argv[r.argv.index("backends.llm") + 1:]
+    flags = dict(zip(args, args[1:] + [""]))
+    assert flags["--tensor-model-parallel-size"] == "2" and flags["--pipeline-model-parallel-size"] == "2"
+    assert flags["--context-parallel-algo"] == "hybrid_cp_algo" and flags["--ulysses-degree-in-cp"] == "2"
+    assert {"--sequence-parallel", "--use-distributed-optimizer", "--reset-attention-mask", "--use-flash-attn",
+            "--qk-layernorm", "--untie-embeddings-and-output-weights"} <= set(args)
+    assert flags["--recompute-granularity"] == "full" and flags["--lora-r"] == "8"
+    assert flags["--num-layers"] == "36" and flags["--num-query-groups"] == "8"
+    assert "--metrics-file" in flags and flags["--seq-length"] == "8192"
+    # the engine config file holds the same flags
+    assert shlex.split(r.files["mindspeed_llm_args.sh"], comments=True) == args
+
+
+def test_torchrun_argv_and_script(plan_of, tmp_path):
+    r = render(plan_of(resources={"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29400}),
+               tmp_path)
+    assert r.argv[1:3] == ["-m", "torch.distributed.run"]
+    opts = dict(zip(r.argv, r.argv[1:]))
+    assert opts["--nnodes"] == "2" and opts["--nproc-per-node"] == "8" and opts["--node-rank"] == "1"
+    assert opts["--rdzv-backend"] == "c10d" and opts["--rdzv-endpoint"] == "10.0.0.1:29400"
+    script = r.files["launch.sh"]
+    assert 'NODE_RANK="${NODE_RANK:-1}"' in script and '--node-rank "$NODE_RANK"' in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_local_launcher(plan_of, tmp_path):
+    r = render(plan_of(launcher="local", resources={"devices_per_node": 1, "device": "cpu"},
+                       train={"global_batch": 2}), tmp_path)
+    assert r.argv[1:3] == ["-m", "backends.llm"] and r.env["WORLD_SIZE"] == "1"
+
+
+@pytest.mark.parametrize("framework,model,stage,name,extra", [
+    ("llamafactory", "qwen2.5-14b", "dpo", "llamafactory_train.yaml", {"parallel": {"zero": 3}}),
+    ("mindspeed-mm", "qwen2.5-vl-7b", "sft", "mindspeed_mm.yaml", {"parallel": {"fsdp": True}}),
+    ("verl", "qwen3-14b", "dapo", "verl_config.yaml", {"parallel": {"fsdp": True}}),
+    ("mindspeed-rl", "qwen2.5-7b", "grpo", "mindspeed_rl.yaml", {"parallel": {"tp": 2}}),
+])
+def test_yaml_dialects(plan_of, tmp_path, framework, model, stage, name, extra):
+    r = render(plan_of(framework=framework, model=model, stage=stage, **extra), tmp_path)
+    tree = yaml.safe_load(r.files[name])
+    assert r.argv[-1] == str(tmp_path.resolve() / name)
+    if framework == "llamafactory":
+        assert r.argv[-2] == "train" and tree["stage"] == "dpo" and tree["deepspeed_zero_stage"] == 3
+        assert tree["gradient_accumulation_steps"] == 2 and tree["cutoff_len"] == 4096
+    elif framework == "mindspeed-mm":
+        assert tree["parallel"]["fully_shard_parallel_size"] == 8 and tree["model"]["model_id"] == model
+    elif framework == "verl":
+        actor = tree["actor_rollout_ref"]["actor"]
+        assert actor["clip_ratio_high"] == 0.28 and tree["algorithm"]["filter_groups"]["enable"] is True
+        assert actor["use_kl_loss"] is False and tree["actor_rollout_ref"]["rollout"]["n"] == 8
+    else:
+        assert tree["actor_config"]["tensor_model_parallel_size"] == 2 and tree["rl_config"]["n_samples_per_prompt"] == 8
+
+
+def test_backend_overrides_are_merged(plan_of, tmp_path):
+    r = render(plan_of(framework="verl", model="qwen3-14b", stage="grpo", parallel={"fsdp": True},
+                       backend_overrides={"actor_rollout_ref.rollout.gpu_memory_utilization": 0.6,
+                                          "trainer": {"project_name": "p"}}), tmp_path)
+    tree = yaml.safe_load(r.files["verl_config.yaml"])
+    assert tree["actor_rollout_ref"]["rollout"]["gpu_memory_utilization"] == 0.6
+    assert tree["trainer"]["project_name"] == "p" and tree["trainer"]["seed"] == 42
+    r = render(plan_of(backend_overrides={"moe-router-topk": 4, "use-fused-rmsnorm": True, "no-x": False}), tmp_path)
+    assert "--use-fused-rmsnorm" in r.argv and r.argv[r.argv.index("--moe-router-topk") + 1] == "4"
+    assert "--no-x" not in r.argv
+
+
+def test_slurm_script(plan_of, tmp_path):
+    r = render(plan_of(launcher="slurm", resources={"nnodes": 4, "device": "cuda"}, train={"global_batch": 32},
+                       slurm={"partition": "gpu", "time_limit": "1:00:00"}), tmp_path)
+    s = r.files["launch.sh"]
+    assert "#SBATCH --nodes=4" in s and "#SBATCH --partition=gpu" in s and "#SBATCH --gres=gpu:8" in s
+    assert "srun --nodes=4" in s and '--rdzv-id "$SLURM_JOB_ID"' in s
+    subprocess.run(["bash", "-n"], input=s, text=True, check=True)
+
+
+def test_k8s_pytorchjob(plan_of, tmp_path):
+    r = render(plan_of(launcher="k8s", resources={"nnodes": 3}, train={"global_batch": 24}, name="My Job_1",
+                       k8s={"image": "img:1", "namespace": "ns"}), tmp_path)
+    doc = yaml.safe_load(r.files["launch.yaml"])
+    assert doc["kind"] == "PyTorchJob" and doc["metadata"] == {"name": "my-job-1", "namespace": "ns"}
+    specs = doc["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 2
+    c = specs["Worker"]["template"]["spec"]["containers"][0]
+    assert c["image"] == "img:1" and c["resources"]["limits"] == {"huawei.com/Ascend910": 8}
+    assert c["command"][:3] == ["python", "-m", "torch.distributed.run"] and "$(MASTER_ADDR)" in c["command"]
+
+
+def test_modelarts_maps_its_variables(plan_of, tmp_path):
+    r = render(plan_of(launcher="modelarts", resources={"nnodes": 2}), tmp_path)
+    s = r.files["launch.sh"]
+    for var in ("VC_TASK_INDEX", "VC_WORKER_HOSTS", "MA_NUM_GPUS", "MA_NUM_HOSTS"):
+        assert var in s
+    fake = _fake_python(tmp_path)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "VC_TASK_INDEX": "1", "MA_NUM_HOSTS": "2",
+           "VC_WORKER_HOSTS": "192.0.2.7,192.0.2.8", "MA_NUM_GPUS": "8", "ARGS_OUT": str(tmp_path / "args.json")}
+    subprocess.run(["bash", "-c", s], env=env, check=True, cwd=tmp_path)
+    argv = json.loads((tmp_path / "args.json").read_text())
+    opts = dict(zip(argv, argv[1:]))
+    assert opts["--node-rank"] == "1" and opts["--master-addr"] == "192.0.2.7" and opts["--nnodes"] == "2"
+    env["MA_NUM_HOSTS"] = "3"
+    bad = subprocess.run(["bash", "-c", s], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode == 2 and "planned for 2 node(s)" in bad.stderr
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """A `python` on PATH that records its argv as JSON instead of running anything."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "python"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    "open(os.environ['ARGS_OUT'], 'w').write(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "local", "slurm", "modelarts"])
+def test_shell_injection_stays_a_plain_string(plan_of, tmp_path, launcher):
+    sentinel = tmp_path / "pwned"
+    evil = EVIL.format(sentinel=sentinel)
+    resources = {"devices_per_node": 1, "device": "cpu"} if launcher == "local" else {}
+    p = plan_of(launcher=launcher, resources=resources, train={"global_batch": 8},
+                data={"path": evil}, output_dir=str(tmp_path / f"out; rm -rf ~ {launcher}"), name=evil,
+                env={"EXTRA": evil}, backend_overrides={"x; touch " + str(sentinel): evil})
+    r = render(p)
+    write_files(r, r.run_dir)
+    script = r.files["launch.sh"]
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    fake = _fake_python(tmp_path)
+    if launcher == "slurm":  # srun and scontrol stand-ins: srun records what it would start
+        (fake.parent / "srun").write_text(fake.read_text())
+        (fake.parent / "scontrol").write_text("#!/bin/sh\necho node-a\n")
+        for tool in ("srun", "scontrol"):
+            (fake.parent / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args.json"),
+           "NODE_RANK": "0", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": "7"}
+    subprocess.run(["bash", str(r.run_dir / "launch.sh")], env=env, check=True, cwd=tmp_path)
+    argv = json.loads((tmp_path / "args.json").read_text())
+    assert not sentinel.exists()
+    assert argv[argv.index("--input") + 1] == evil
+    # the script and `run` start the same engine with the same words
+    module = argv.index("backends.llm")
+    assert argv[module:] == r.argv[r.argv.index("backends.llm"):]
+
+
+def test_write_files_is_atomic_and_complete(plan_of, tmp_path):
+    r = render(plan_of(), tmp_path / "run")
+    written = write_files(r, r.run_dir, {"job.yaml": "x: 1\n"})
+    assert {p.name for p in written} == {"launch.sh", "mindspeed_llm_args.sh", "job.yaml"}
+    assert not list(r.run_dir.glob(".*.tmp"))
+    assert os.access(r.run_dir / "launch.sh", os.X_OK)

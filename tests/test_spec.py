@@ -1,0 +1,126 @@
+"""The job spec: defaults, overrides, and errors that name the field, the line and the fix."""
+
+import pytest
+
+from ascendfactory.errors import JobError
+from ascendfactory.spec import json_schema, load_job, parse_job
+
+BAD = """\
+model: qwen3-8b
+framework: mindspeed-llm
+data:
+  path: d.json
+  fromat: alpaca
+train:
+  lrr: 1e-5
+  precision: bf15
+parallel:
+  tp: 0
+"""
+
+
+def problems_of(text, overrides=None):
+    with pytest.raises(JobError) as info:
+        parse_job(text, overrides)
+    return info.value
+
+
+def test_valid_job_fills_every_default(job_text):
+    job = parse_job(job_text())
+    assert job.model == "qwen3-8b"
+    assert job.parallel.tp == 1 and job.parallel.recompute == "none"
+    assert job.train.steps == 100 and job.train.precision == "bf16"
+    assert job.name == "qwen3-8b-sft" and job.output_dir == "runs/qwen3-8b-sft"
+    assert job.lora is None and job.rl is None
+
+
+def test_model_lookup_accepts_display_name_and_hf_repo(job_text):
+    assert parse_job(job_text(model="Qwen/Qwen3-8B")).model == "qwen3-8b"
+    assert parse_job(job_text(model="QWEN3-8B")).model == "qwen3-8b"
+    err = problems_of(job_text(model="qwen3-8bb"))
+    assert "did you mean qwen3-8b" in err.render()
+
+
+def test_all_errors_reported_together_with_paths_lines_and_hints():
+    err = problems_of(BAD)
+    text = err.render()
+    assert "4 problems" in err.title
+    assert "data.fromat (line 5): unknown key 'fromat'" in text and "did you mean 'format'?" in text
+    assert "train.lrr (line 7)" in text and "did you mean 'lr'?" in text
+    assert "train.precision (line 8)" in text and "did you mean 'bf16'?" in text
+    assert "parallel.tp (line 10)" in text
+    lines = [p.line for p in err.problems]
+    assert lines == sorted(lines)
+
+
+def test_unknown_top_level_key_lists_did_you_mean(job_text):
+    err = problems_of(job_text() + "paralel: {tp: 2}\n")
+    assert "unknown key 'paralel'" in err.render() and "did you mean 'parallel'?" in err.render()
+
+
+def test_missing_required_keys():
+    err = problems_of("model: qwen3-8b\n")
+    wheres = {p.where for p in err.problems}
+    assert {"framework", "data"} <= wheres
+    assert all("required" in p.message for p in err.problems)
+
+
+def test_overrides_apply_and_are_typed(job_text):
+    job = parse_job(job_text(), ["train.lr=2e-5", "parallel.tp=2", "data.packing=true", "name=x"])
+    assert job.train.lr == 2e-5 and job.parallel.tp == 2 and job.data.packing is True and job.name == "x"
+
+
+def test_bad_override_is_named_as_override(job_text):
+    err = problems_of(job_text(), ["parallel.tpp=2"])
+    assert "unknown key 'tpp' (from a command-line override)" in err.render()
+    assert "did you mean 'tp'?" in err.render()
+    assert err.problems[0].line is None
+    with pytest.raises(JobError, match="key.sub=value"):
+        parse_job(job_text(), ["train.lr"])
+
+
+def test_yaml_syntax_error_names_the_line():
+    err = problems_of("model: qwen3-8b\ndata: [unclosed\nframework: verl\n")
+    assert err.problems[0].where == "(yaml)" and err.problems[0].line is not None
+
+
+def test_duplicate_key_is_an_error():
+    err = problems_of("model: qwen3-8b\nmodel: qwen3-4b\n")
+    assert "duplicate key" in err.render()
+
+
+def test_non_mapping_and_empty_file():
+    assert "mapping" in problems_of("- a\n- b\n").title
+    assert {"model", "framework", "data"} <= {p.where for p in problems_of("").problems}
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(JobError, match="not found"):
+        load_job(tmp_path / "nope.yaml")
+    with pytest.raises(JobError, match="directory"):
+        load_job(tmp_path)
+
+
+def test_cross_field_rules(job_text):
+    assert "finetuning: lora" in problems_of(job_text(lora={"rank": 4})).render()
+    assert "only used by the RL stages" in problems_of(job_text(rl={"n": 4})).render()
+    assert "not both" in problems_of(job_text(train={"steps": 5, "epochs": 1})).render()
+    assert "node_rank 2 must be below nnodes 2" in problems_of(
+        job_text(resources={"nnodes": 2, "node_rank": 2})).render()
+    assert "environment variable names" in problems_of(job_text(env={"A;B": "1"})).render()
+
+
+def test_lora_and_rl_blocks_get_defaults(job_text):
+    job = parse_job(job_text(finetuning="lora"))
+    assert job.lora.rank == 8 and job.lora.targets == ["all"]
+    dapo = parse_job(job_text(framework="verl", stage="dapo", model="qwen3-14b"))
+    assert dapo.rl.clip_eps_high == 0.28 and dapo.rl.clip_eps_low == 0.2
+    grpo = parse_job(job_text(framework="verl", stage="grpo", model="qwen3-14b"))
+    assert grpo.rl.clip_eps_high == 0.2 and grpo.rl.kl_coef == 0.001
+
+
+def test_json_schema_covers_every_block():
+    schema = json_schema()
+    assert {"model", "framework", "data", "parallel", "train", "rl", "resources", "launcher", "resume"} <= set(
+        schema["properties"])
+    assert schema["additionalProperties"] is False
