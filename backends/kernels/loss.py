@@ -3,7 +3,8 @@
 Forward walks the tokens in chunks, keeping only each chunk's logits and the per-token
 log-sum-exp. Backward recomputes each chunk's logits, turns them into softmax - onehot in place,
 and accumulates grad(hidden) and grad(weight) (fp32). Peak extra memory is a few [chunk, V]
-fp32 buffers instead of several [N, V] ones.
+fp32 buffers instead of several [N, V] ones. When all tokens fit in one chunk, forward keeps
+that chunk's softmax - onehot for backward instead (same memory, one [N,H]x[H,V] matmul fewer).
 """
 
 from __future__ import annotations
@@ -33,8 +34,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target = logits.gather(1, safe[s:e, None]).squeeze(1)
             loss += ((lse_c - target) * valid[s:e]).sum()
             lse[s:e] = lse_c
-            del logits
         count = valid.sum()
+        ctx.kept = None
+        if n <= chunk_size and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            # one chunk: its logits are already here, so keep softmax - onehot rather than recompute
+            g = logits.sub_(lse[:, None]).exp_()
+            g[torch.arange(n, device=g.device), safe] -= 1.0
+            g.mul_(valid.to(g.dtype)[:, None])
+            ctx.kept = g
+        del logits
         ctx.save_for_backward(hidden, weight, safe, valid, lse)
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(count)
@@ -50,11 +58,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
             h = hidden[s:e]
-            g = (h @ weight.t()).float()
-            g.sub_(lse[s:e, None]).exp_()  # softmax, in place
-            rows = torch.arange(e - s, device=g.device)
-            g[rows, labels[s:e]] -= 1.0
-            g.mul_((valid[s:e].to(g.dtype) * grad_loss)[:, None])
+            if ctx.kept is not None:
+                g, ctx.kept = ctx.kept.mul_(grad_loss), None
+            else:
+                g = (h @ weight.t()).float()
+                g.sub_(lse[s:e, None]).exp_()  # softmax, in place
+                rows = torch.arange(e - s, device=g.device)
+                g[rows, labels[s:e]] -= 1.0
+                g.mul_((valid[s:e].to(g.dtype) * grad_loss)[:, None])
             g_low = g.to(hidden.dtype)  # what autograd would feed the matmul backward
             if need_h:
                 grad_h[s:e] = g_low @ weight

@@ -1,4 +1,4 @@
-"""Rotary position embedding tables (RoPE, llama3 scaling, Qwen2-VL M-RoPE) and the reference rotation.
+"""Rotary position embedding tables (RoPE, linear / llama3 / yarn scaling, Qwen2-VL M-RoPE) and the reference rotation.
 
 Table convention (the Hugging Face one): cos/sin have last dim = rotary_dim laid out as
 cat(freqs, freqs). The interleaved (GPT-J / GLM) rotation reads the first half and repeats each
@@ -15,7 +15,7 @@ import torch
 
 
 def rotary_inv_freq(dim: int, theta: float = 10000.0, scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies [dim/2] in fp32; `scaling` follows HF rope_parameters (default, linear, llama3)."""
+    """Inverse frequencies [dim/2] in fp32; `scaling` follows HF rope_parameters (default, linear, llama3, yarn)."""
     if dim % 2:
         raise ValueError(f"rotary dim must be even, got {dim}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
@@ -26,7 +26,53 @@ def rotary_inv_freq(dim: int, theta: float = 10000.0, scaling: dict[str, Any] | 
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling)
+    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+
+
+def rotary_attention_factor(scaling: dict[str, Any] | None = None) -> float:
+    """Factor HF multiplies cos/sin by (yarn's attention_factor; 1.0 for the other types)."""
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (DeepSeek also scales softmax by its square)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    # transformers' _compute_yarn_parameters: blend interpolated (1/factor) and original frequencies
+    # over a linear ramp between the dims that rotate beta_fast and beta_slow times in the original context.
+    if scaling.get("factor") is None or scaling.get("original_max_position_embeddings") is None:
+        # HF derives the missing value from max_position_embeddings, which this table does not know.
+        raise ValueError("yarn scaling needs both 'factor' and 'original_max_position_embeddings'")
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -60,8 +106,12 @@ def rotary_cos_sin(
     scaling: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [*position_ids.shape, dim] for rotary dim `dim`."""
-    return cos_sin_from_inv_freq(position_ids, rotary_inv_freq(dim, theta, scaling), dtype)
+    """cos, sin of shape [*position_ids.shape, dim] for rotary dim `dim` (yarn: times its attention factor)."""
+    factor = rotary_attention_factor(scaling)
+    if factor == 1.0:
+        return cos_sin_from_inv_freq(position_ids, rotary_inv_freq(dim, theta, scaling), dtype)
+    cos, sin = cos_sin_from_inv_freq(position_ids, rotary_inv_freq(dim, theta, scaling))
+    return (cos * factor).to(dtype), (sin * factor).to(dtype)
 
 
 def mrope_cos_sin(

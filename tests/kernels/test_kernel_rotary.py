@@ -138,5 +138,8 @@ def test_rotary_errors():
         K.apply_rotary(q, cos, sin, rotary_dim=8)
     with pytest.raises(ValueError):
         K.mrope_cos_sin(torch.zeros(3, 4, dtype=torch.long), 16, mrope_section=[2, 2, 2])
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="not supported"):
+        K.rotary_cos_sin(torch.arange(4), 16, scaling={"rope_type": "dynamic", "factor": 2.0})
+    # yarn is supported (tested against transformers in tests/llm), but needs its original length
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         K.rotary_cos_sin(torch.arange(4), 16, scaling={"rope_type": "yarn", "factor": 2.0})
