@@ -1,0 +1,246 @@
+"""Dataset record formats: read JSON / JSONL / parquet records, turn them into token ids and labels.
+
+  text      pre-training (MindSpeed GeneralPretrainHandler): {"text": ...} -> tokens + EOD, all trained
+  alpaca    (AlpacaStyleInstructionHandler / LLaMA-Factory alpaca): instruction, [input], output,
+            [system], [history: [[q, a], ...]]; the user turn is instruction + "\\n" + input
+  sharegpt  (SharegptStyleInstructionHandler / LLaMA-Factory sharegpt): "conversations" of
+            {from: human|gpt|system, value} (also user/assistant), or "messages" of {role, content};
+            optional top-level "system"
+
+Instruction formats give (input_ids, labels) with labels -100 on every prompt token and every
+assistant turn trained (templates.encode_conversation). A bad record raises `DataFormatError`
+naming the file, the record index and what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .templates import IGNORE_INDEX, ChatTemplate, TemplateError, encode_conversation
+
+FORMATS = ("text", "alpaca", "sharegpt")
+SUFFIXES = (".json", ".jsonl", ".parquet")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+
+
+class DataFormatError(ValueError):
+    """A record or file that does not fit its declared format."""
+
+
+def data_files(path: str | os.PathLike) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
+        if not files:
+            raise DataFormatError(f"{p}: no {'/'.join(SUFFIXES)} files in this folder")
+        return files
+    if p.is_file():
+        if p.suffix not in SUFFIXES:
+            raise DataFormatError(f"{p}: unsupported file type {p.suffix!r}; expected {', '.join(SUFFIXES)}, a folder "
+                                  f"of them, or a Megatron indexed dataset prefix")
+        return [p]
+    raise FileNotFoundError(f"dataset {str(p)!r} does not exist")
+
+
+def _parquet_rows(path: Path) -> Iterator[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise DataFormatError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert the file "
+                              f"to JSONL") from exc
+    table = pq.read_table(path)
+    yield from table.to_pylist()
+
+
+def count_records(path: Path) -> int | None:
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            return None
+        return pq.ParquetFile(path).metadata.num_rows
+    return None
+
+
+def iter_file(path: Path) -> Iterator[tuple[int, dict]]:
+    """(record index, record) for one file."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            index = 0
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataFormatError(f"{path}: line {lineno} (record {index}) is not valid JSON: {exc}") from exc
+                yield index, record
+                index += 1
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise DataFormatError(f"{path}: not valid JSON ({exc}); a .json file holds one list of records "
+                                  f"(use .jsonl for one record a line)") from exc
+        if isinstance(data, dict):
+            data = [data]
+        if not isinstance(data, list):
+            raise DataFormatError(f"{path}: a .json dataset must be a list of records, got {type(data).__name__}")
+        yield from enumerate(data)
+    else:
+        yield from enumerate(_parquet_rows(path))
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[tuple[Path, int, dict]]:
+    for f in data_files(path):
+        for index, record in iter_file(f):
+            yield f, index, record
+
+
+# ------------------------------------------------------------------------------------ conversions
+
+def _where(file: Path, index: int) -> str:
+    return f"{file}: record {index}"
+
+
+def _need_str(record, key: str, file: Path, index: int, fmt: str, hint: str, optional: bool = False) -> str:
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{_where(file, index)}: a {fmt} record must be a JSON object, got "
+                              f"{type(record).__name__}")
+    if key not in record or record[key] is None:
+        if optional:
+            return ""
+        raise DataFormatError(f"{_where(file, index)}: missing key {key!r} ({hint}); it has: "
+                              f"{', '.join(map(repr, record)) or 'no keys'}")
+    value = record[key]
+    if not isinstance(value, str):
+        raise DataFormatError(f"{_where(file, index)}: key {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+ALPACA_HINT = "alpaca records need 'instruction' and 'output'; optional 'input', 'system', 'history'"
+SHAREGPT_HINT = ("sharegpt records need 'conversations' (a list of {'from', 'value'}) or 'messages' "
+                 "(a list of {'role', 'content'})")
+
+
+def alpaca_messages(record, file: Path, index: int) -> list[dict]:
+    instruction = _need_str(record, "instruction", file, index, "alpaca", ALPACA_HINT)
+    output = _need_str(record, "output", file, index, "alpaca", ALPACA_HINT)
+    extra = _need_str(record, "input", file, index, "alpaca", ALPACA_HINT, optional=True)
+    system = _need_str(record, "system", file, index, "alpaca", ALPACA_HINT, optional=True)
+    messages = [{"role": "system", "content": system}] if system else []
+    history = record.get("history") or []
+    if not isinstance(history, list):
+        raise DataFormatError(f"{_where(file, index)}: 'history' must be a list of [question, answer] pairs")
+    for h, pair in enumerate(history):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise DataFormatError(f"{_where(file, index)}: history[{h}] must be a [question, answer] pair of strings")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    prompt = f"{instruction}\n{extra}" if extra else instruction
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    return messages
+
+
+def sharegpt_messages(record, file: Path, index: int) -> list[dict]:
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{_where(file, index)}: a sharegpt record must be a JSON object")
+    if "conversations" in record:
+        key, role_key, content_key = "conversations", "from", "value"
+    elif "messages" in record:
+        key, role_key, content_key = "messages", "role", "content"
+    else:
+        raise DataFormatError(f"{_where(file, index)}: missing key 'conversations' ({SHAREGPT_HINT}); it has: "
+                              f"{', '.join(map(repr, record)) or 'no keys'}")
+    turns = record[key]
+    if not isinstance(turns, list) or not turns:
+        raise DataFormatError(f"{_where(file, index)}: {key!r} must be a non-empty list")
+    messages = []
+    system = record.get("system")
+    if system:
+        if not isinstance(system, str):
+            raise DataFormatError(f"{_where(file, index)}: 'system' must be a string")
+        messages.append({"role": "system", "content": system})
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataFormatError(f"{_where(file, index)}: {key}[{t}] must be an object with "
+                                  f"{role_key!r} and {content_key!r}")
+        for k in (role_key, content_key):
+            if k not in turn:
+                raise DataFormatError(f"{_where(file, index)}: {key}[{t}] is missing key {k!r} ({SHAREGPT_HINT})")
+        role = SHAREGPT_ROLES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise DataFormatError(f"{_where(file, index)}: {key}[{t}] has role {turn[role_key]!r}; supported: "
+                                  f"{', '.join(SHAREGPT_ROLES)}")
+        if not isinstance(turn[content_key], str):
+            raise DataFormatError(f"{_where(file, index)}: {key}[{t}].{content_key} must be a string")
+        if role == "system" and messages:
+            raise DataFormatError(f"{_where(file, index)}: {key}[{t}]: a system message may only come first")
+        messages.append({"role": role, "content": turn[content_key]})
+    return messages
+
+
+def to_messages(fmt: str, record, file: Path, index: int) -> list[dict]:
+    if fmt == "alpaca":
+        return alpaca_messages(record, file, index)
+    if fmt == "sharegpt":
+        return sharegpt_messages(record, file, index)
+    raise ValueError(f"unknown instruction format {fmt!r}")
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int] | None   # None for text (every token is a target)
+    method: str = ""
+
+
+def encode_text(tokenizer, texts: list[str], eod: int) -> list[list[int]]:
+    """Pre-training documents: the tokenizer's own special tokens (BOS for Llama-style) + EOD."""
+    out = tokenizer(list(texts), add_special_tokens=True, return_attention_mask=False)["input_ids"]
+    return [list(ids) + [eod] for ids in out]
+
+
+def text_of(record, file: Path, index: int) -> str:
+    return _need_str(record, "text", file, index, "text", "text records need 'text'")
+
+
+def encode_instruction(tokenizer, template: ChatTemplate, fmt: str, record, file: Path, index: int) -> Sample:
+    messages = to_messages(fmt, record, file, index)
+    try:
+        enc = encode_conversation(tokenizer, template, messages)
+    except TemplateError as exc:
+        raise DataFormatError(f"{_where(file, index)}: {exc}") from exc
+    return Sample(enc.input_ids, enc.labels, enc.method)
+
+
+def truncate(sample: Sample, seq_len: int) -> tuple[Sample, bool]:
+    if len(sample.input_ids) <= seq_len:
+        return sample, False
+    labels = None if sample.labels is None else sample.labels[:seq_len]
+    return Sample(sample.input_ids[:seq_len], labels, sample.method), True
+
+
+def has_target(sample: Sample) -> bool:
+    """At least one trained token with a predecessor (labels are shifted by one at batch time)."""
+    if sample.labels is None:
+        return len(sample.input_ids) >= 2
+    return any(v != IGNORE_INDEX for v in sample.labels[1:])
+
+
+def iter_records_limited(files: list[Path], max_samples: int | None) -> Iterator[tuple[Path, int, dict]]:
+    """Records of the files in order, the first max_samples of them when set."""
+    n = 0
+    for f in files:
+        for index, record in iter_file(f):
+            if max_samples is not None and n >= max_samples:
+                return
+            yield f, index, record
+            n += 1
