@@ -1,0 +1,213 @@
+"""HF checkpoint I/O: transformers -> ours -> write_hf_dir -> transformers round trips bit for bit;
+sharding, dtype, tied heads, tokenizer files, atomic replacement, and one clear error per failure."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from backends.common.checkpoint import hf_io  # noqa: E402
+from backends.common.checkpoint.hf_io import read_safetensors, write_hf_dir  # noqa: E402
+from backends.llm import models  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("_models_parity", Path(__file__).with_name("test_models_parity.py"))
+parity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(parity)
+
+IDS = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """case -> (transformers model, its save_pretrained directory with a tokenizer file)."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            hf = parity.hf_tiny(case)
+            path = tmp_path_factory.mktemp(f"src_{case}")
+            hf.save_pretrained(path)
+            (path / "tokenizer.json").write_text('{"fake": true}', encoding="utf-8")
+            cache[case] = hf, path
+        return cache[case]
+
+    return get
+
+
+def _assert_same_files(a: Path, b: Path):
+    ta, tb = read_safetensors(a), read_safetensors(b)
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        x, y = ta[name], tb[name]
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("case", list(parity.TINY))
+def test_round_trip_through_our_model_is_bit_identical(case, saved, tmp_path):
+    hf, src = saved(case)
+    ours = models.from_pretrained(src)
+    out = write_hf_dir(tmp_path / "export", models.hf_state_dict(ours), ours.config.to_hf(), tokenizer_dir=src)
+    _assert_same_files(src, out)
+    assert (out / "tokenizer.json").read_text() == '{"fake": true}' and (out / "generation_config.json").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS).logits, hf(IDS).logits, rtol=0, atol=0)
+
+
+def test_sharded_export_and_read(saved, tmp_path):
+    hf, src = saved("deepseek_v3")
+    sd = models.hf_state_dict(models.from_pretrained(src))
+    out = write_hf_dir(tmp_path / "sharded", sd, json.loads((src / "config.json").read_text()),
+                       max_shard_bytes=64 * 1024)
+    index = json.loads((out / hf_io.INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and not (out / hf_io.SINGLE).exists()
+    assert sorted(index["weight_map"]) == sorted(sd)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
+    _assert_same_files(src, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS).logits, hf(IDS).logits, rtol=0, atol=0)
+
+
+def test_bf16_export_and_load(saved, tmp_path):
+    _, src = saved("deepseek_v3")
+    ours = models.from_pretrained(src)
+    out = write_hf_dir(tmp_path / "bf16", models.hf_state_dict(ours), ours.config.to_hf(), dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    t = read_safetensors(out)
+    assert t["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert t["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    low = models.from_pretrained(out, dtype=torch.bfloat16)
+    assert low.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert low.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    with torch.no_grad():
+        logits = low(IDS)
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), ours(IDS).detach(), atol=0.15, rtol=0.05)
+
+
+def test_tied_head_is_not_written(saved, tmp_path):
+    _, src = saved("llama")
+    ours = models.from_pretrained(src)
+    sd = models.hf_state_dict(ours)
+    assert "lm_head.weight" not in sd
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # shares memory, as a tied state dict would
+    out = write_hf_dir(tmp_path / "tied", sd, ours.config.to_hf())
+    assert "lm_head.weight" not in read_safetensors(out)
+
+
+def test_export_replaces_an_old_one_only_when_complete(saved, tmp_path, monkeypatch):
+    _, src = saved("qwen2")
+    ours = models.from_pretrained(src)
+    sd, cfg = models.hf_state_dict(ours), ours.config.to_hf()
+    out = write_hf_dir(tmp_path / "hf", sd, cfg)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    import safetensors.torch
+
+    real, calls = safetensors.torch.save_file, []
+
+    def failing(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(OSError, match="disk full"):
+        write_hf_dir(out, {k: v * 2 for k, v in sd.items()}, cfg, max_shard_bytes=16 * 1024)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left behind
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    write_hf_dir(out, {k: v * 2 for k, v in sd.items()}, cfg, max_shard_bytes=16 * 1024)
+    assert (out / hf_io.INDEX).is_file() and not (out / hf_io.SINGLE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+# ---------------------------------------------------------------------- errors
+
+
+@pytest.fixture
+def sharded_copy(saved, tmp_path):
+    _, src = saved("qwen3_moe")
+    ours = models.from_pretrained(src)
+    return write_hf_dir(tmp_path / "m", models.hf_state_dict(ours), ours.config.to_hf(), max_shard_bytes=64 * 1024)
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        models.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
+        models.from_pretrained(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+        read_safetensors(tmp_path / "empty")
+
+
+def test_missing_shard(sharded_copy):
+    shard = sorted(sharded_copy.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"shard {shard.name} listed in .* is missing"):
+        models.from_pretrained(sharded_copy)
+
+
+def test_truncated_file(sharded_copy):
+    shard = sorted(sharded_copy.glob("model-*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{shard.name} is truncated or corrupt"):
+        read_safetensors(sharded_copy)
+
+
+def test_tensor_listed_in_index_but_absent(sharded_copy):
+    index = json.loads((sharded_copy / hf_io.INDEX).read_text())
+    first = sorted(sharded_copy.glob("model-*.safetensors"))[0].name
+    moved = next(k for k, v in index["weight_map"].items() if v != first)
+    index["weight_map"][moved] = first
+    (sharded_copy / hf_io.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"tensor '{moved}' is listed in .* under {first}"):
+        read_safetensors(sharded_copy)
+
+
+def test_shape_mismatch_vs_config(saved, tmp_path):
+    _, src = saved("qwen3_moe")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 48
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' has shape "
+                                         r"\(32, 64\) but the config expects \(48, 64\)"):
+        models.from_pretrained(bad)
+
+
+def test_missing_and_unexpected_tensors(saved):
+    _, src = saved("mixtral")
+    ours = models.from_pretrained(src)
+    tensors = dict(read_safetensors(src))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    with pytest.raises(ValueError, match=r"no tensor 'model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight'"):
+        models.load_hf_state_dict(ours, tensors)
+    tensors = dict(read_safetensors(src))
+    tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"] = torch.ones(1)
+    tensors["model.layers.3.mtp.weight"] = torch.ones(1)  # past num_layers (DeepSeek MTP): skipped
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) .* no place for: "
+                                         r"model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv"):
+        models.load_hf_state_dict(ours, tensors)
+
+
+def test_config_states_the_written_dtype(saved, tmp_path):
+    _, src = saved("qwen3")
+    low = models.from_pretrained(src, dtype=torch.bfloat16)
+    out = write_hf_dir(tmp_path / "low", models.hf_state_dict(low), low.config.to_hf())  # to_hf says float32
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
+    assert transformers.AutoConfig.from_pretrained(out).dtype == torch.bfloat16
