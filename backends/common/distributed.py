@@ -1,0 +1,75 @@
+"""Device choice and process-group setup shared by every engine (torchrun environment)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+    backend: str  # collective backend: hccl | nccl | gloo
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return False
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def pick_device(kind: str = "auto", local_rank: int = 0) -> tuple[torch.device, str]:
+    """(device, collective backend) for `auto|npu|cuda|cpu`; an explicit kind that is absent is an error."""
+    kind = (kind or "auto").lower()
+    if kind in ("auto", "npu") and _npu_available():
+        torch.npu.set_device(local_rank)
+        return torch.device("npu", local_rank), "hccl"
+    if kind == "npu":
+        raise RuntimeError("device npu was asked for but torch_npu or an Ascend device is missing; "
+                           "install ascendfactory[npu] or set resources.device: auto")
+    if kind in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    if kind == "cuda":
+        raise RuntimeError("device cuda was asked for but no CUDA device is visible; set resources.device: auto")
+    return torch.device("cpu"), "gloo"
+
+
+def init_runtime(device: str = "auto") -> Runtime:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; start the process group when world > 1."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev, backend = pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    return Runtime(rank, local_rank, world, dev, backend)
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,104 @@
+"""The training-step skeleton every recipe composes: accumulation, a global token mean, clipping.
+
+The loss of a step is the mean over every valid token of the global batch (all micro-batches on
+all data-parallel ranks), not a mean of per-micro-batch means: each micro-batch's summed loss is
+divided by the global token count before backward. DDP / FSDP average gradients over dp ranks,
+so the local loss is also multiplied by the dp size to turn that average back into the sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from backends.common.distributed import all_reduce_sum
+
+# loss_fn(model, micro_batch) -> (summed loss over valid tokens, valid-token count, aux loss or None)
+LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
+
+
+@dataclass
+class StepResult:
+    loss: float            # global token-mean loss (without the aux term)
+    aux_loss: float | None
+    grad_norm: float
+    tokens: int            # input positions processed on all ranks (padding included)
+    valid_tokens: int      # tokens that carried a label on all ranks
+    seconds: float
+    real_tokens: int = 0   # input positions holding a real (non-pad) token
+
+
+def autocast_for(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _no_sync(model: torch.nn.Module, last: bool):
+    """Skip DDP's gradient all-reduce on all but the last micro-batch (FSDP2 reduces per backward)."""
+    if not last and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
+               loss_fn: LossFn, *, device: torch.device, dp_world: int, precision: str = "fp32",
+               grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None) -> StepResult:
+    start = time.perf_counter()
+    local = torch.tensor([float(sum(int(mb["n_tokens"]) for mb in micro_batches)),
+                          float(sum(mb["input_ids"].numel() for mb in micro_batches)),
+                          float(sum(int(mb.get("n_input", mb["input_ids"].numel())) for mb in micro_batches))],
+                         dtype=torch.float64, device=device)
+    global_valid, global_tokens, global_real = all_reduce_sum(local).tolist()
+    denom = max(global_valid, 1.0)
+    loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
+    aux_total = None
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with _no_sync(model, last):
+            with autocast_for(device, precision):
+                loss_sum, _, aux = loss_fn(model, mb)
+            loss = loss_sum.float() * (dp_world / denom)
+            if aux is not None and aux_coeff:
+                # the aux term is a per-micro-batch mean already: average it over the accumulation steps
+                loss = loss + aux.float() * (aux_coeff / len(micro_batches))
+                aux_total = (aux_total or 0.0) + float(aux.detach()) / len(micro_batches)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum_total += loss_sum.detach().to(torch.float64)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if grad_clip and grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    global_loss = float(all_reduce_sum(loss_sum_total)) / denom
+    if aux_total is not None and dp_world > 1:
+        aux_t = all_reduce_sum(torch.tensor(aux_total, dtype=torch.float64, device=device))
+        aux_total = float(aux_t) / dp_world
+    return StepResult(loss=global_loss, aux_loss=aux_total, grad_norm=float(norm), tokens=int(global_tokens),
+                      valid_tokens=int(global_valid), seconds=time.perf_counter() - start,
+                      real_tokens=int(global_real))
+
+
+def take(batches: Iterator[dict], n: int) -> list[dict]:
+    return [next(batches) for _ in range(n)]
+
+
+def finite_or_raise(step: int, result: StepResult) -> None:
+    if not math.isfinite(result.loss):
+        raise FloatingPointError(f"loss became {result.loss} at step {step}; lower train.lr, check the data, "
+                                 "or use bf16 instead of fp16")

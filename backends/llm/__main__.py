@@ -1,0 +1,5 @@
+import sys
+
+from backends.llm.train import main
+
+sys.exit(main())
