@@ -186,6 +186,13 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
             raise JobError(f"The {p.job.framework} engine is not in this build yet",
                            [Problem("framework", f"{info.module} is not installed in this build, so the job cannot run",
                                     hint="`ascendfactory render` and `run --dry-run` still write the launch files")])
+        from ascendfactory.engines import over_limits
+
+        pending = [Problem(field, f"{info.module} in this build runs {field} up to {limit!r}, the job asks for {value!r}",
+                           hint=f"set {field}: {str(limit).lower()}, or render the job and run it with another build")
+                   for field, value, limit in over_limits(info, p.job)]
+        if pending:
+            raise JobError(f"The {p.job.framework} engine in this build cannot run this job yet", pending)
         _check_inputs(p)
     except JobError as err:
         _fail(err)
@@ -195,6 +202,46 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
     con.print(("[green]finished[/]" if code == 0 else f"[red]engine exited with code {code}[/]")
               + f"; logs in {_escape(str(rendered.run_dir / 'logs'))}")
     raise typer.Exit(code)
+
+
+PREPROCESS_MODULE = {"mindspeed-llm": "backends.llm.preprocess"}
+
+
+@app.command()
+def preprocess(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
+               allow_unsupported: bool = ALLOW) -> None:
+    """Tokenize the job's data into the run's cache (Megatron .bin/.idx) without training."""
+    from ascendfactory.engines import engine_info
+    from ascendfactory.errors import Problem
+    from ascendfactory.launch import run_preprocess
+    from ascendfactory.render import ENGINE_MODULE
+
+    try:
+        p, rendered, _ = _render_to(job_file, overrides, None, allow_unsupported)
+        fw = p.job.framework
+        if fw not in PREPROCESS_MODULE:
+            raise JobError(f"{fw} jobs have no separate preprocessing step",
+                           [Problem("framework", f"preprocess runs for {', '.join(PREPROCESS_MODULE)} jobs",
+                                    hint="`ascendfactory run` tokenizes on the fly for this framework")])
+        if not engine_info(fw).present:
+            raise JobError(f"The {fw} engine is not in this build yet",
+                           [Problem("framework", f"{ENGINE_MODULE[fw]} is not installed in this build")])
+        _check_inputs(p)
+    except JobError as err:
+        _fail(err)
+    argv = rendered.argv
+    engine_args = argv[argv.index(ENGINE_MODULE[fw]) + 1:]
+    code, summary, err = run_preprocess([sys.executable, "-m", PREPROCESS_MODULE[fw], *engine_args],
+                                        rendered.env, console=_console())
+    if code != 0:
+        _console(stderr=True).print(f"[bold red]error:[/] preprocessing failed (exit {code})\n{_escape(err.strip())}")
+        raise typer.Exit(code)
+    con = _console()
+    if summary:
+        reused = "reused the cache" if summary.get("reused") else "wrote"
+        con.print(f"{reused} {_escape(str(summary.get('path')))}: {summary.get('samples')} samples, "
+                  f"{summary.get('tokens')} tokens" + (f", {summary['truncated']} truncated to seq_len"
+                                                       if summary.get("truncated") else ""))
 
 
 def _check_inputs(p) -> None:
@@ -308,7 +355,9 @@ def _any_supported(framework: str, model_id: str) -> bool:
 
 
 @matrix_app.command("check")
-def matrix_check(framework: Optional[str] = typer.Option(None, "--framework", "-f")) -> None:
+def matrix_check(framework: Optional[str] = typer.Option(None, "--framework", "-f"),
+                 strict: bool = typer.Option(False, "--strict", help="also fail on cells an engine declares pending")
+                 ) -> None:
     """Verify the matrix files, plan every ✅ cell, and hold the engines' declarations against them."""
     from ascendfactory.matrix_check import coverage_table, run_check
 
@@ -322,7 +371,10 @@ def matrix_check(framework: Optional[str] = typer.Option(None, "--framework", "-
         con.print(f"[red]✗[/] {_escape(problem)}")
     for note in result.notes:
         con.print(f"[dim]· {_escape(note)}[/]")
-    if result.problems:
+    for (fw, feature), why in result.pending.items():
+        con.print(f"[yellow]pending[/] {fw} × {feature}: {_escape(why)} "
+                  f"({result.promised[(fw, feature)] - result.backed.get((fw, feature), 0)} ✅ cells not backed)")
+    if result.problems or (strict and result.pending):
         raise typer.Exit(1)
     con.print("[green]matrix check passed[/]")
 

@@ -1,8 +1,9 @@
 """Which engines are in this build, and what each declares it implements.
 
 Engines declare their capabilities in `backends/<engine>/capabilities.py`, a module that imports
-nothing heavy: `IMPLEMENTS = {framework: {feature: [families] or "*"}}` plus an optional
-`STAGES = {framework: [stages]}`. The orchestrator reads only that module.
+nothing heavy: `IMPLEMENTS = {framework: {feature: [families] or "*"}}` and optionally
+`PENDING = {framework: {feature: reason}}` for table columns the engine does not back yet. The
+orchestrator reads only that module.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ class EngineInfo:
     module: str
     present: bool
     implements: dict[str, object]  # feature → list of families or "*"
+    pending: dict[str, str]        # feature → why the engine does not back it yet
+    limits: dict[str, object]      # job field → the largest value this build runs
 
 
 def engine_info(framework: str) -> EngineInfo:
@@ -30,12 +33,28 @@ def engine_info(framework: str) -> EngineInfo:
     except ModuleNotFoundError:
         present = False
     implements: dict[str, object] = {}
+    pending: dict[str, str] = {}
+    limits: dict[str, object] = {}
     if present:
         caps = importlib.import_module(module + ".capabilities")
         implements = dict(getattr(caps, "IMPLEMENTS", {}).get(framework, {}))
-    return EngineInfo(framework, module, present, implements)
+        pending = dict(getattr(caps, "PENDING", {}).get(framework, {}))
+        limits = dict(getattr(caps, "LIMITS", {}).get(framework, {}))
+    return EngineInfo(framework, module, present, implements, pending, limits if present else {})
 
 
 def implements(info: EngineInfo, feature: str, family: str) -> bool:
     families = info.implements.get(feature)
     return families == "*" or (isinstance(families, (list, tuple, set)) and family in families)
+
+
+def over_limits(info: EngineInfo, job) -> list[tuple[str, object, object]]:
+    """(field, job value, limit) for every job setting beyond what the engine in this build runs."""
+    out = []
+    for dotted, limit in info.limits.items():
+        value = job
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        if value > limit:
+            out.append((dotted, value, limit))
+    return out

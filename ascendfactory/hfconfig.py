@@ -44,7 +44,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> tuple[str | None, dict[str, Any]
         "max_position_embeddings": _first(text, "max_position_embeddings", "seq_length"),
         "rope_theta": float(theta) if theta is not None else 10000.0,
         "tie_word_embeddings": bool(_first(cfg, "tie_word_embeddings", default=False)),
-        "qkv_bias": model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl") or bool(text.get("add_qkv_bias")),
+        "qkv_bias": model_type in ("qwen2", "qwen2_vl", "qwen2_5_vl") or bool(text.get("add_qkv_bias"))
+                    or bool(text.get("attention_bias")),
         "qk_norm": model_type in ("qwen3", "qwen3_moe"),
     }
     experts = _first(text, "num_experts", "num_local_experts", "n_routed_experts")
@@ -61,6 +62,10 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> tuple[str | None, dict[str, Any]
         arch["mla"] = {k: text.get(k) for k in
                        ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
         arch["num_kv_heads"] = heads
+        arch["head_dim"] = (text.get("qk_nope_head_dim") or 0) + (text.get("qk_rope_head_dim") or 0)
+    partial = _first(text, "partial_rotary_factor", default=rope.get("partial_rotary_factor"))
+    if partial is not None:
+        arch["rotary_fraction"] = float(partial)
     return FAMILY_OF_MODEL_TYPE.get(model_type), arch
 
 

@@ -55,7 +55,7 @@ def run_with_progress(argv: list[str], env: dict[str, str], metrics: Path, log_f
                     continue
                 records, offset = read_metrics(metrics, offset)
                 for r in records:
-                    if "step" in r:
+                    if "step" in r and "event" not in r:
                         status = f"loss {r.get('loss', float('nan')):.4f}  {r.get('tokens_per_s', 0):,.0f} tok/s"
                         progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps),
                                         status=status)
@@ -69,3 +69,30 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def run_preprocess(argv: list[str], env: dict[str, str], console=None) -> tuple[int, dict | None, str]:
+    """Run an engine's preprocess entry; its JSON progress lines drive a bar. → (code, summary, stderr)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    summary = None
+    progress = Progress(TextColumn("[bold]tokenizing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                        console=console)
+    task = progress.add_task("preprocess", total=None)
+    try:
+        with progress:
+            for line in proc.stdout:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "progress" in record:
+                    progress.update(task, completed=record["progress"], total=record.get("total"))
+                elif record.get("event") == "preprocessed":
+                    summary = record
+    except KeyboardInterrupt:
+        _signal_group(proc, signal.SIGINT)
+    code = proc.wait()
+    return code, summary, proc.stderr.read()

@@ -172,6 +172,23 @@ def frameworks_serving(model_id: str, stage: str) -> list[str]:
     return out
 
 
+_WAY_OUT = {
+    "pretrain_full": "use finetuning: lora", "lora": "use finetuning: full",
+    "packing": "set data.packing: false", "dynamic_seq_len": "set data.dynamic_seq_len: false",
+    "flash_attention": "set kernels.flash_attention: false", "sptd": "keep parallel.tp and pp at 1 and sp off",
+    "long_seq": "set parallel.cp: 1", "moe_parallel": "set parallel.ep: 1", "zero": "set parallel.zero: 0",
+    "distributed_optimizer": "set parallel.distributed_optimizer: false", "recompute": "set parallel.recompute: none",
+    "vllm": "choose another rl.engine", "sglang": "choose another rl.engine",
+    "megatron_backend": "use framework: verl", "train_backend": "use another framework",
+}
+
+
+def _way_out(feature: str, listed: list) -> str:
+    if feature in ("stages", "methods"):
+        return f"choose a stage this cell lists ({', '.join(listed)})" if listed else "use another framework"
+    return _WAY_OUT.get(feature, "change that setting")
+
+
 def check(job: JobSpec, allow_unsupported: bool = False) -> CapabilityReport:
     fw, model_id = job.framework, job.model
     show = f"ascendfactory capabilities --model {model_id} --framework {fw}"
@@ -200,9 +217,10 @@ def check(job: JobSpec, allow_unsupported: bool = False) -> CapabilityReport:
             if allow_unsupported:
                 report.warnings.append(f"UNSUPPORTED, proceeding because of --allow-unsupported: {what} [{use.because}]")
             else:
+                listed = value if isinstance(value, list) else []
                 report.refusals.append(Problem(
                     use.because, what,
-                    hint=f"change {use.because.split(',')[0].split('=')[0]}, or pass --allow-unsupported to try anyway; see {show}"))
+                    hint=f"{_way_out(use.feature, listed)}, or pass --allow-unsupported to try anyway; see {show}"))
     return report
 
 

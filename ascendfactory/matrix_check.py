@@ -23,6 +23,7 @@ class CheckResult:
     engines: dict[str, bool] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    pending: dict[tuple[str, str], str] = field(default_factory=dict)  # (fw, feature) → engine's reason
 
 
 def _legal(fw: str, feature: str, value) -> bool:
@@ -134,6 +135,9 @@ def run_check(frameworks) -> CheckResult:
     for fw in frameworks:
         info = engine_info(fw)
         result.engines[fw] = info.present
+        for feature in info.pending:
+            if feature not in catalog.FEATURES[fw]:
+                result.problems.append(f"{info.module}.capabilities: PENDING names {feature!r}, not a {fw} feature")
         if not info.present:
             result.notes.append(f"{fw}: engine {info.module} is not in this build; its ✅ cells are promised, not backed")
         for model_id in catalog.table(fw).rows:
@@ -152,6 +156,8 @@ def run_check(frameworks) -> CheckResult:
                     declared = feature if stage is None else f"{feature}:{stage}"
                     if implements(info, declared, family):
                         result.backed[key] = result.backed.get(key, 0) + 1
+                    elif feature in info.pending:
+                        result.pending[key] = info.pending[feature]
                     else:
                         result.problems.append(f"✅ cell {cell}: engine {info.module} does not implement "
                                                f"'{declared}' for family {family}")
@@ -168,5 +174,7 @@ def coverage_table(result: CheckResult):
     t.add_column("backed / promised", justify="right")
     for (fw, feature), n in result.promised.items():
         engine = "present" if result.engines.get(fw) else "not in build"
+        if (fw, feature) in result.pending:
+            engine = "pending"
         t.add_row(fw, engine, feature, f"{result.backed.get((fw, feature), 0)} / {n}")
     return t

@@ -88,6 +88,8 @@ def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, li
         else:
             try:
                 found_family, arch = read_model_dir(path)
+                for key in ("moe", "mla"):  # same keys as a card, present or not
+                    arch.setdefault(key, None)
                 source = str(path / "config.json")
             except (ValueError, OSError) as exc:
                 problems.append(Problem("model_path", f"{path / 'config.json'} is not readable JSON: {exc}"))

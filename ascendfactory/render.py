@@ -136,7 +136,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     run_dir = Path(run_dir if run_dir is not None else job.output_dir)
     paths = run_paths(plan, run_dir)
     device = job.resources.device
-    env = {"PYTHONUNBUFFERED": "1", "AF_KERNELS": job.kernels.backend}
+    env = {"PYTHONUNBUFFERED": "1", "AF_KERNELS": job.kernels.backend, "AF_DEVICE": device}
     if device in ("cpu", "auto") and plan.layout.devices_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"  # several CPU ranks on one host would oversubscribe the cores
     env.update(job.env)
