@@ -56,6 +56,17 @@ def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
                           + ", ".join(f"{n} {v}" for n, v in asked))
 
 
+def _kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
+    """--use-flash-attn / --use-fused-* off means the plain-PyTorch ops, as in MindSpeed;
+    explicit --kernel-override entries win."""
+    out = {}
+    if not cfg.flash_attention:
+        out["attention"] = "reference"
+    if not cfg.fused_ops:
+        out.update(rms_norm="reference", apply_rotary="reference", swiglu="reference")
+    return {**out, **cfg.kernel_overrides}
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -184,7 +195,7 @@ def run(cfg: LLMConfig) -> int:
     _refuse_unbuilt_parallelism(cfg)
     rt = init_runtime(os.environ.get("AF_DEVICE", "auto"))
     logging.basicConfig(level=logging.INFO, format=f"[rank{rt.rank}] %(asctime)s %(message)s", stream=sys.stdout)
-    kernels.configure(default=cfg.kernel_backend, overrides=cfg.kernel_overrides or None)
+    kernels.configure(default=cfg.kernel_backend, overrides=_kernel_overrides(cfg) or None)
     _seed_everything(cfg.train.seed)
 
     decoder = build_decoder(cfg)

@@ -159,3 +159,31 @@ def test_engine_refuses_bad_input_with_one_message(tmp_path):
     path.write_text(yaml.safe_dump(tp))
     res = run_cli("run", path)
     assert res.returncode == 2 and "parallel.tp" in res.stderr and "up to 1" in res.stderr
+
+
+@pytest.mark.parametrize("precision,recompute", [("bf16", "full"), ("fp16", "selective")])
+def test_mixed_precision_and_recompute_track_the_fp32_run(tmp_path, precision, recompute):
+    run_job(tmp_path, job(tmp_path / "fp32"), "fp32.yaml")
+    mixed = job(tmp_path / "mixed", train={"precision": precision}, parallel={"recompute": recompute})
+    run_job(tmp_path, mixed, "mixed.yaml")
+    ref, got = losses(tmp_path / "fp32"), losses(tmp_path / "mixed")
+    # fp32 master weights, 16-bit compute: the same curve within 16-bit rounding
+    assert got == pytest.approx(ref, rel=2e-2)
+    assert got[-1] < got[0]
+    weights = final_weights(tmp_path / "mixed")
+    assert all(w.dtype == torch.float32 for w in weights.values())  # exported from the fp32 masters
+
+
+def test_flash_and_fused_switches_choose_the_plain_ops():
+    from backends.llm.config import parse_args
+    from backends.llm.train import _kernel_overrides
+
+    base = ["--model-id", "qwen3-8b", "--data-path", "x", "--seq-length", "8", "--global-batch-size", "1",
+            "--lr", "1e-4", "--train-iters", "1"]
+    fused = base + ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+    assert _kernel_overrides(parse_args(fused)) == {}  # auto: the fused kernel of the device
+    assert _kernel_overrides(parse_args(base)) == {"attention": "reference", "rms_norm": "reference",
+                                                   "apply_rotary": "reference", "swiglu": "reference"}
+    mine = parse_args(base + ["--use-flash-attn", "--kernel-override", "attention=cuda"])
+    assert _kernel_overrides(mine) == {"attention": "cuda", "rms_norm": "reference", "apply_rotary": "reference",
+                                       "swiglu": "reference"}
