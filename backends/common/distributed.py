@@ -59,9 +59,10 @@ def init_runtime(device: str = "auto") -> Runtime:
     return Runtime(rank, local_rank, world, dev, backend)
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+def all_reduce_sum(value: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place sum over `group` (default: every rank); a no-op on one process."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
 
 

@@ -49,13 +49,15 @@ def _no_sync(model: torch.nn.Module, last: bool):
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
                loss_fn: LossFn, *, device: torch.device, dp_world: int, precision: str = "fp32",
-               grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None) -> StepResult:
+               grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None, group=None) -> StepResult:
+    """One optimizer step over `micro_batches`. `group` / `dp_world`: the ranks that hold different
+    tokens and average their gradients (dp, or dp × cp); token counts are summed over them."""
     start = time.perf_counter()
     local = torch.tensor([float(sum(int(mb["n_tokens"]) for mb in micro_batches)),
                           float(sum(mb["input_ids"].numel() for mb in micro_batches)),
                           float(sum(int(mb.get("n_input", mb["input_ids"].numel())) for mb in micro_batches))],
                          dtype=torch.float64, device=device)
-    global_valid, global_tokens, global_real = all_reduce_sum(local).tolist()
+    global_valid, global_tokens, global_real = all_reduce_sum(local, group).tolist()
     denom = max(global_valid, 1.0)
     loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
     aux_total = None
@@ -85,9 +87,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    global_loss = float(all_reduce_sum(loss_sum_total)) / denom
+    global_loss = float(all_reduce_sum(loss_sum_total, group)) / denom
     if aux_total is not None and dp_world > 1:
-        aux_t = all_reduce_sum(torch.tensor(aux_total, dtype=torch.float64, device=device))
+        aux_t = all_reduce_sum(torch.tensor(aux_total, dtype=torch.float64, device=device), group)
         aux_total = float(aux_t) / dp_world
     return StepResult(loss=global_loss, aux_loss=aux_total, grad_norm=float(norm), tokens=int(global_tokens),
                       valid_tokens=int(global_valid), seconds=time.perf_counter() - start,

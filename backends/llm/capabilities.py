@@ -13,6 +13,7 @@ IMPLEMENTS = {
         "packing": FAMILIES,
         "flash_attention": FAMILIES,
         "dynamic_seq_len": FAMILIES,
+        "long_seq": FAMILIES,
     },
 }
 
@@ -22,7 +23,6 @@ PENDING = {
     "mindspeed-llm": {
         "sptd": "tensor / sequence / pipeline parallelism is not implemented in backends.llm yet "
                 "(data parallel is)",
-        "long_seq": "context parallelism (ring / Ulysses / hybrid) is not implemented in backends.llm yet",
         "moe_parallel": "expert parallelism is not implemented in backends.llm yet (MoE models train with ep=1)",
     },
 }
@@ -33,7 +33,6 @@ LIMITS = {
     "mindspeed-llm": {
         "parallel.tp": 1,
         "parallel.pp": 1,
-        "parallel.cp": 1,
         "parallel.ep": 1,
         "parallel.sp": False,
         "parallel.distributed_optimizer": False,

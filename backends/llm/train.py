@@ -20,6 +20,7 @@ from backends.common.distributed import barrier, init_runtime, shutdown
 from backends.common.loop import finite_or_raise, take, train_step
 from backends.common.metrics import MetricsWriter, read_metrics
 from backends.common.optim import build_optimizer, build_scheduler
+from backends.llm import parallelize
 from backends.llm.config import ConfigError, LLMConfig, parse_args
 
 log = logging.getLogger("backends.llm")
@@ -48,11 +49,11 @@ def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
     p = cfg.parallel
     asked = [(name, value) for name, value in (
         ("--tensor-model-parallel-size", p.tp), ("--pipeline-model-parallel-size", p.pp),
-        ("--context-parallel-size", p.cp), ("--expert-model-parallel-size", p.ep)) if value > 1]
+        ("--expert-model-parallel-size", p.ep)) if value > 1]
     asked += [(name, True) for name, on in (("--sequence-parallel", p.sp),
                                             ("--use-distributed-optimizer", p.distributed_optimizer)) if on]
     if asked:
-        raise ConfigError("this build of backends.llm trains with data parallel only; not implemented yet: "
+        raise ConfigError("this build of backends.llm trains with data and context parallel only; not implemented yet: "
                           + ", ".join(f"{n} {v}" for n, v in asked))
 
 
@@ -96,22 +97,7 @@ def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
     return models.from_card(cfg.model.model_id, **overrides)
 
 
-def _wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, rt) -> torch.nn.Module:
-    if rt.world == 1:
-        return model
-    if cfg.parallel.fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.decoder.model.layers:
-            fully_shard(layer)
-        return fully_shard(model)
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model, device_ids=None if rt.device.type == "cpu" else [rt.device.index],
-                                   find_unused_parameters=False)
-
-
-def _build_data(cfg: LLMConfig, rt, tokenizer_dir: str | None):
+def _build_data(cfg: LLMConfig, rt, par, tokenizer_dir: str | None):
     from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
 
     d = cfg.data
@@ -126,7 +112,7 @@ def _build_data(cfg: LLMConfig, rt, tokenizer_dir: str | None):
         dataset = preprocess(source, d.fmt, tokenizer, d.template, d.seq_len, cache_root, max_samples=d.max_samples)
     mode = "packed" if d.packing else "dynamic" if d.dynamic else "padded"
     loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
-                              dp_rank=rt.rank, dp_world=rt.world, seed=cfg.train.seed, shuffle=d.shuffle,
+                              dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.train.seed, shuffle=d.shuffle,
                               pad_id=pad_id(tokenizer) if tokenizer is not None else 0,
                               pad_to_multiple_of=d.pad_to_multiple_of)
     log.info("data: %s; %s batches%s", dataset.summary(), mode,
@@ -213,16 +199,18 @@ def run(cfg: LLMConfig) -> int:
     log.info("model: %s, %.2f M parameters (%.2f M trainable), kernels %s", decoder.config.family, total / 1e6,
              trainable / 1e6, kernels.describe())
 
+    par = parallelize.setup(cfg, decoder, rt)
     tokenizer_dir = cfg.model.tokenizer
-    tokenizer, dataset, loader = _build_data(cfg, rt, tokenizer_dir)
+    tokenizer, dataset, loader = _build_data(cfg, rt, par, tokenizer_dir)
     t = cfg.train
-    accum, rem = divmod(t.global_batch, t.micro_batch * rt.world)
+    dp = par.layout.dp
+    accum, rem = divmod(t.global_batch, t.micro_batch * dp)
     if rem or accum < 1:
         raise ConfigError(f"--global-batch-size {t.global_batch} is not a multiple of micro-batch {t.micro_batch} "
-                          f"× data-parallel size {rt.world}")
+                          f"× data-parallel size {dp}")
     total_steps = _total_steps(cfg, loader)
 
-    model = _wrap_data_parallel(CausalLMWithLoss(decoder), cfg, rt)
+    model = parallelize.wrap_data_parallel(CausalLMWithLoss(decoder), cfg, par, rt)
     optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas)
     scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
                                 style=t.schedule)
@@ -241,10 +229,10 @@ def run(cfg: LLMConfig) -> int:
     batches = iter(loader)
     run_dir = Path(cfg.metrics_file).parent if cfg.metrics_file else None
     while step < total_steps:
-        micro = [_to_device(mb, rt.device) for mb in take(batches, accum)]
-        result = train_step(model, optimizer, micro, _loss_fn, device=rt.device, dp_world=rt.world,
+        micro = [parallelize.shard_batch(_to_device(mb, rt.device), par) for mb in take(batches, accum)]
+        result = train_step(model, optimizer, micro, _loss_fn, device=rt.device, dp_world=par.grad_world,
                             precision=t.precision, grad_clip=t.grad_clip, aux_coeff=t.moe_aux_loss_coeff,
-                            scaler=scaler)
+                            scaler=scaler, group=par.grad_group)
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
         step += 1

@@ -18,7 +18,7 @@ from backends.llm.capabilities import IMPLEMENTS
 from tests.helpers.tiny_hf import TINY, make_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
-FEATURES = ("pretrain_full", "lora", "packing", "flash_attention", "dynamic_seq_len")
+FEATURES = ("pretrain_full", "lora", "packing", "flash_attention", "dynamic_seq_len", "long_seq")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,11 @@ def _job(family: str, feature: str, model_dir: Path, out: Path) -> dict:
         job["data"]["packing"] = True
     elif feature == "dynamic_seq_len":
         job["data"]["dynamic_seq_len"] = True
+    elif feature == "long_seq":  # context parallel over two CPU processes, packed documents
+        job["parallel"].update(cp=2, cp_algo="ring")
+        job["data"]["packing"] = True
+        job["kernels"]["flash_attention"] = True
+        job.update(launcher="torchrun", resources={"device": "cpu", "devices_per_node": 2})
     return job
 
 

@@ -87,6 +87,7 @@ class Attention(nn.Module):
         self.rotary_dim, self.interleaved = cfg.rotary_dim, cfg.rotary_interleaved
         self.scale = d**-0.5
         self.selective_recompute = False
+        self.core_attention = attend  # context parallelism swaps in its ring / Ulysses attention
 
     def forward(self, x, cos, sin, cu_seqlens=None):
         b, s, _ = x.shape
@@ -97,5 +98,5 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = kernels.apply_rotary(q, cos, sin, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
         k = kernels.apply_rotary(k, cos, sin, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
-        out = maybe_checkpoint(self.selective_recompute, attend, q, k, v, cu_seqlens, self.scale)
+        out = maybe_checkpoint(self.selective_recompute, self.core_attention, q, k, v, cu_seqlens, self.scale)
         return self.o_proj(out.reshape(b, s, -1))

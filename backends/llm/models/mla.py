@@ -27,14 +27,14 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
-def attend_mla(q, k, v, cu_seqlens, scale, pad_v: bool):
+def attend_mla(q, k, v, cu_seqlens, scale, pad_v: bool, core=attend):
     """attend() with v narrower than q/k (128 vs 192). flash-attn and npu_fusion_attention want one
     head dim, so off the CPU v is zero-padded to it and the output sliced back (as HF's FA2 path
     does); the CPU reference takes the narrow v as is."""
     dv, dqk = v.shape[-1], q.shape[-1]
     if not pad_v or dv == dqk:
-        return attend(q, k, v, cu_seqlens, scale)
-    out = attend(q, k, torch.nn.functional.pad(v, (0, dqk - dv)), cu_seqlens, scale)
+        return core(q, k, v, cu_seqlens, scale)
+    out = core(q, k, torch.nn.functional.pad(v, (0, dqk - dv)), cu_seqlens, scale)
     return out[..., :dv]
 
 
@@ -61,6 +61,7 @@ class MLAttention(nn.Module):
         self.interleaved = a.rope_interleave
         self.scale = mla_softmax_scale(cfg)
         self.selective_recompute = False
+        self.core_attention = attend  # context parallelism swaps in its ring / Ulysses attention
 
     def forward(self, x, cos, sin, cu_seqlens=None):
         b, s, _ = x.shape
@@ -79,5 +80,5 @@ class MLAttention(nn.Module):
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(b, s, self.num_heads, self.rope)), dim=-1)
         out = maybe_checkpoint(self.selective_recompute, attend_mla, q, k, v.contiguous(), cu_seqlens, self.scale,
-                               x.device.type != "cpu")
+                               x.device.type != "cpu", self.core_attention)
         return self.o_proj(out.reshape(b, s, -1))

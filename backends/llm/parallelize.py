@@ -1,0 +1,107 @@
+"""Parallel plans applied from outside the model (torchtitan's rule): the mesh, context parallel
+attention, the data-parallel wrap, and which ranks share data / tokens / gradients.
+
+Gradients of replicated parameters are reduced over dp × cp (CP ranks hold different tokens of the
+same samples); the loss's token count is summed over the same ranks; the loader is sharded over dp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from backends.llm.config import LLMConfig
+from backends.llm.parallel.mesh import Layout, build_mesh, check_layout
+
+
+@dataclass
+class Parallel:
+    layout: Layout
+    mesh: Any                 # DeviceMesh ("pp", "dp", "cp", "tp") or None on one process
+    dp_rank: int
+    cp_rank: int
+    grad_group: Any           # process group of dp × cp (None: the default group / one process)
+    grad_world: int           # its size
+    cp_groups: Any = None     # CPGroups when cp > 1
+    cp_algo: str = "ring"
+
+
+def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
+    c, p = decoder.config, cfg.parallel
+    experts = c.moe.num_experts if c.moe is not None else 0
+    layout = check_layout(rt.world, p.tp, p.pp, p.cp, p.ep, heads=c.num_attention_heads,
+                          kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads,
+                          layers=c.num_layers, experts=experts, pp_layers=p.pp_layers)
+    if rt.world == 1:
+        return Parallel(layout, None, 0, 0, None, 1)
+    mesh = build_mesh(layout, rt.device.type)
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    par = Parallel(layout, mesh, mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank(),
+                   dp_cp.get_group(), dp_cp.size(), cp_algo=p.cp_algo)
+    if layout.cp > 1:
+        _apply_context_parallel(decoder, par, cfg, rt)
+    return par
+
+
+def _cp_attend(q, k, v, cu_seqlens, scale, *, groups, algo):
+    from backends.llm.parallel.context_parallel import cp_attention
+
+    if cu_seqlens is None:
+        return cp_attention(q, k, v, algo=algo, groups=groups, causal=True, scale=scale)
+    return cp_attention(q[0], k[0], v[0], algo=algo, groups=groups, causal=True, cu_seqlens=cu_seqlens,
+                        scale=scale).unsqueeze(0)
+
+
+def _apply_context_parallel(decoder, par: Parallel, cfg: LLMConfig, rt) -> None:
+    from backends.llm.parallel.context_parallel import make_cp_groups
+
+    mesh = par.mesh
+    # every rank builds every CP group (new_group is collective over the world), then keeps its own
+    cp_dim = mesh.mesh_dim_names.index("cp")
+    ranks = mesh.mesh.movedim(cp_dim, -1).reshape(-1, par.layout.cp).tolist()
+    u = (cfg.parallel.ulysses_degree or 1) if cfg.parallel.cp_algo == "hybrid" else 1
+    par.cp_groups = make_cp_groups(ranks, ulysses_degree=u)
+    attend = partial(_cp_attend, groups=par.cp_groups, algo=cfg.parallel.cp_algo)
+    for module in decoder.modules():
+        if hasattr(module, "core_attention"):
+            module.core_attention = attend
+
+
+def shard_batch(mb: dict, par: Parallel) -> dict:
+    """This CP rank's part of a micro-batch: head/tail sequence chunks with their global positions."""
+    if par.layout.cp == 1:
+        return mb
+    from backends.llm.parallel.context_parallel import shard_for_cp
+
+    shard = shard_for_cp({k: v for k, v in mb.items() if k not in ("n_tokens", "n_input", "position_ids")},
+                         par.cp_rank, par.layout.cp, seq_dim=1)
+    out = dict(shard.data)
+    b = out["input_ids"].shape[0]
+    out["position_ids"] = shard.positions.unsqueeze(0).expand(b, -1)
+    if shard.cu_seqlens is None:
+        out.pop("cu_seqlens", None)
+    out["n_tokens"] = (out["labels"] != -100).sum()
+    # metrics only: split the real-token count so the CP ranks add up to the micro-batch's
+    total = int(mb.get("n_input", mb["input_ids"].numel()))
+    share, extra = divmod(total, par.layout.cp)
+    out["n_input"] = torch.tensor(share + (extra if par.cp_rank == 0 else 0))
+    return out
+
+
+def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt) -> torch.nn.Module:
+    if par.grad_world == 1 and par.mesh is None:
+        return model
+    if cfg.parallel.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = par.mesh["dp", "cp"]._flatten("dp_cp_fsdp")
+        for layer in model.decoder.model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        return fully_shard(model, mesh=dp_mesh)
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=par.grad_group,
+                                   device_ids=None if rt.device.type == "cpu" else [rt.device.index])

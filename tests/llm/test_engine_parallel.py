@@ -1,0 +1,42 @@
+"""backends.llm context parallel through `ascendfactory run`: N CPU processes match one process."""
+
+import pytest
+
+from tests.llm.test_engine_runs import final_weights, job, losses, run_job
+
+import torch
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory):
+    """The one-process runs every parallel layout is held against (padded and packed data)."""
+    base = tmp_path_factory.mktemp("baseline")
+    out = {}
+    for packed in (False, True):
+        spec = job(base / f"packed{packed}", data={"packing": packed})
+        run_job(base, spec, f"packed{packed}.yaml")
+        out[packed] = base / f"packed{packed}"
+    return out
+
+
+CASES = [  # (cp, algo, ulysses degree, devices)
+    (2, "ring", None, 2), (2, "ulysses", None, 2), (4, "hybrid", 2, 4), (2, "ring", None, 4),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("cp,algo,ulysses,devices", CASES,
+                         ids=["cp2-ring", "cp2-ulysses", "cp4-hybrid", "dp2xcp2-ring"])
+def test_context_parallel_matches_one_process(tmp_path, baselines, packed, cp, algo, ulysses, devices):
+    parallel = {"cp": cp, "cp_algo": algo}
+    if ulysses:
+        parallel["ulysses_degree"] = ulysses
+    spec = job(tmp_path / "cp", data={"packing": packed}, parallel=parallel, launcher="torchrun",
+               resources={"devices_per_node": devices})
+    run_job(tmp_path, spec, "cp.yaml")
+    ref = baselines[packed]
+    assert losses(tmp_path / "cp") == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
+    want = final_weights(ref)
+    for key, value in final_weights(tmp_path / "cp").items():
+        # 1e-4 as the issue asks: Adam turns float-order noise in near-zero grads into ~1e-5 steps
+        torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
