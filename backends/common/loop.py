@@ -76,10 +76,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if grad_clip and grad_clip > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    limit = grad_clip if grad_clip and grad_clip > 0 else float("inf")
+    if hasattr(optimizer, "clip_grad_norm_"):  # a sharded optimizer: only it sees the reduced grads
+        norm = optimizer.clip_grad_norm_(limit)
     else:
-        norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if scaler is not None:
         scaler.step(optimizer)

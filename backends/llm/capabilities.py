@@ -35,6 +35,5 @@ LIMITS = {
         "parallel.pp": 1,
         "parallel.ep": 1,
         "parallel.sp": False,
-        "parallel.distributed_optimizer": False,
     },
 }

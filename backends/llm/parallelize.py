@@ -94,6 +94,8 @@ def shard_batch(mb: dict, par: Parallel) -> dict:
 def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt) -> torch.nn.Module:
     if par.grad_world == 1 and par.mesh is None:
         return model
+    if cfg.parallel.distributed_optimizer:
+        return model  # the sharded optimizer reduce-scatters the grads itself (it replaces DDP)
     if cfg.parallel.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -105,3 +107,15 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt
 
     return DistributedDataParallel(model, process_group=par.grad_group,
                                    device_ids=None if rt.device.type == "cpu" else [rt.device.index])
+
+
+def build_optimizer(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
+    """AdamW, or with --use-distributed-optimizer its ZeRO-1 form sharded over dp × cp."""
+    t = cfg.train
+    if cfg.parallel.distributed_optimizer:
+        from backends.common.zero import build_sharded_optimizer
+
+        return build_sharded_optimizer(model, par.grad_group, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    from backends.common.optim import build_optimizer as adamw
+
+    return adamw(model, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas)

@@ -19,7 +19,7 @@ from backends import kernels
 from backends.common.distributed import barrier, init_runtime, shutdown
 from backends.common.loop import finite_or_raise, take, train_step
 from backends.common.metrics import MetricsWriter, read_metrics
-from backends.common.optim import build_optimizer, build_scheduler
+from backends.common.optim import build_scheduler
 from backends.llm import parallelize
 from backends.llm.config import ConfigError, LLMConfig, parse_args
 
@@ -50,10 +50,10 @@ def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
     asked = [(name, value) for name, value in (
         ("--tensor-model-parallel-size", p.tp), ("--pipeline-model-parallel-size", p.pp),
         ("--expert-model-parallel-size", p.ep)) if value > 1]
-    asked += [(name, True) for name, on in (("--sequence-parallel", p.sp),
-                                            ("--use-distributed-optimizer", p.distributed_optimizer)) if on]
+    asked += [(name, True) for name, on in (("--sequence-parallel", p.sp),) if on]
     if asked:
-        raise ConfigError("this build of backends.llm trains with data and context parallel only; not implemented yet: "
+        raise ConfigError("this build of backends.llm trains with data / context parallel and the distributed "
+                          "optimizer; not implemented yet: "
                           + ", ".join(f"{n} {v}" for n, v in asked))
 
 
@@ -211,7 +211,7 @@ def run(cfg: LLMConfig) -> int:
     total_steps = _total_steps(cfg, loader)
 
     model = parallelize.wrap_data_parallel(CausalLMWithLoss(decoder), cfg, par, rt)
-    optimizer = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas)
+    optimizer = parallelize.build_optimizer(model, cfg, par)
     scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
                                 style=t.schedule)
     scaler = torch.amp.GradScaler(rt.device.type) if t.precision == "fp16" else None

@@ -40,3 +40,25 @@ def test_context_parallel_matches_one_process(tmp_path, baselines, packed, cp, a
     for key, value in final_weights(tmp_path / "cp").items():
         # 1e-4 as the issue asks: Adam turns float-order noise in near-zero grads into ~1e-5 steps
         torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
+
+
+def test_distributed_optimizer_dp4_matches_one_process(tmp_path, baselines):
+    spec = job(tmp_path / "zero", parallel={"distributed_optimizer": True}, launcher="torchrun",
+               resources={"devices_per_node": 4})
+    run_job(tmp_path, spec, "zero.yaml")
+    ref = baselines[False]
+    assert losses(tmp_path / "zero") == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
+    want = final_weights(ref)
+    for key, value in final_weights(tmp_path / "zero").items():
+        torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
+
+
+def test_distributed_optimizer_resumes_at_another_dp_size(tmp_path, baselines):
+    # 2 steps at dp=2 with the sharded optimizer, stop; resume the same run at dp=4
+    first = job(tmp_path / "z", parallel={"distributed_optimizer": True}, launcher="torchrun",
+                resources={"devices_per_node": 2}, resume="auto", backend_overrides={"exit-interval": 2})
+    run_job(tmp_path, first, "first.yaml")
+    again = job(tmp_path / "z", parallel={"distributed_optimizer": True}, launcher="torchrun",
+                resources={"devices_per_node": 4}, resume="auto")
+    run_job(tmp_path, again, "again.yaml")
+    assert losses(tmp_path / "z") == pytest.approx(losses(baselines[False]), rel=1e-5, abs=1e-6)

@@ -1,0 +1,242 @@
+"""Distributed-optimizer worker (run by tests/parallel/test_zero.py under torchrun, gloo):
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/parallel/_zero_worker.py OUT CKPT
+
+Every rank trains the same tiny qwen3 model: ShardedAdamW over dp = N, each rank on its slice of
+the global batch (the engine's convention: summed CE × dp / global tokens, grads averaged by the
+optimizer's reduce-scatter), global-norm clipping, a warmup + cosine schedule; the reference is a
+single-process torch.optim.AdamW on the whole batch, accumulated over the same N row slices (so the
+fp32 partial sums match the ranks'). Checked (max abs error <= 1e-6):
+  * the 5 step losses, grad norms and the final parameters (and <= 1e-5 against one forward over
+    the whole batch: the rounding any data-parallel split of a batch brings, DDP's too);
+  * after 3 steps, the gathered state_dict() equals torch's AdamW state;
+  * per-rank optimizer state bytes ≈ 1/N of the unsharded AdamW's moments;
+  * N == 2: a DCP checkpoint (backends.common.checkpoint.save_checkpoint) at step 3 into CKPT;
+  * N == 4: resuming that dp=2 checkpoint (load_checkpoint: DCP + re-shard) and training steps 4-5
+    gives the reference's parameters; a sharded_state_dict() round trip at the same dp does too.
+Rank 0 writes OUT/zero_N.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from backends import kernels  # noqa: E402
+from backends.common.checkpoint.resume import load_checkpoint, save_checkpoint  # noqa: E402
+from backends.common.optim import build_scheduler, param_groups  # noqa: E402
+from backends.common.zero import ShardedAdamW, build_sharded_optimizer  # noqa: E402
+from backends.llm.models import ModelConfig, build_model  # noqa: E402
+
+TOL = 1e-6
+LOOSE_TOL = 1e-5  # vs one forward over the whole batch: the fp32 rounding of splitting a batch
+STEPS, SAVE_AT = 5, 3
+BATCH, SEQ = 8, 16
+LR, WD, BETAS, CLIP = 1e-3, 0.1, (0.9, 0.95), 0.5
+CFG = ModelConfig(family="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                  num_kv_heads=2, head_dim=16, vocab_size=256, qk_norm=True, max_position_embeddings=128)
+
+
+def make_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(CFG)
+    # 7 odd elements that get no grad: the flat size does not split evenly (padding) and a
+    # parameter without a grad on any rank is skipped, as torch.optim.AdamW skips it
+    model.register_parameter("unused", torch.nn.Parameter(torch.full((7,), 0.5)))
+    return model
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
+    labels[step % BATCH, : step + 1] = -100
+    return ids, labels
+
+
+def ce_sum(model, ids, labels):
+    hidden = model(ids, return_hidden=True)
+    loss, _ = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.output_weight(),
+                                           labels.reshape(-1))
+    return loss
+
+
+def scheduler_for(opt):
+    return build_scheduler(opt, lr=LR, min_lr=LR / 10, warmup=2, total=STEPS, style="cosine")
+
+
+def reference(parts=lambda step: 1):
+    """Single-process AdamW on the whole batch of every step; parts(step) > 1 accumulates the
+    batch as that many consecutive row slices (the ranks' slices) instead of one forward."""
+    model = make_model()
+    opt = torch.optim.AdamW(param_groups(model, WD), lr=LR, betas=BETAS, foreach=False)
+    sched = scheduler_for(opt)
+    losses, norms, state_at_save = [], [], None
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        n = int((labels != -100).sum())
+        k = parts(step)
+        rows = BATCH // k
+        loss = 0.0
+        for j in range(k):
+            part = ce_sum(model, ids[j * rows:(j + 1) * rows], labels[j * rows:(j + 1) * rows]) / n
+            part.backward()
+            loss += float(part.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss)
+        if step + 1 == SAVE_AT:
+            state_at_save = {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+    moment_bytes = sum(t.numel() * t.element_size() for s in opt.state.values()
+                       for n, t in s.items() if n in ("exp_avg", "exp_avg_sq"))
+    return model, losses, norms, state_at_save, moment_bytes
+
+
+def sharded_steps(model, opt, sched, steps, rank, world, on_step=None):
+    losses, norms = [], []
+    rows = BATCH // world
+    for step in steps:
+        ids, labels = batch(step)
+        n = int((labels != -100).sum())
+        mine = slice(rank * rows, (rank + 1) * rows)
+        local = ce_sum(model, ids[mine], labels[mine])
+        (local * (world / n)).backward()
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / n)
+        if on_step is not None:
+            on_step(step)
+    return losses, norms
+
+
+def rel_err(a: list[float], b: list[float]) -> float:
+    """Losses (~5.5, fp32 ulp 5e-7) are compared relative to their size."""
+    return max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def max_param_err(a, b) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def main() -> None:
+    out, ckpt = Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    warnings.filterwarnings("ignore")
+    # strict reference: the whole batch in one process, accumulated over the ranks' row slices (the
+    # same fp32 partial sums as the ranks); loose one: one forward over the whole batch, which
+    # differs from any data-parallel split by fp32 rounding (amplified a little by Adam)
+    ref_model, ref_losses, ref_norms, ref_state, ref_bytes = reference(lambda s: world)
+    one_model, one_losses, _, _, _ = reference()
+    res_loose = {"one_forward_loss_err": 0.0, "one_forward_param_err": 0.0}
+    assert max(ref_norms) > CLIP, "clipping never engaged; the test would not check the global norm"
+    res: dict = {"world": world}
+
+    model = make_model()
+    opt = build_sharded_optimizer(model, None, lr=LR, betas=BETAS, weight_decay=WD)
+    sched = scheduler_for(opt)
+    extra_checks = {}
+
+    def on_step(step):
+        if step + 1 != SAVE_AT:
+            return
+        full = opt.state_dict()  # collective
+        err = 0.0
+        unused = next(i for i, p in enumerate(opt._params) if p is model.unused)
+        assert set(full["state"]) == set(ref_state) | {unused}
+        assert float(full["state"][unused]["step"]) == 0 and not full["state"][unused]["exp_avg"].any()
+        for k, v in ref_state.items():
+            for name in ("step", "exp_avg", "exp_avg_sq"):
+                err = max(err, float((full["state"][k][name] - v[name]).abs().max()))
+        extra_checks["state_dict_vs_torch"] = err
+        if world == 2:
+            save_checkpoint(ckpt, SAVE_AT, model, opt, sched)
+        extra_checks["shard"] = opt.sharded_state_dict()
+        extra_checks["shard_model"] = {k: v.clone() for k, v in model.state_dict().items()}
+        extra_checks["shard_sched"] = sched.state_dict()
+
+    losses, norms = sharded_steps(model, opt, sched, range(STEPS), rank, world, on_step)
+    res["loss_err"] = rel_err(losses, ref_losses)
+    res["norm_err"] = max(abs(a - b) for a, b in zip(norms, ref_norms))
+    res["param_err"] = max_param_err(model, ref_model)
+    res["state_dict_vs_torch"] = extra_checks["state_dict_vs_torch"]
+    res_loose["one_forward_loss_err"] = rel_err(losses, one_losses)
+    res_loose["one_forward_param_err"] = max_param_err(model, one_model)
+
+    # optimizer memory: this rank's moments are 1/world of the unsharded AdamW's
+    mine = torch.tensor([opt.state_bytes()], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    per_rank = [int(t) for t in everyone]
+    res.update(state_bytes=per_rank, unsharded_bytes=ref_bytes, state_ratio=max(per_rank) / ref_bytes,
+               numel=opt.numel)
+    assert not opt.has_master  # fp32 params: no master copy
+    assert opt.numel % world, "the layout should need padding"
+    assert ref_bytes == 8 * (opt.numel - 7)  # torch keeps no state for the unused parameter
+    assert sum(per_rank) == 8 * opt.numel, (per_rank, opt.numel)          # exactly one copy in all
+    assert max(per_rank) - min(per_rank) <= 8 * (world - 1), per_rank     # balanced flat slices
+    assert all(abs(b - ref_bytes / world) <= 8 * (world + 7) for b in per_rank), (per_rank, ref_bytes)
+    assert bool((model.unused == 0.5).all())
+
+    # same-dp resume from this rank's shard
+    model2 = make_model(seed=7)
+    model2.load_state_dict(extra_checks["shard_model"])
+    opt2 = build_sharded_optimizer(model2, None, lr=LR, betas=BETAS, weight_decay=WD)
+    sched2 = scheduler_for(opt2)
+    sched2.load_state_dict(extra_checks["shard_sched"])
+    opt2.load_state_dict(extra_checks["shard"])
+    sharded_steps(model2, opt2, sched2, range(SAVE_AT, STEPS), rank, world)
+    res["shard_resume_param_err"] = max_param_err(model2, ref_model)
+
+    if world == 4:
+        # a different dp: resume the dp=2 DCP checkpoint, re-sharded over 4 ranks
+        model3 = make_model(seed=11)
+        opt3 = ShardedAdamW(param_groups(model3, WD), None, lr=LR, betas=BETAS, weight_decay=WD)
+        sched3 = scheduler_for(opt3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step, _ = load_checkpoint(ckpt / f"step_{SAVE_AT}", model3, opt3, sched3)
+        assert step == SAVE_AT
+        assert sorted(opt3._steps) == [0] + [SAVE_AT] * (len(opt3._steps) - 1), opt3._steps
+        resumed, _ = sharded_steps(model3, opt3, sched3, range(SAVE_AT, STEPS), rank, world)
+        # reference: 2 slices for the steps run at dp=2, 4 for the resumed ones
+        mixed, mixed_losses, _, _, _ = reference(lambda s: 2 if s < SAVE_AT else 4)
+        res["dcp_resume_loss_err"] = rel_err(resumed, mixed_losses[SAVE_AT:])
+        res["dcp_resume_param_err"] = max_param_err(model3, mixed)
+
+    errs = torch.tensor([v for k, v in res.items() if k.endswith("_err") or k == "state_dict_vs_torch"],
+                        dtype=torch.float64)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    keys = [k for k in res if k.endswith("_err") or k == "state_dict_vs_torch"]
+    res.update(dict(zip(keys, errs.tolist())))
+    loose = torch.tensor(list(res_loose.values()), dtype=torch.float64)
+    dist.all_reduce(loose, op=dist.ReduceOp.MAX)
+    res.update(dict(zip(res_loose, loose.tolist())))
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"zero_{world}.json").write_text(json.dumps(res, indent=1))
+    bad = {k: res[k] for k in keys if res[k] > TOL}
+    bad.update({k: res[k] for k in res_loose if res[k] > LOOSE_TOL})
+    dist.barrier()
+    dist.destroy_process_group()
+    if bad:
+        raise SystemExit(f"rank {rank}: errors above {TOL}: {bad}")
+
+
+if __name__ == "__main__":
+    main()
