@@ -49,7 +49,8 @@ def _no_sync(model: torch.nn.Module, last: bool):
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
                loss_fn: LossFn, *, device: torch.device, dp_world: int, precision: str = "fp32",
-               grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None, group=None) -> StepResult:
+               grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None, group=None,
+               after_backward: Callable[[], None] | None = None) -> StepResult:
     """One optimizer step over `micro_batches`. `group` / `dp_world`: the ranks that hold different
     tokens and average their gradients (dp, or dp × cp); token counts are summed over them."""
     start = time.perf_counter()
@@ -73,6 +74,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
                 aux_total = (aux_total or 0.0) + float(aux.detach()) / len(micro_batches)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum_total += loss_sum.detach().to(torch.float64)
+    if after_backward is not None:  # e.g. a gradient all-reduce the data-parallel wrapper does not do
+        after_backward()
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]

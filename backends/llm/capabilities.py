@@ -21,8 +21,8 @@ IMPLEMENTS = {
 # by `run` when a job needs them. They count as unbacked in the coverage table.
 PENDING = {
     "mindspeed-llm": {
-        "sptd": "tensor / sequence / pipeline parallelism is not implemented in backends.llm yet "
-                "(data parallel is)",
+        "sptd": "pipeline parallelism is not implemented in backends.llm yet (data, tensor and sequence "
+                "parallel are)",
         "moe_parallel": "expert parallelism is not implemented in backends.llm yet (MoE models train with ep=1)",
     },
 }
@@ -31,9 +31,7 @@ PENDING = {
 # job before launching, and the engine refuses the flags again at start).
 LIMITS = {
     "mindspeed-llm": {
-        "parallel.tp": 1,
         "parallel.pp": 1,
         "parallel.ep": 1,
-        "parallel.sp": False,
     },
 }

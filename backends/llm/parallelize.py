@@ -43,6 +43,10 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
                    dp_cp.get_group(), dp_cp.size(), cp_algo=p.cp_algo)
     if layout.cp > 1:
         _apply_context_parallel(decoder, par, cfg, rt)
+    if layout.tp > 1:
+        from backends.llm.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(decoder, mesh["tp"], sequence_parallel=cfg.parallel.sp)
     return par
 
 
@@ -92,10 +96,12 @@ def shard_batch(mb: dict, par: Parallel) -> dict:
 
 
 def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt) -> torch.nn.Module:
-    if par.grad_world == 1 and par.mesh is None:
+    if par.grad_world == 1:
         return model
     if cfg.parallel.distributed_optimizer:
         return model  # the sharded optimizer reduce-scatters the grads itself (it replaces DDP)
+    if par.layout.tp > 1:
+        return model  # DTensor parameters: grad_sync() averages their local shards over dp × cp
     if cfg.parallel.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -119,3 +125,20 @@ def build_optimizer(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
     from backends.common.optim import build_optimizer as adamw
 
     return adamw(model, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas)
+
+
+def grad_sync(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
+    """The gradient all-reduce over dp × cp for layouts no wrapper reduces (tensor parallel), else None."""
+    if par.grad_world == 1 or par.layout.tp == 1 or cfg.parallel.distributed_optimizer:
+        return None
+    import torch.distributed as dist
+
+    def sync() -> None:
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(local, group=par.grad_group)
+            local.div_(par.grad_world)
+
+    return sync

@@ -36,8 +36,13 @@ class CausalLMWithLoss(torch.nn.Module):
 
     def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None):
         hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True)
-        loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
-                                                      self.decoder.output_weight(), labels.reshape(-1))
+        if getattr(self.decoder, "tp_info", None) is not None:  # vocab-parallel: no full-vocab logits
+            from backends.llm.parallel.tensor_parallel import tp_loss
+
+            loss_sum, count = tp_loss(self.decoder, hidden, labels)
+        else:
+            loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
+                                                          self.decoder.output_weight(), labels.reshape(-1))
         return loss_sum, count, getattr(self.decoder, "aux_loss", None)
 
 
@@ -48,13 +53,17 @@ def _loss_fn(model, mb):
 def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
     p = cfg.parallel
     asked = [(name, value) for name, value in (
-        ("--tensor-model-parallel-size", p.tp), ("--pipeline-model-parallel-size", p.pp),
-        ("--expert-model-parallel-size", p.ep)) if value > 1]
-    asked += [(name, True) for name, on in (("--sequence-parallel", p.sp),) if on]
+        ("--pipeline-model-parallel-size", p.pp), ("--expert-model-parallel-size", p.ep)) if value > 1]
     if asked:
-        raise ConfigError("this build of backends.llm trains with data / context parallel and the distributed "
-                          "optimizer; not implemented yet: "
+        raise ConfigError("this build of backends.llm has data, tensor (+ sequence) and context parallelism and "
+                          "the distributed optimizer; not implemented yet: "
                           + ", ".join(f"{n} {v}" for n, v in asked))
+    if p.tp > 1:  # combinations not built (or not proven) yet
+        for flag, on in (("--lora-r", cfg.lora is not None), ("--context-parallel-size", p.cp > 1),
+                         ("--use-distributed-optimizer", p.distributed_optimizer), ("--use-torch-fsdp2", p.fsdp)):
+            if on:
+                raise ConfigError(f"tensor parallel does not combine with {flag} in this build yet; "
+                                  "use one of them at a time")
 
 
 def _kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
@@ -212,6 +221,7 @@ def run(cfg: LLMConfig) -> int:
 
     model = parallelize.wrap_data_parallel(CausalLMWithLoss(decoder), cfg, par, rt)
     optimizer = parallelize.build_optimizer(model, cfg, par)
+    sync = parallelize.grad_sync(model, cfg, par)
     scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
                                 style=t.schedule)
     scaler = torch.amp.GradScaler(rt.device.type) if t.precision == "fp16" else None
@@ -232,7 +242,7 @@ def run(cfg: LLMConfig) -> int:
         micro = [parallelize.shard_batch(_to_device(mb, rt.device), par) for mb in take(batches, accum)]
         result = train_step(model, optimizer, micro, _loss_fn, device=rt.device, dp_world=par.grad_world,
                             precision=t.precision, grad_clip=t.grad_clip, aux_coeff=t.moe_aux_loss_coeff,
-                            scaler=scaler, group=par.grad_group)
+                            scaler=scaler, group=par.grad_group, after_backward=sync)
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
         step += 1

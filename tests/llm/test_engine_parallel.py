@@ -62,3 +62,17 @@ def test_distributed_optimizer_resumes_at_another_dp_size(tmp_path, baselines):
                 resources={"devices_per_node": 4}, resume="auto")
     run_job(tmp_path, again, "again.yaml")
     assert losses(tmp_path / "z") == pytest.approx(losses(baselines[False]), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("tp,sp,devices", [(2, False, 4), (2, True, 2)], ids=["tp2xdp2", "tp2-sp"])
+def test_tensor_parallel_matches_one_process(tmp_path, baselines, tp, sp, devices):
+    spec = job(tmp_path / "tp", parallel={"tp": tp, "sp": sp}, launcher="torchrun",
+               resources={"devices_per_node": devices})
+    run_job(tmp_path, spec, "tp.yaml")
+    ref = baselines[False]
+    assert losses(tmp_path / "tp") == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
+    want = final_weights(ref)
+    got = final_weights(tmp_path / "tp")
+    assert got.keys() == want.keys()
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)

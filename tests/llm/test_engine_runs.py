@@ -155,10 +155,10 @@ def test_engine_refuses_bad_input_with_one_message(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr + log
     assert "step_2" in log and "Traceback" not in log
     # parallelism this build does not have yet is refused before anything starts
-    tp = job(tmp_path / "tp", parallel={"tp": 2}, resources={"devices_per_node": 2}, launcher="torchrun")
-    path.write_text(yaml.safe_dump(tp))
+    pp = job(tmp_path / "pp", parallel={"pp": 2}, resources={"devices_per_node": 2}, launcher="torchrun")
+    path.write_text(yaml.safe_dump(pp))
     res = run_cli("run", path)
-    assert res.returncode == 2 and "parallel.tp" in res.stderr and "up to 1" in res.stderr
+    assert res.returncode == 2 and "parallel.pp" in res.stderr and "up to 1" in res.stderr
 
 
 @pytest.mark.parametrize("precision,recompute", [("bf16", "full"), ("fp16", "selective")])

@@ -1,0 +1,682 @@
+"""Tensor parallelism (+ sequence parallelism) for the native decoders, applied from outside the model.
+
+    apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
+    tp_loss(model, hidden, labels)                      -> (summed CE fp32, valid-token count)
+    vocab_parallel_cross_entropy(hidden, weight_shard, labels, tp_group) -> (loss_sum, count)
+
+torchtitan's rule: the model stays a plain nn.Module with HF parameter names; this module swaps
+every parameter for a DTensor on the tp mesh and hangs forward hooks on the modules, so
+`state_dict()`, `full_tensor()`, DCP and the optimizers see ordinary DTensor parameters.
+
+Layout (Megatron's, MindSpeed's):
+
+  embed_tokens        vocab-parallel, RowwiseParallel's layout (weight Shard(0)); masked local lookup +
+                      all-reduce, or reduce-scatter onto sequence shards with SP (computed locally:
+                      torch's RowwiseParallel leaves a replicated full-vocabulary weight gradient)
+  q/k/v_proj          column parallel (Shard(0)): each rank owns heads/tp query heads and their kv heads
+                      kv_heads < tp: k/v_proj stay replicated and each rank slices out the one kv head
+                      its query heads read (MindSpeed's kv-head replication, without duplicating the
+                      parameter: the gradient of the replica is summed over the ranks sharing it)
+  q_norm / k_norm     replicated (per head, so they act on the local heads)
+  MLA                 q_proj / q_b_proj / kv_b_proj column parallel (heads); q_a_proj, kv_a_proj_with_mqa
+                      and their norms replicated (the low-rank latents are computed on every rank)
+  o_proj              row parallel (Shard(1)); output all-reduced, or reduce-scattered with SP;
+                      the bias is added once after the reduction
+  gate/up_proj        column parallel; down_proj row parallel
+  GLM-4 gate_up_proj  stored pair-interleaved ([g0, u0, g1, u1, ..] rows, see _to_paired) and Shard(0):
+                      rank r holds the gate and up rows of the same channels, handed to the module as
+                      [gate_r; up_r], so the fused swiglu's halves match. state_dict() / load_state_dict()
+                      speak the HF [gate; up] layout; p.full_tensor() of the parameter itself is the
+                      interleaved one (full_tensors(model, named) converts)
+  MoE                 router replicated; every expert's FFN dim sharded: experts.gate_up_proj
+                      [E,H,2I] pair-interleaved on dim 2 and Shard(2), experts.down_proj [E,I,H] Shard(1);
+                      routing runs on every rank on the whole (gathered) token set, the routed and
+                      shared-expert outputs are summed locally and reduced once per block
+  norms               replicated; with SP they run on sequence shards (Shard(1) residual stream)
+  final hidden        returned as a DTensor (Replicate, or Shard(1) with SP)
+  lm_head             ColwiseParallel (vocab Shard(0)); logits are a Shard(-1) DTensor (loss_parallel)
+                      or a replicated one; tied models reuse the Shard(0) embedding weight (DTensor
+                      logits too). The training loss never makes logits: see tp_loss
+
+Computation inside the modules is local: a forward pre-hook puts each parameter's local shard
+on the module (as an instance attribute that shadows the DTensor parameter; removed again by the
+forward hook), so the model's own code and the fused kernels in backends.kernels (NPU / CUDA ops
+that have no DTensor sharding rule) only ever see plain tensors. The collectives are DTensor
+redistributions at the region boundaries (Megatron's f / g operators):
+
+  region entry   no SP: identity forward, all-reduce of the gradient backward
+                 SP:    all-gather of the sequence forward, reduce-scatter of the gradient backward
+  region exit    no SP: all-reduce forward, identity backward
+                 SP:    reduce-scatter onto the sequence forward, all-gather backward
+
+Inside a region the local activations carry *partial* gradients (the sum over the tp ranks is
+the true gradient); a replicated parameter used there gets its gradient all-reduced on the way
+back, so every parameter's .grad has the parameter's own placements (never Partial).
+
+All of it runs on gloo/CPU (DTensor redistributions, and mm on Replicate/Shard inputs for the
+logits). Checkpoints: every parameter and optimizer state is an ordinary Shard/Replicate DTensor
+of a tp-independent layout, so DCP (backends.common.checkpoint.resume) saves them and reshards
+them to another tp, and load_state_dict also accepts a plain full state dict.
+
+Limitations: tp must divide the attention heads, the FFN widths (dense, expert and shared
+expert) and, with SP, the sequence length; kv heads must divide or be divisible by tp. Expert
+parallel is not combined here (experts are tensor-sharded on every rank). FSDP2 on top of this
+is untested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+
+from backends import kernels
+from backends.kernels.loss import auto_chunk_size
+from backends.llm.config import ConfigError
+
+__all__ = [
+    "TPConfigError",
+    "TPInfo",
+    "apply_tensor_parallel",
+    "check_tensor_parallel",
+    "full_tensors",
+    "tp_loss",
+    "vocab_parallel_cross_entropy",
+]
+
+
+class TPConfigError(ConfigError):
+    """A model / layout that tensor parallelism cannot split (a backends.llm ConfigError)."""
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """What apply_tensor_parallel did (stored as model.tp_info; tp_loss reads it)."""
+
+    mesh: DeviceMesh
+    size: int
+    rank: int
+    sequence_parallel: bool
+    loss_parallel: bool
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def check_tensor_parallel(cfg, tp: int) -> None:
+    """Raise TPConfigError listing every dimension of `cfg` (a ModelConfig) that tp cannot split."""
+    problems = []
+    if cfg.num_attention_heads % tp:
+        problems.append(f"{cfg.num_attention_heads} attention heads do not split over tp={tp}")
+    if cfg.mla is None and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} kv heads neither split over tp={tp} nor divide it")
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    if dense and cfg.ffn_hidden_size % tp:
+        problems.append(f"ffn_hidden_size={cfg.ffn_hidden_size} does not split over tp={tp}")
+    if cfg.moe is not None:
+        if cfg.moe.moe_ffn_hidden_size % tp:
+            problems.append(f"moe_ffn_hidden_size={cfg.moe.moe_ffn_hidden_size} does not split over tp={tp}")
+        width = cfg.moe.shared_experts * cfg.moe.moe_ffn_hidden_size
+        if width % tp:
+            problems.append(f"shared expert width {width} does not split over tp={tp}")
+    if problems:
+        raise TPConfigError("tensor parallel: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------- region boundaries (f / g)
+
+
+def _enter(x: torch.Tensor, mesh: DeviceMesh, sp: bool) -> torch.Tensor:
+    """Local activations entering a tensor-parallel region; the result's gradient may be partial."""
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    if sp:  # all-gather the sequence; backward reduce-scatters
+        return (DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+                .redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]))
+    # identity; backward all-reduces the partial gradients
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def _exit(x: torch.Tensor, mesh: DeviceMesh, sp: bool) -> torch.Tensor:
+    """Partial sums leaving a region: all-reduce (or reduce-scatter onto sequence shards with SP)."""
+    target = Shard(1) if sp else Replicate()
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [target]).to_local()
+
+
+def _reduce_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (a replicated value used with partial grads)."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+# ---------------------------------------------------------------------- styles (local compute)
+
+# how a parameter is laid out and how its local tensor is handed to the module's forward
+SHARD = "shard"              # sharded; gradient of the local shard is complete
+REPLICATE = "replicate"      # replicated, used on replicated activations: complete, identical gradients
+REPLICATE_PARTIAL = "partial"  # replicated, used inside a region / on sequence shards: all-reduce the grad
+
+
+@dataclass
+class _Param:
+    placement: Placement
+    kind: str = SHARD
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to the local tensor
+    paired: int | None = None  # a fused [gate | up] dim, stored pair-interleaved (see _to_paired)
+
+
+def _to_paired(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[.., gate_0..gate_{I-1}, up_0..up_{I-1}, ..] (HF) -> [.., gate_0, up_0, gate_1, up_1, ..] along dim.
+
+    Shard(dim) of the interleaved layout gives rank r the gate and up rows of the same I/tp
+    channels as one contiguous block, for every tp that divides I: the layout does not depend on
+    tp, so DCP checkpoints of it reshard to any tp and optimizer states stay ordinary Shard DTensors
+    (a _StridedShard(dim, split_factor=2) of the HF layout has two blocks per rank, which DCP
+    cannot save). _from_paired is the inverse; on a local shard it yields [gate_r | up_r]."""
+    dim %= t.dim()
+    n = t.shape[dim] // 2
+    return t.unflatten(dim, (2, n)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+
+
+def _from_paired(t: torch.Tensor, dim: int) -> torch.Tensor:
+    dim %= t.dim()
+    n = t.shape[dim] // 2
+    return t.unflatten(dim, (n, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+
+
+class LocalParallel(ParallelStyle):
+    """Distribute a module's own parameters and run its forward on their local tensors.
+
+    params: name -> _Param; parameters not named are replicated (kind `default_kind`).
+    pre(module, args) -> args and post(module, args, output) -> output transform the activations.
+    attrs: module attributes to set (e.g. local head counts).
+    """
+
+    def __init__(self, params: dict[str, _Param] | None = None, *, default_kind: str = REPLICATE_PARTIAL,
+                 pre: Callable | None = None, post: Callable | None = None, attrs: dict[str, Any] | None = None,
+                 hide: tuple[str, ...] = (), required: tuple[str, ...] = ("weight",)):
+        self.params = params or {}
+        self.required = required
+        self.default_kind = default_kind
+        self.pre, self.post, self.attrs, self.hide = pre, post, attrs or {}, hide
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if getattr(module, "_tp_local", None) is not None:
+            raise RuntimeError(f"{type(module).__name__} is already tensor-parallel")
+        own = dict(module.named_parameters(recurse=False))
+        absent = [name for name in self.required if name not in own]
+        if absent:
+            raise TPConfigError(f"tensor parallel expects a {type(module).__name__} with parameter(s) "
+                                f"{', '.join(absent)}; apply it to the plain model (before LoRA or other wrappers)")
+        specs: dict[str, _Param] = {}
+        for name, param in own.items():
+            spec = self.params.get(name, _Param(Replicate(), self.default_kind))
+            if isinstance(param, DTensor):
+                raise RuntimeError(f"{type(module).__name__}.{name} is already a DTensor")
+            data = param.detach() if spec.paired is None else _to_paired(param.detach(), spec.paired)
+            dt = distribute_tensor(data, device_mesh, [spec.placement])
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+            specs[name] = spec
+        for key, value in self.attrs.items():
+            setattr(module, key, value)
+        module._tp_local = specs
+        mesh = device_mesh
+        hide = self.hide
+
+        def pre_hook(mod, args):
+            for name, spec in mod._tp_local.items():
+                p = mod._parameters[name]
+                local = p.to_local()
+                if spec.kind == REPLICATE_PARTIAL:
+                    local = _reduce_grad(local, mesh)
+                if spec.paired is not None:
+                    local = _from_paired(local, spec.paired)
+                if spec.view is not None:
+                    local = spec.view(local)
+                mod.__dict__[name] = None if name in hide else local
+            if self.pre is not None:
+                args = self.pre(mod, args)
+            return args
+
+        def post_hook(mod, args, output):
+            for name in mod._tp_local:
+                mod.__dict__.pop(name, None)
+            if self.post is not None and output is not None:  # None: forward raised (always_call)
+                output = self.post(mod, args, output)
+            return output
+
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook, always_call=True)
+        return module
+
+
+class RegionEntry(ParallelStyle):
+    """Hooks only: the first positional input enters a TP region (attention / MLP / MoE blocks)."""
+
+    def __init__(self, sp: bool, attrs: dict[str, Any] | None = None, post: Callable | None = None):
+        self.sp, self.attrs, self.post = sp, attrs or {}, post
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for key, value in self.attrs.items():
+            setattr(module, key, value)
+        sp = self.sp
+
+        def pre_hook(mod, args):
+            return (_enter(args[0], device_mesh, sp), *args[1:])
+
+        module.register_forward_pre_hook(pre_hook)
+        if self.post is not None:
+            module.register_forward_hook(self.post)
+        return module
+
+
+def colwise(paired: bool = False) -> LocalParallel:
+    """Column parallel: output features sharded; paired: a fused [gate; up] weight (see _to_paired)."""
+    dim = 0 if paired else None
+    return LocalParallel({"weight": _Param(Shard(0), paired=dim), "bias": _Param(Shard(0), paired=dim)})
+
+
+def rowwise(mesh: DeviceMesh, sp: bool, exit_region: bool = True) -> LocalParallel:
+    """Row parallel: input features sharded; the partial output leaves the region here (or, with
+    exit_region=False, in the enclosing block), the replicated bias is added after the reduction."""
+
+    def post(mod, args, out):
+        if exit_region:
+            out = _exit(out, mesh, sp)
+        bias = mod._parameters.get("bias")
+        if bias is not None:
+            if not exit_region:
+                raise RuntimeError("a row-parallel bias needs the reduction in the same module")
+            b = bias.to_local()
+            out = out + (_reduce_grad(b, mesh) if sp else b)
+        return out
+
+    return LocalParallel({"weight": _Param(Shard(1)), "bias": _Param(Replicate(), REPLICATE)},
+                         post=post, hide=("bias",))
+
+
+def replicated_kv(group: int, head_dim: int) -> LocalParallel:
+    """kv_heads < tp: k/v_proj replicated; this rank computes only kv head `group` (its query heads')."""
+    rows = slice(group * head_dim, (group + 1) * head_dim)
+    view = lambda t: t[rows]  # noqa: E731
+    return LocalParallel({"weight": _Param(Replicate(), REPLICATE_PARTIAL, view),
+                          "bias": _Param(Replicate(), REPLICATE_PARTIAL, view)})
+
+
+def replicated(partial_grad: bool) -> LocalParallel:
+    return LocalParallel(default_kind=REPLICATE_PARTIAL if partial_grad else REPLICATE)
+
+
+def vocab_embedding(mesh: DeviceMesh, sp: bool) -> LocalParallel:
+    """Vocabulary-parallel embedding (RowwiseParallel's layout, weight Shard(0)), computed locally:
+    ids outside this rank's rows look up row 0 and are zeroed, then the partial embeddings are
+    all-reduced (reduce-scattered onto sequence shards with SP). torch's RowwiseParallel computes
+    the same forward, but its DTensor embedding backward leaves a replicated full-vocabulary
+    gradient on the Shard(0) weight; here the gradient is the local rows' only."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def pre(mod, args):
+        weight = mod._parameters["weight"]
+        (rows, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+        ids = args[0]
+        outside = (ids < start) | (ids >= start + rows)
+        mod._tp_outside = outside
+        return ((ids - start).masked_fill(outside, 0), *args[1:])
+
+    def post(mod, args, out):
+        outside, mod._tp_outside = mod._tp_outside, None
+        return _exit(out.masked_fill(outside.unsqueeze(-1), 0.0), mesh, sp)
+
+    return LocalParallel({"weight": _Param(Shard(0))}, pre=pre, post=post)
+
+
+def experts_style() -> LocalParallel:
+    """Stacked experts: each expert's FFN dim I sharded (gate/up halves kept paired)."""
+    return LocalParallel({"gate_up_proj": _Param(Shard(2), paired=2), "down_proj": _Param(Shard(1))},
+                         required=("gate_up_proj", "down_proj"))
+
+
+# ---------------------------------------------------------------------- plan
+
+
+def _attention_plan(attn: nn.Module, mesh: DeviceMesh, sp: bool) -> dict[str, ParallelStyle]:
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    plan: dict[str, ParallelStyle] = {}
+    if hasattr(attn, "kv_b_proj"):  # MLA
+        for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+            if hasattr(attn, name):
+                plan[name] = colwise()
+        for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+            if hasattr(attn, name):
+                plan[name] = replicated(partial_grad=True)
+        plan["o_proj"] = rowwise(mesh, sp)
+        return plan
+    plan["q_proj"] = colwise()
+    kv = attn.num_kv_heads
+    if kv % tp == 0:
+        plan["k_proj"] = plan["v_proj"] = colwise()
+    else:  # tp % kv == 0: each rank's query heads all read kv head rank // (tp // kv)
+        plan["k_proj"] = plan["v_proj"] = replicated_kv(rank // (tp // kv), attn.head_dim)
+    if getattr(attn, "qk_norm", False):
+        plan["q_norm"] = plan["k_norm"] = replicated(partial_grad=True)
+    plan["o_proj"] = rowwise(mesh, sp)
+    return plan
+
+
+def _mlp_plan(mesh: DeviceMesh, sp: bool, fused: bool, exit_region: bool = True) -> dict[str, ParallelStyle]:
+    if fused:
+        return {"gate_up_proj": colwise(paired=True), "down_proj": rowwise(mesh, sp, exit_region)}
+    return {"gate_proj": colwise(), "up_proj": colwise(), "down_proj": rowwise(mesh, sp, exit_region)}
+
+
+def _moe_post(mesh: DeviceMesh, sp: bool):
+    tp = mesh.size()
+
+    def post(mod, args, output):
+        out, aux = output
+        # aux is computed whole on every rank; each rank's backward then holds the whole gradient,
+        # so inside the region (where gradients are partial sums) it counts 1/tp
+        return _exit(out, mesh, sp), (None if aux is None else _ScaleGrad.apply(aux, 1.0 / tp))
+
+    return post
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                          loss_parallel: bool = True) -> nn.Module:
+    """Shard a CausalLM (backends.llm.models) over the 1-D `tp_mesh` in place and return it.
+
+    Every rank must hold the same model (same seed or the same checkpoint); parameters are
+    scattered / broadcast from the mesh's first rank. After this, model.tp_info describes the
+    layout, the decoder returns its final hidden states as a DTensor, and `tp_loss` is the loss.
+    """
+    from backends.llm.models.layers import FusedMLP
+    from backends.llm.models.moe import MoE
+
+    if tp_mesh.ndim != 1:
+        raise TPConfigError(f"apply_tensor_parallel wants the 1-D tp sub-mesh, got a {tp_mesh.ndim}-D mesh")
+    if getattr(model, "tp_info", None) is not None:
+        raise RuntimeError("the model is already tensor-parallel")
+    tp, sp = tp_mesh.size(), bool(sequence_parallel)
+    cfg = model.config
+    check_tensor_parallel(cfg, tp)
+    seq = Shard(1) if sp else Replicate()
+    decoder = model.model
+
+    parallelize_module(decoder, tp_mesh, {
+        "embed_tokens": vocab_embedding(tp_mesh, sp),
+        "norm": replicated(partial_grad=sp),
+    })
+    for layer in decoder.layers:
+        attn = layer.self_attn
+        local_heads = attn.num_heads // tp
+        attrs = {"num_heads": local_heads}
+        if hasattr(attn, "num_kv_heads"):
+            attrs["num_kv_heads"] = max(attn.num_kv_heads // tp, 1)
+        plan: dict[str, ParallelStyle] = {}
+        for name in ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
+                     "post_mlp_layernorm"):
+            if hasattr(layer, name):
+                plan[name] = replicated(partial_grad=sp)
+        # the sub-module plans read the global head counts: build them before the entry sets local ones
+        plan.update({f"self_attn.{k}": v for k, v in _attention_plan(attn, tp_mesh, sp).items()})
+        plan["self_attn"] = RegionEntry(sp, attrs=attrs)
+        block = getattr(layer, layer.mlp_name)
+        prefix = layer.mlp_name
+        if isinstance(block, MoE):
+            plan[f"{prefix}.gate"] = replicated(partial_grad=True)
+            plan[f"{prefix}.experts"] = experts_style()
+            if block.shared_experts is not None:
+                plan.update({f"{prefix}.shared_experts.{k}": v
+                             for k, v in _mlp_plan(tp_mesh, sp, fused=False, exit_region=False).items()})
+            plan[prefix] = RegionEntry(sp, post=_moe_post(tp_mesh, sp))
+        else:
+            plan.update({f"{prefix}.{k}": v
+                         for k, v in _mlp_plan(tp_mesh, sp, fused=isinstance(block, FusedMLP)).items()})
+            plan[prefix] = RegionEntry(sp)
+        # parallelize_module applies the plan in insertion order; the entries (which change the
+        # head counts) come after the projections
+        parallelize_module(layer, tp_mesh, plan)
+
+    if not cfg.tie_word_embeddings:
+        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=False)})
+
+    def check_input(mod, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        if sp and ids.shape[1] % tp:
+            raise ValueError(f"sequence parallel: sequence length {ids.shape[1]} does not split over tp={tp}")
+
+    def hidden_as_dtensor(mod, args, output):
+        hidden, aux = output
+        return DTensor.from_local(hidden, tp_mesh, [seq], run_check=False), aux
+
+    decoder.register_forward_pre_hook(check_input, with_kwargs=True)
+    decoder.register_forward_hook(hidden_as_dtensor)
+    model.tp_info = TPInfo(mesh=tp_mesh, size=tp, rank=tp_mesh.get_local_rank(), sequence_parallel=sp,
+                           loss_parallel=bool(loss_parallel))
+    model._tp_paired = {f"{mname}.{pname}" if mname else pname: spec.paired
+                        for mname, mod in model.named_modules()
+                        for pname, spec in (getattr(mod, "_tp_local", None) or {}).items()
+                        if spec.paired is not None}
+    model.register_state_dict_post_hook(_state_dict_in_hf_layout)
+    model.register_load_state_dict_pre_hook(_load_into_tp_layout)
+    return model
+
+
+def _natural_shard(full: torch.Tensor, mesh: DeviceMesh, dim: int) -> DTensor:
+    local = torch.chunk(full, mesh.size(), dim=dim)[mesh.get_local_rank()].clone()
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _state_dict_in_hf_layout(model, state_dict, prefix, local_metadata) -> None:
+    """state_dict() shows the pair-interleaved fused weights in the HF layout (as Shard DTensors), so
+    DCP checkpoints, hf_state_dict and a model without TP all read the same tensors."""
+    mesh = model.tp_info.mesh
+    for fqn, dim in model._tp_paired.items():
+        key = prefix + fqn
+        if key in state_dict:
+            state_dict[key] = _natural_shard(_from_paired(state_dict[key].full_tensor().detach(), dim), mesh, dim)
+
+
+def _load_into_tp_layout(model, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                         error_msgs) -> None:
+    """load_state_dict() takes the HF layout: DTensors of any placement (DCP) or plain full tensors
+    (a model without TP); fused weights go back to the pair-interleaved layout."""
+    mesh = model.tp_info.mesh
+    for fqn, param in model.named_parameters():
+        key = prefix + fqn
+        if key not in state_dict:
+            continue
+        value, dim = state_dict[key], model._tp_paired.get(fqn)
+        if dim is None and isinstance(value, DTensor):
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if dim is not None:
+            full = _to_paired(full, dim)
+        state_dict[key] = distribute_tensor(full.detach().to(param.device), mesh, list(param.placements))
+
+
+def full_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors in the HF layout for {parameter name: its DTensor or one like it (grad, optimizer
+    state)}: full_tensor(), and the pair-interleaved fused weights put back as [gate | up]. The result
+    of a replicated DTensor is its local tensor (no copy), as full_tensor() gives it."""
+    paired = getattr(model, "_tp_paired", {})
+    out = {}
+    for name, t in tensors.items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        out[name] = _from_paired(full, paired[name]) if name in paired else full
+    return out
+
+
+# ---------------------------------------------------------------------- vocab-parallel cross entropy
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """CE of hidden [N,H] (identical on every rank) against a vocabulary shard weight [V_r,H].
+
+    Forward: per chunk of tokens, local logits -> local log-sum-exp and the target logit where the
+    label falls in this shard; then one MAX all-reduce (of the local lse) and one SUM all-reduce
+    (of exp(lse_r - max) and the target logits) give the global lse and target. Only [chunk, V_r]
+    logits ever exist. Backward recomputes the chunk logits; grad(hidden) is this shard's partial
+    sum (the caller reduces it), grad(weight) is this shard's complete gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, vocab_start, group, ignore_index, chunk_size):
+        n, v_local = hidden.shape[0], weight.shape[0]
+        valid = labels != ignore_index
+        here = valid & (labels >= vocab_start) & (labels < vocab_start + v_local)
+        local_ids = (labels - vocab_start).masked_fill(~here, 0)
+        lse_local = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        logits = None
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            logits = (hidden[s:e] @ weight.t()).float()
+            lse_local[s:e] = torch.logsumexp(logits, dim=-1)
+            target[s:e] = logits.gather(1, local_ids[s:e, None]).squeeze(1) * here[s:e]
+        gmax = lse_local.clone()
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.cat((torch.exp(lse_local - gmax), target))
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        lse = gmax + torch.log(sums[:n])
+        loss = ((lse - sums[n:]) * valid).sum()
+        count = valid.sum()
+        ctx.kept = None
+        if n <= chunk_size and logits is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            ctx.kept = logits  # one chunk: keep its logits rather than recompute them
+        ctx.save_for_backward(hidden, weight, local_ids, here, valid, lse)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(count)
+        return loss, count
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_count):
+        hidden, weight, local_ids, here, valid, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        n = hidden.shape[0]
+        for s in range(0, n, ctx.chunk_size):
+            e = min(s + ctx.chunk_size, n)
+            h = hidden[s:e]
+            if ctx.kept is not None:
+                g, ctx.kept = ctx.kept, None
+            else:
+                g = (h @ weight.t()).float()
+            g = g.sub_(lse[s:e, None]).exp_()  # softmax over the whole vocabulary, this shard's columns
+            rows = torch.arange(e - s, device=g.device)
+            g[rows, local_ids[s:e]] -= here[s:e].to(g.dtype)
+            g.mul_((valid[s:e].to(g.dtype) * grad_loss)[:, None])
+            g_low = g.to(hidden.dtype)
+            if need_h:
+                grad_h[s:e] = g_low @ weight
+            if need_w:
+                grad_w += (g_low.t() @ h).float()
+            del g, g_low
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _vocab_start(weight: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    """(local weight, first vocabulary row it holds)."""
+    if isinstance(weight, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if len(weight.placements) != 1 or weight.placements[0] != Shard(0):
+            raise ValueError(f"the output weight must be a Shard(0) DTensor on the tp mesh, got {weight.placements}")
+        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        return weight.to_local(), int(offset[0])
+    rows = torch.tensor([weight.shape[0]], dtype=torch.int64, device=weight.device)
+    everyone = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, rows, group=group)
+    me = dist.get_rank(group)
+    return weight, int(sum(int(r) for r in everyone[:me]))
+
+
+def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
+                                 tp_group=None, ignore_index: int = -100, *, vocab_start: int | None = None,
+                                 chunk_size: int | None = None,
+                                 reduce_hidden_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed CE fp32, valid-token count) of hidden [N,H] @ W.T vs labels [N], where W [V,H] is
+    sharded by rows over tp_group and this rank holds weight_shard (a local [V_r,H] tensor holding
+    rows vocab_start.., or a Shard(0) DTensor). The full-vocabulary logits are never gathered.
+
+    hidden and labels must be the same on every rank of tp_group; the loss and count come back the
+    same on every rank (drop-in for kernels.linear_cross_entropy). The gradient of hidden is
+    all-reduced over tp_group (pass reduce_hidden_grad=False to get this shard's partial sum
+    instead and reduce it yourself); the gradient of the weight shard is its own rows'.
+    vocab_start defaults to the prefix sum of the shards' row counts in rank order.
+    """
+    if hidden.dim() != 2 or weight_shard.dim() != 2 or labels.dim() != 1:
+        raise ValueError("vocab_parallel_cross_entropy expects hidden [N,H], weight_shard [V_r,H], labels [N]")
+    if hidden.shape[0] != labels.shape[0] or hidden.shape[1] != weight_shard.shape[1]:
+        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight_shard.shape)}, "
+                         f"labels {tuple(labels.shape)}")
+    if isinstance(weight_shard, DTensor) and tp_group is None:
+        tp_group = weight_shard.device_mesh.get_group()
+    if vocab_start is None or isinstance(weight_shard, DTensor):
+        weight_shard, vocab_start = _vocab_start(weight_shard, tp_group)
+    if reduce_hidden_grad:
+        hidden = _AllReduceGrad.apply(hidden, tp_group)
+    chunk = chunk_size or auto_chunk_size(weight_shard.shape[0])
+    return _VocabParallelCE.apply(hidden, weight_shard, labels, int(vocab_start), tp_group, ignore_index,
+                                  int(chunk))
+
+
+def tp_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+            ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's loss for `model(..., return_hidden=True)`: (summed CE fp32, valid-token count).
+
+    A model without tensor parallelism goes to kernels.linear_cross_entropy unchanged. On a TP
+    model, hidden is the decoder's DTensor (or its local tensor: replicated, or the sequence shard
+    with SP) and labels [B,S] are the full, unsharded labels (the same on every tp rank).
+    loss_parallel: vocabulary-parallel CE on the output weight shard; otherwise the output weight
+    is gathered and the ordinary fused CE runs on every rank.
+    """
+    info: TPInfo | None = getattr(model, "tp_info", None)
+    weight = model.output_weight()
+    if info is None:
+        return kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                            ignore_index)
+    mesh = info.mesh
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(hidden, mesh, [Shard(1) if info.sequence_parallel else Replicate()],
+                                    run_check=False)
+    flat_labels = labels.reshape(-1)
+    if info.loss_parallel:
+        h = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return vocab_parallel_cross_entropy(h.reshape(-1, h.shape[-1]), weight, flat_labels, mesh.get_group(),
+                                            ignore_index, reduce_hidden_grad=False)
+    h = hidden.redistribute(mesh, [Replicate()]).to_local()
+    full = weight.full_tensor() if isinstance(weight, DTensor) else weight
+    return kernels.linear_cross_entropy(h.reshape(-1, h.shape[-1]), full, flat_labels, ignore_index)
