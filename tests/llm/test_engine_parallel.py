@@ -76,3 +76,42 @@ def test_tensor_parallel_matches_one_process(tmp_path, baselines, tp, sp, device
     assert got.keys() == want.keys()
     for key, value in got.items():
         torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
+
+
+def test_resume_into_another_layout_tp2xdp2_to_dp4(tmp_path, baselines):
+    # sharded DTensor checkpoint written at tp=2 × dp=2, read back by a plain dp=4 run
+    first = job(tmp_path / "x", parallel={"tp": 2}, launcher="torchrun", resources={"devices_per_node": 4},
+                resume="auto", backend_overrides={"exit-interval": 2})
+    run_job(tmp_path, first, "first.yaml")
+    again = job(tmp_path / "x", launcher="torchrun", resources={"devices_per_node": 4}, resume="auto")
+    run_job(tmp_path, again, "again.yaml")
+    assert losses(tmp_path / "x") == pytest.approx(losses(baselines[False]), rel=1e-5, abs=1e-6)
+
+
+def test_two_node_launch_on_one_machine(tmp_path, baselines):
+    """The rendered per-node script, started twice (NODE_RANK 0 and 1) as two torchrun agents that
+    meet through c10d rendezvous, trains the same as one process."""
+    import os
+    import socket
+    import subprocess
+
+    import yaml
+
+    from tests.llm.test_engine_runs import ROOT, run_cli
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = job(tmp_path / "nodes", launcher="torchrun",
+               resources={"nnodes": 2, "devices_per_node": 1, "master_addr": "127.0.0.1", "master_port": port})
+    path = tmp_path / "nodes.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    res = run_cli("render", path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    script = tmp_path / "nodes" / "launch.sh"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(["bash", str(script)], env={**env, "NODE_RANK": str(rank)}, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    assert losses(tmp_path / "nodes") == pytest.approx(losses(baselines[False]), rel=1e-5, abs=1e-6)
