@@ -74,3 +74,24 @@ def barrier() -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory: the accelerator's allocator peak, or the CPU resident-set peak."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def gather_floats(value: float, device: torch.device) -> list[float]:
+    """One float from every rank, in rank order (the value alone on one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [float(x) for x in out]

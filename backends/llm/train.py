@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from backends import kernels
-from backends.common.distributed import barrier, init_runtime, shutdown
+from backends.common.distributed import barrier, gather_floats, init_runtime, peak_memory_mib, shutdown
 from backends.common.loop import finite_or_raise, take, train_step
 from backends.common.metrics import MetricsWriter, read_metrics
 from backends.common.optim import build_scheduler
@@ -134,6 +134,21 @@ def _total_steps(cfg: LLMConfig, loader) -> int:
         return cfg.train.steps
     rows = loader.n_units  # samples, or packed rows
     return max(1, math.ceil(cfg.train.epochs * rows / cfg.train.global_batch))
+
+
+def _model_state_mib(model: torch.nn.Module, optimizer) -> float:
+    """MiB of parameters + optimizer states held by this rank (local shards of DTensors)."""
+    def local_bytes(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = sum(local_bytes(p) for p in model.parameters())
+    if hasattr(optimizer, "state_bytes"):
+        total += optimizer.state_bytes()
+    else:
+        total += sum(local_bytes(v) for st in optimizer.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+    return total / 2**20
 
 
 def _to_device(mb: dict, device: torch.device) -> dict:
@@ -279,7 +294,13 @@ def run(cfg: LLMConfig) -> int:
 
         plot_loss(read_metrics(cfg.metrics_file), run_dir / "training_loss.png",
                   title=f"{decoder.config.family} · {total_steps} steps")
-    metrics.event("end", step=step)
+    # per-rank peak memory, as MindSpeed logs it: each rank in its log, all of them in metrics.jsonl;
+    # model_state_mib: the parameters and optimizer states this rank holds (what sharding divides)
+    held = gather_floats(_model_state_mib(model, optimizer), rt.device)
+    peaks = gather_floats(peak_memory_mib(rt.device), rt.device)
+    log.info("peak memory %.0f MiB on rank %d", peaks[rt.rank], rt.rank)
+    metrics.event("end", step=step, peak_memory_mib=[round(x, 1) for x in peaks],
+                  model_state_mib=[round(x, 1) for x in held])
     barrier()
     shutdown()
     return 0
