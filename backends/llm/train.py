@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from backends import kernels
-from backends.common.distributed import barrier, gather_floats, init_runtime, peak_memory_mib, shutdown
+from backends.common.distributed import barrier, gather_floats, init_runtime, peak_memory_mib
 from backends.common.loop import finite_or_raise, take, train_step
 from backends.common.metrics import MetricsWriter, read_metrics
 from backends.common.optim import build_scheduler
@@ -284,8 +284,7 @@ def run(cfg: LLMConfig) -> int:
         if exiting:
             log.info("--exit-interval %d: stopping after step %d; resume continues from here", t.exit_interval, step)
             metrics.event("exit", step=step)
-            barrier()
-            shutdown()
+            barrier()  # the process group goes with the process (see __main__)
             return 0
     if cfg.export_hf:
         _export(cfg, model, decoder, rt, tokenizer_dir)
@@ -301,8 +300,7 @@ def run(cfg: LLMConfig) -> int:
     log.info("peak memory %.0f MiB on rank %d", peaks[rt.rank], rt.rank)
     metrics.event("end", step=step, peak_memory_mib=[round(x, 1) for x in peaks],
                   model_state_mib=[round(x, 1) for x in held])
-    barrier()
-    shutdown()
+    barrier()  # the process group goes with the process (see __main__)
     return 0
 
 
