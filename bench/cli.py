@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from results import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
     "capabilities --model qwen3-32b": ["-m", "ascendfactory", "capabilities", "--model", "qwen3-32b"],
@@ -56,14 +58,6 @@ def main() -> None:
                    f"{platform.machine()} with {os.cpu_count()} cores, Python {platform.python_version()}, "
                    f"{datetime.date.today().isoformat()}. Median of {ns.runs} fresh processes each.\n\n{table}\n")
         write_section(ROOT / "bench" / "RESULTS.md", "## CLI (bench/cli.py)", section)
-
-
-def write_section(path: Path, heading: str, section: str) -> None:
-    """Replace one `## ` section of RESULTS.md, leaving the other benchmarks' sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    parts = text.split("\n## ")
-    kept = [parts[0]] + ["## " + p for p in parts[1:] if not ("## " + p).startswith(heading)]
-    path.write_text("\n".join(s.rstrip("\n") + "\n" for s in kept) + "\n" + section)
 
 
 if __name__ == "__main__":

@@ -89,17 +89,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        results = ROOT / "bench" / "RESULTS.md"
-        body = results.read_text()
-        head = "## LLM engine memory (bench/llm_parallel_memory.py)"
-        section = f"{head}\n\n{text}\n"
-        if head in body:
-            start = body.index(head)
-            nxt = body.find("\n## ", start + len(head))
-            body = body[:start] + section + (body[nxt + 1:] if nxt != -1 else "")
-        else:
-            body = body.rstrip() + "\n\n" + section
-        results.write_text(body)
+        from results import RESULTS, write_section
+
+        write_section(RESULTS, "## LLM engine memory (bench/llm_parallel_memory.py)", f"## LLM engine memory (bench/llm_parallel_memory.py)\n\n{text}\n")
 
 
 if __name__ == "__main__":
