@@ -4,7 +4,7 @@ Forward walks the tokens in chunks, keeping only each chunk's logits and the per
 log-sum-exp. Backward recomputes each chunk's logits, turns them into softmax - onehot in place,
 and accumulates grad(hidden) and grad(weight) (fp32). Peak extra memory is a few [chunk, V]
 fp32 buffers instead of several [N, V] ones. When all tokens fit in one chunk, forward keeps
-that chunk's softmax - onehot for backward instead (same memory, one [N,H]x[H,V] matmul fewer).
+that chunk's logits for backward instead (same memory, one [N,H]x[H,V] matmul fewer).
 """
 
 from __future__ import annotations
@@ -35,13 +35,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss += ((lse_c - target) * valid[s:e]).sum()
             lse[s:e] = lse_c
         count = valid.sum()
-        ctx.kept = None
-        if n <= chunk_size and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-            # one chunk: its logits are already here, so keep softmax - onehot rather than recompute
-            g = logits.sub_(lse[:, None]).exp_()
-            g[torch.arange(n, device=g.device), safe] -= 1.0
-            g.mul_(valid.to(g.dtype)[:, None])
-            ctx.kept = g
+        # one chunk: its logits are already here, so keep them rather than recompute in backward
+        ctx.kept = logits if n <= chunk_size and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) else None
         del logits
         ctx.save_for_backward(hidden, weight, safe, valid, lse)
         ctx.chunk_size = chunk_size
@@ -51,28 +46,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_count):
         hidden, weight, labels, valid, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        n = hidden.shape[0]
-        for s in range(0, n, ctx.chunk_size):
-            e = min(s + ctx.chunk_size, n)
-            h = hidden[s:e]
-            if ctx.kept is not None:
-                g, ctx.kept = ctx.kept.mul_(grad_loss), None
-            else:
-                g = (h @ weight.t()).float()
-                g.sub_(lse[s:e, None]).exp_()  # softmax, in place
-                rows = torch.arange(e - s, device=g.device)
-                g[rows, labels[s:e]] -= 1.0
-                g.mul_((valid[s:e].to(g.dtype) * grad_loss)[:, None])
-            g_low = g.to(hidden.dtype)  # what autograd would feed the matmul backward
-            if need_h:
-                grad_h[s:e] = g_low @ weight
-            if need_w:
-                grad_w += (g_low.t() @ h).float()
-            del g, g_low
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+        kept, ctx.kept = ctx.kept, None
+        grad_h, grad_w = chunked_ce_grads(hidden, weight, lse, labels, valid, valid, grad_loss, ctx.chunk_size,
+                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], kept)
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_ce_grads(hidden, weight, lse, target_ids, target_here, valid, grad_loss, chunk_size: int,
+                     need_h: bool, need_w: bool, kept_logits=None):
+    """(grad hidden, grad weight) of the summed CE, one [chunk, V] block of logits at a time.
+
+    lse is the log-sum-exp over the whole vocabulary; weight may be a vocabulary shard, with
+    target_ids local to it and target_here marking the rows whose label falls in it (the
+    vocab-parallel loss in backends/llm/parallel). kept_logits: the single chunk's logits, when
+    forward kept them (they are consumed in place).
+    """
+    grad_h = torch.empty_like(hidden) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    n = hidden.shape[0]
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        h = hidden[s:e]
+        g = kept_logits if kept_logits is not None else (h @ weight.t()).float()
+        kept_logits = None
+        g = g.sub_(lse[s:e, None]).exp_()  # softmax, in place
+        rows = torch.arange(e - s, device=g.device)
+        g[rows, target_ids[s:e]] -= target_here[s:e].to(g.dtype)
+        g.mul_((valid[s:e].to(g.dtype) * grad_loss)[:, None])
+        g_low = g.to(hidden.dtype)  # what autograd would feed the matmul backward
+        if need_h:
+            grad_h[s:e] = g_low @ weight
+        if need_w:
+            grad_w += (g_low.t() @ h).float()
+        del g, g_low
+    return grad_h, (grad_w.to(weight.dtype) if need_w else None)
 
 
 def linear_cross_entropy(

@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from backends import kernels
-from backends.kernels.loss import auto_chunk_size
+from backends.kernels.loss import auto_chunk_size, chunked_ce_grads
 from backends.llm.config import ConfigError
 
 __all__ = [
@@ -570,28 +570,11 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_count):
         hidden, weight, local_ids, here, valid, lse = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        n = hidden.shape[0]
-        for s in range(0, n, ctx.chunk_size):
-            e = min(s + ctx.chunk_size, n)
-            h = hidden[s:e]
-            if ctx.kept is not None:
-                g, ctx.kept = ctx.kept, None
-            else:
-                g = (h @ weight.t()).float()
-            g = g.sub_(lse[s:e, None]).exp_()  # softmax over the whole vocabulary, this shard's columns
-            rows = torch.arange(e - s, device=g.device)
-            g[rows, local_ids[s:e]] -= here[s:e].to(g.dtype)
-            g.mul_((valid[s:e].to(g.dtype) * grad_loss)[:, None])
-            g_low = g.to(hidden.dtype)
-            if need_h:
-                grad_h[s:e] = g_low @ weight
-            if need_w:
-                grad_w += (g_low.t() @ h).float()
-            del g, g_low
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        kept, ctx.kept = ctx.kept, None
+        # softmax over the whole vocabulary (global lse), this shard's columns
+        grad_h, grad_w = chunked_ce_grads(hidden, weight, lse, local_ids, here, valid, grad_loss, ctx.chunk_size,
+                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], kept)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 class _AllReduceGrad(torch.autograd.Function):
