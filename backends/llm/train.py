@@ -51,13 +51,16 @@ def _loss_fn(model, mb):
 
 
 def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
+    """The settings capabilities.LIMITS says this build cannot run (the orchestrator's `run` checks
+    the same table before launching), and combinations not built yet."""
+    from backends.llm.capabilities import LIMITS
+
     p = cfg.parallel
-    asked = [(name, value) for name, value in (
-        ("--pipeline-model-parallel-size", p.pp), ("--expert-model-parallel-size", p.ep)) if value > 1]
+    asked = [f"{field}={getattr(p, field.split('.')[1])} (this build runs up to {limit})"
+             for field, limit in LIMITS["mindspeed-llm"].items() if getattr(p, field.split(".")[1]) > limit]
     if asked:
         raise ConfigError("this build of backends.llm has data, tensor (+ sequence) and context parallelism and "
-                          "the distributed optimizer; not implemented yet: "
-                          + ", ".join(f"{n} {v}" for n, v in asked))
+                          "the distributed optimizer; not implemented yet: " + ", ".join(asked))
     if p.tp > 1:  # combinations not built (or not proven) yet
         for flag, on in (("--lora-r", cfg.lora is not None), ("--context-parallel-size", p.cp > 1),
                          ("--use-distributed-optimizer", p.distributed_optimizer), ("--use-torch-fsdp2", p.fsdp)):
@@ -156,14 +159,14 @@ def _to_device(mb: dict, device: torch.device) -> dict:
 
 
 def _resume_path(cfg: LLMConfig) -> Path | None:
-    from backends.common.checkpoint.resume import latest_checkpoint
+    """--load is the checkpoints root (resume: auto), a step_N checkpoint, or absent (never)."""
+    from backends.common.checkpoint.resume import MARKER, resolve_resume
 
     if not cfg.load:
         return None
     path = Path(cfg.load)
-    if (path / "complete").exists() or path.name.startswith("step_"):
-        return path  # an explicit checkpoint: load_checkpoint reports what is missing
-    return latest_checkpoint(path) if path.exists() else None
+    explicit = path.name.startswith("step_") or (path / MARKER).exists()
+    return resolve_resume(cfg.load if explicit else "auto", path)
 
 
 def _export(cfg: LLMConfig, model: torch.nn.Module, decoder: torch.nn.Module, rt, tokenizer_dir: str | None) -> None:

@@ -19,6 +19,16 @@ def baselines(tmp_path_factory):
     return out
 
 
+def assert_matches(out, ref) -> None:
+    """Per-step losses within 1e-5 and final weights within 1e-4 (the issue's bar; Adam turns
+    float-order noise in near-zero grads into ~1e-5 steps)."""
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
+    want, got = final_weights(ref), final_weights(out)
+    assert got.keys() == want.keys()
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
+
+
 CASES = [  # (cp, algo, ulysses degree, devices)
     (2, "ring", None, 2), (2, "ulysses", None, 2), (4, "hybrid", 2, 4), (2, "ring", None, 4),
 ]
@@ -34,23 +44,14 @@ def test_context_parallel_matches_one_process(tmp_path, baselines, packed, cp, a
     spec = job(tmp_path / "cp", data={"packing": packed}, parallel=parallel, launcher="torchrun",
                resources={"devices_per_node": devices})
     run_job(tmp_path, spec, "cp.yaml")
-    ref = baselines[packed]
-    assert losses(tmp_path / "cp") == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
-    want = final_weights(ref)
-    for key, value in final_weights(tmp_path / "cp").items():
-        # 1e-4 as the issue asks: Adam turns float-order noise in near-zero grads into ~1e-5 steps
-        torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
+    assert_matches(tmp_path / "cp", baselines[packed])
 
 
 def test_distributed_optimizer_dp4_matches_one_process(tmp_path, baselines):
     spec = job(tmp_path / "zero", parallel={"distributed_optimizer": True}, launcher="torchrun",
                resources={"devices_per_node": 4})
     run_job(tmp_path, spec, "zero.yaml")
-    ref = baselines[False]
-    assert losses(tmp_path / "zero") == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
-    want = final_weights(ref)
-    for key, value in final_weights(tmp_path / "zero").items():
-        torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
+    assert_matches(tmp_path / "zero", baselines[False])
 
 
 def test_distributed_optimizer_resumes_at_another_dp_size(tmp_path, baselines):
@@ -69,13 +70,7 @@ def test_tensor_parallel_matches_one_process(tmp_path, baselines, tp, sp, device
     spec = job(tmp_path / "tp", parallel={"tp": tp, "sp": sp}, launcher="torchrun",
                resources={"devices_per_node": devices})
     run_job(tmp_path, spec, "tp.yaml")
-    ref = baselines[False]
-    assert losses(tmp_path / "tp") == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
-    want = final_weights(ref)
-    got = final_weights(tmp_path / "tp")
-    assert got.keys() == want.keys()
-    for key, value in got.items():
-        torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
+    assert_matches(tmp_path / "tp", baselines[False])
 
 
 def test_resume_into_another_layout_tp2xdp2_to_dp4(tmp_path, baselines):
