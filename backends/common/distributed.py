@@ -71,11 +71,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def peak_memory_mib(device: torch.device) -> float:
     """This process's peak memory: the accelerator's allocator peak, or the CPU resident-set peak."""
     if device.type == "cuda":

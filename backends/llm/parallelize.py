@@ -25,6 +25,7 @@ class Parallel:
     cp_rank: int
     grad_group: Any           # process group of dp × cp (None: the default group / one process)
     grad_world: int           # its size
+    grad_mesh: Any = None     # the same ranks as a 1-D DeviceMesh (FSDP2 shards over it)
     cp_groups: Any = None     # CPGroups when cp > 1
     cp_algo: str = "ring"
 
@@ -40,7 +41,7 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
     mesh = build_mesh(layout, rt.device.type)
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     par = Parallel(layout, mesh, mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank(),
-                   dp_cp.get_group(), dp_cp.size(), cp_algo=p.cp_algo)
+                   dp_cp.get_group(), dp_cp.size(), grad_mesh=dp_cp, cp_algo=p.cp_algo)
     if layout.cp > 1:
         _apply_context_parallel(decoder, par, cfg, rt)
     if layout.tp > 1:
@@ -105,10 +106,9 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt
     if cfg.parallel.fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        dp_mesh = par.mesh["dp", "cp"]._flatten("dp_cp_fsdp")
         for layer in model.decoder.model.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        return fully_shard(model, mesh=dp_mesh)
+            fully_shard(layer, mesh=par.grad_mesh)
+        return fully_shard(model, mesh=par.grad_mesh)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, process_group=par.grad_group,
