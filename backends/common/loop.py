@@ -50,9 +50,12 @@ def _no_sync(model: torch.nn.Module, last: bool):
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
                loss_fn: LossFn, *, device: torch.device, dp_world: int, precision: str = "fp32",
                grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None, group=None,
-               after_backward: Callable[[], None] | None = None) -> StepResult:
+               after_backward: Callable[[], None] | None = None,
+               clip: Callable[[float], torch.Tensor] | None = None) -> StepResult:
     """One optimizer step over `micro_batches`. `group` / `dp_world`: the ranks that hold different
-    tokens and average their gradients (dp, or dp × cp); token counts are summed over them."""
+    tokens and average their gradients (dp, or dp × cp); token counts are summed over them.
+    `clip(limit) -> norm`: the gradient clipping for layouts where ranks hold different parameters
+    (backends.common.gradnorm), instead of torch's per-rank clip_grad_norm_."""
     start = time.perf_counter()
     local = torch.tensor([float(sum(int(mb["n_tokens"]) for mb in micro_batches)),
                           float(sum(mb["input_ids"].numel() for mb in micro_batches)),
@@ -80,7 +83,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         scaler.unscale_(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     limit = grad_clip if grad_clip and grad_clip > 0 else float("inf")
-    if hasattr(optimizer, "clip_grad_norm_"):  # a sharded optimizer: only it sees the reduced grads
+    if clip is not None:
+        norm = clip(limit)
+    elif hasattr(optimizer, "clip_grad_norm_"):  # a sharded optimizer: only it sees the reduced grads
         norm = optimizer.clip_grad_norm_(limit)
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
