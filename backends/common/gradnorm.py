@@ -22,19 +22,23 @@ def _square_norm(grad: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, *, groups: Sequence = (),
                     expert_groups: Sequence = (), is_expert: Callable[[torch.Tensor], bool] = lambda p: False,
+                    counted: Callable[[torch.Tensor], bool] = lambda p: True,
                     device: torch.device | None = None) -> torch.Tensor:
     """Clip in place to `max_norm` (inf: measure only) and return the global norm (fp32 scalar).
 
     `groups`: process groups whose ranks hold different parameters (e.g. the pp group); the
     squared norm is summed over each. Expert parameters (`is_expert`) are summed over
     `expert_groups` instead (e.g. pp and ep). Every rank must call this with the same groups
-    (the all-reduces are collective), whether or not it holds any gradient of a kind."""
+    (the all-reduces are collective), whether or not it holds any gradient of a kind.
+    Parameters not `counted` (a second copy of a tied weight) are clipped but add nothing to the norm."""
     params = [p for p in params if p.grad is not None]
     if device is None:
         device = params[0].grad.device if params else torch.device("cpu")
     dense = torch.zeros((), dtype=torch.float32, device=device)
     expert = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
+        if not counted(p):
+            continue
         sq = _square_norm(p.grad).to(device)
         if is_expert(p):
             expert += sq

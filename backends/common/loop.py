@@ -47,22 +47,8 @@ def _no_sync(model: torch.nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
-               loss_fn: LossFn, *, device: torch.device, dp_world: int, precision: str = "fp32",
-               grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None, group=None,
-               after_backward: Callable[[], None] | None = None,
-               clip: Callable[[float], torch.Tensor] | None = None) -> StepResult:
-    """One optimizer step over `micro_batches`. `group` / `dp_world`: the ranks that hold different
-    tokens and average their gradients (dp, or dp × cp); token counts are summed over them.
-    `clip(limit) -> norm`: the gradient clipping for layouts where ranks hold different parameters
-    (backends.common.gradnorm), instead of torch's per-rank clip_grad_norm_."""
-    start = time.perf_counter()
-    local = torch.tensor([float(sum(int(mb["n_tokens"]) for mb in micro_batches)),
-                          float(sum(mb["input_ids"].numel() for mb in micro_batches)),
-                          float(sum(int(mb.get("n_input", mb["input_ids"].numel())) for mb in micro_batches))],
-                         dtype=torch.float64, device=device)
-    global_valid, global_tokens, global_real = all_reduce_sum(local, group).tolist()
-    denom = max(global_valid, 1.0)
+def _accumulate(model, micro_batches, loss_fn, *, device, precision, token_scale, aux_coeff, scaler):
+    """Forward + backward of every micro-batch (gradients accumulate); -> (summed token loss, mean aux)."""
     loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
     aux_total = None
     for i, mb in enumerate(micro_batches):
@@ -70,13 +56,42 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         with _no_sync(model, last):
             with autocast_for(device, precision):
                 loss_sum, _, aux = loss_fn(model, mb)
-            loss = loss_sum.float() * (dp_world / denom)
+            loss = loss_sum.float() * token_scale
             if aux is not None and aux_coeff:
                 # the aux term is a per-micro-batch mean already: average it over the accumulation steps
                 loss = loss + aux.float() * (aux_coeff / len(micro_batches))
                 aux_total = (aux_total or 0.0) + float(aux.detach()) / len(micro_batches)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_sum_total += loss_sum.detach().to(torch.float64)
+    return loss_sum_total, aux_total
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
+               loss_fn: LossFn, *, device: torch.device, dp_world: int, precision: str = "fp32",
+               grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None, group=None,
+               after_backward: Callable[[], None] | None = None,
+               clip: Callable[[float], torch.Tensor] | None = None,
+               forward_backward: Callable | None = None) -> StepResult:
+    """One optimizer step over `micro_batches`. `group` / `dp_world`: the ranks that hold different
+    tokens and average their gradients (dp, or dp × cp); token counts are summed over them.
+    `clip(limit) -> norm`: the gradient clipping for layouts where ranks hold different parameters
+    (backends.common.gradnorm), instead of torch's per-rank clip_grad_norm_.
+    `forward_backward(micro_batches, token_scale, aux_scale) -> (summed token loss, mean aux or None)`
+    replaces the plain accumulation loop (a pipeline schedule); it must scale each micro-batch's
+    loss sum by token_scale and its aux by aux_scale before backward."""
+    start = time.perf_counter()
+    local = torch.tensor([float(sum(int(mb["n_tokens"]) for mb in micro_batches)),
+                          float(sum(mb["input_ids"].numel() for mb in micro_batches)),
+                          float(sum(int(mb.get("n_input", mb["input_ids"].numel())) for mb in micro_batches))],
+                         dtype=torch.float64, device=device)
+    global_valid, global_tokens, global_real = all_reduce_sum(local, group).tolist()
+    denom = max(global_valid, 1.0)
+    if forward_backward is not None:  # e.g. a pipeline schedule that runs the micro-batches itself
+        loss_sum_total, aux_total = forward_backward(micro_batches, dp_world / denom,
+                                                     aux_coeff / len(micro_batches))
+    else:
+        loss_sum_total, aux_total = _accumulate(model, micro_batches, loss_fn, device=device, precision=precision,
+                                                token_scale=dp_world / denom, aux_coeff=aux_coeff, scaler=scaler)
     if after_backward is not None:  # e.g. a gradient all-reduce the data-parallel wrapper does not do
         after_backward()
     if scaler is not None:

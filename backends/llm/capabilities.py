@@ -31,7 +31,6 @@ PENDING = {
 # job before launching, and the engine refuses the flags again at start).
 LIMITS = {
     "mindspeed-llm": {
-        "parallel.pp": 1,
         "parallel.ep": 1,
     },
 }

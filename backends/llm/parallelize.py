@@ -28,6 +28,10 @@ class Parallel:
     grad_mesh: Any = None     # the same ranks as a 1-D DeviceMesh (FSDP2 shards over it)
     cp_groups: Any = None     # CPGroups when cp > 1
     cp_algo: str = "ring"
+    pp_rank: int = 0
+    pp_group: Any = None      # the ranks holding the other stages of this rank's pipeline
+    pipeline: Any = None      # pipeline.PipelineRunner when pp > 1
+    tied_group: Any = None    # first + last stage ranks sharing a tied embedding (pp > 1)
 
 
 def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
@@ -48,6 +52,10 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
         from backends.llm.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(decoder, mesh["tp"], sequence_parallel=cfg.parallel.sp)
+    if layout.pp > 1:  # after TP / CP, which see the whole model; then each rank keeps its stages
+        from backends.llm.parallel.pipeline import attach_pipeline
+
+        attach_pipeline(decoder, cfg, par, rt)
     return par
 
 
@@ -101,8 +109,10 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt
         return model
     if cfg.parallel.distributed_optimizer:
         return model  # the sharded optimizer reduce-scatters the grads itself (it replaces DDP)
-    if par.layout.tp > 1:
-        return model  # DTensor parameters: grad_sync() averages their local shards over dp × cp
+    if par.layout.tp > 1 or par.layout.pp > 1:
+        # DTensor parameters / stage modules the schedule calls directly: grad_sync() averages the
+        # gradients over dp × cp instead of a wrapper
+        return model
     if cfg.parallel.fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -129,11 +139,18 @@ def build_optimizer(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
 
 def grad_sync(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
     """The gradient all-reduce over dp × cp for layouts no wrapper reduces (tensor parallel), else None."""
-    if par.grad_world == 1 or par.layout.tp == 1 or cfg.parallel.distributed_optimizer:
+    pipelined = par.layout.pp > 1
+    if not pipelined and (par.grad_world == 1 or par.layout.tp == 1 or cfg.parallel.distributed_optimizer):
         return None
     import torch.distributed as dist
 
     def sync() -> None:
+        if pipelined:
+            from backends.llm.parallel.pipeline import sync_tied_embedding
+
+            sync_tied_embedding(model, par)
+            if par.grad_world == 1 or cfg.parallel.distributed_optimizer:
+                return
         for p in model.parameters():
             if p.grad is None:
                 continue

@@ -61,6 +61,12 @@ def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
     if asked:
         raise ConfigError("this build of backends.llm has data, tensor (+ sequence) and context parallelism and "
                           "the distributed optimizer; not implemented yet: " + ", ".join(asked))
+    if p.pp > 1:
+        for flag, on in (("--use-distributed-optimizer", p.distributed_optimizer), ("--use-torch-fsdp2", p.fsdp),
+                         ("dynamic sequence length (data.dynamic)", cfg.data.dynamic)):
+            if on:
+                raise ConfigError(f"pipeline parallel does not combine with {flag} in this build yet; "
+                                  "use pp=1 or leave it off")
     if p.tp > 1:  # combinations not built (or not proven) yet
         for flag, on in (("--lora-r", cfg.lora is not None), ("--context-parallel-size", p.cp > 1),
                          ("--use-distributed-optimizer", p.distributed_optimizer), ("--use-torch-fsdp2", p.fsdp)):
@@ -169,14 +175,30 @@ def _resume_path(cfg: LLMConfig) -> Path | None:
     return resolve_resume(cfg.load if explicit else "auto", path)
 
 
-def _export(cfg: LLMConfig, model: torch.nn.Module, decoder: torch.nn.Module, rt, tokenizer_dir: str | None) -> None:
+def _gather_stages(full: dict, par) -> dict | None:
+    """Rank 0 gets the union of the stages' full state dicts (the other ranks None)."""
+    import torch.distributed as dist
+
+    if par.dp_rank or par.cp_rank or (par.layout.tp > 1 and par.mesh["tp"].get_local_rank()):
+        return None  # rank 0's pipeline is the dp = cp = tp = 0 one
+    parts = [None] * par.layout.pp if dist.get_rank() == 0 else None
+    dist.gather_object(full, parts, dst=0, group=par.pp_group)
+    return {k: v for part in parts for k, v in part.items()} if parts else None
+
+
+def _export(cfg: LLMConfig, model: torch.nn.Module, decoder: torch.nn.Module, rt, tokenizer_dir: str | None,
+            par) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from backends.common.checkpoint.hf_io import write_hf_dir
     from backends.llm import models
 
     # every rank takes part in gathering the full state dict; rank 0 writes it
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    staged = par.pipeline is not None
+    # cpu_offload keeps the values on global rank 0 only; with stages every stage's first rank needs them
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not staged))
+    if staged:  # each stage holds its own layers: rank 0's pipeline collects them
+        full = _gather_stages({k: v.cpu() for k, v in full.items()}, par)
     if not rt.is_main:
         return
     full = {k.removeprefix("decoder."): v for k, v in full.items()}
@@ -240,6 +262,11 @@ def run(cfg: LLMConfig) -> int:
     model = parallelize.wrap_data_parallel(CausalLMWithLoss(decoder), cfg, par, rt)
     optimizer = parallelize.build_optimizer(model, cfg, par)
     sync = parallelize.grad_sync(model, cfg, par)
+    clip, forward_backward = None, None
+    if par.pipeline is not None:
+        from backends.llm.parallel.pipeline import pipeline_clip
+
+        clip, forward_backward = pipeline_clip(model, par), par.pipeline.forward_backward
     scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
                                 style=t.schedule)
     scaler = torch.amp.GradScaler(rt.device.type) if t.precision == "fp16" else None
@@ -260,7 +287,8 @@ def run(cfg: LLMConfig) -> int:
         micro = [parallelize.shard_batch(_to_device(mb, rt.device), par) for mb in take(batches, accum)]
         result = train_step(model, optimizer, micro, _loss_fn, device=rt.device, dp_world=par.grad_world,
                             precision=t.precision, grad_clip=t.grad_clip, aux_coeff=t.moe_aux_loss_coeff,
-                            scaler=scaler, group=par.grad_group, after_backward=sync)
+                            scaler=scaler, group=par.grad_group, after_backward=sync, clip=clip,
+                            forward_backward=forward_backward)
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
         step += 1
@@ -290,7 +318,7 @@ def run(cfg: LLMConfig) -> int:
             barrier()  # the process group goes with the process (see __main__)
             return 0
     if cfg.export_hf:
-        _export(cfg, model, decoder, rt, tokenizer_dir)
+        _export(cfg, model, decoder, rt, tokenizer_dir, par)
     if rt.is_main and run_dir is not None and cfg.metrics_file and Path(cfg.metrics_file).exists():
         from backends.common.plot import plot_loss
 

@@ -39,13 +39,15 @@ TINY = {
 }
 
 
-def make_tiny_hf(family: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True) -> Path:
-    """Random-init tiny model of `family` saved with save_pretrained (+ the tiny tokenizer)."""
+def make_tiny_hf(family: str, out_dir: str | Path, seed: int = 0, with_tokenizer: bool = True,
+                 **config) -> Path:
+    """Random-init tiny model of `family` saved with save_pretrained (+ the tiny tokenizer);
+    `config` overrides HF config keys (num_hidden_layers=4, ...)."""
     import torch
     import transformers
 
     cls_name, _, extra = TINY[family]
-    cfg = getattr(transformers, cls_name)(**{**_COMMON, **extra})
+    cfg = getattr(transformers, cls_name)(**{**_COMMON, **extra, **config})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     out = Path(out_dir)

@@ -1,0 +1,313 @@
+"""Pipeline parallelism on torch.distributed.pipelining: 1F1B, and interleaved 1F1B with virtual stages.
+
+Stages. The decoder's layers are cut into pp·vpp virtual stages: evenly, or by Megatron's
+--num-layer-list (one entry per pp stage). Virtual stage s = chunk·pp + pp_rank (Megatron's
+interleaving), so rank r holds chunks r, r+pp, ... The embedding lives on the first stage, the
+final norm and output head on the last. A tied model's last stage keeps its own copy of the
+embedding as the output weight; the two copies' gradients are summed after backward (Megatron's
+embedding group), so they take the same optimizer step and stay equal.
+
+Each rank keeps one pruned decoder with only its layers, under the full model's parameter names
+(model.layers.{i} in a ModuleDict), so checkpoints from any pp layout load into any other and the
+optimizer, gradient sync and clipping see one module per rank. The stage modules handed to
+PipelineStage are views over it.
+
+Data. Every pp rank reads the same micro-batches. The first stage takes input_ids; every stage
+gets position_ids and, for packed rows, per-token document ids as keyword arguments (fixed-shape
+[B,S] tensors the schedule can split; cu_seqlens is rebuilt from them on each stage). Between
+stages travel the hidden states and, for MoE models, the running aux-loss sum, so the aux gradient
+reaches the routers of every stage.
+
+Loss. The last stage computes the summed token cross entropy (chunked, no full logits; vocab-
+parallel under TP) and scales it exactly as backends.common.loop does: × dp_world / global valid
+tokens, plus the aux sum × coeff / micro-batches. The schedule's own 1/n_microbatches grad scaling
+is off for that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backends import kernels
+from backends.llm.config import ConfigError
+
+
+# ---------------------------------------------------------------------- the split
+
+
+def virtual_stages(num_layers: int, pp: int, *, vpp_layers: int | None = None,
+                   pp_layers: list[int] | None = None) -> list[list[int]]:
+    """Layer indices of every virtual stage, in pipeline order (len pp·vpp)."""
+    if pp_layers is not None:
+        if vpp_layers:
+            raise ConfigError("--num-layer-list and --num-layers-per-virtual-pipeline-stage do not combine; "
+                              "give one of them")
+        if len(pp_layers) != pp or sum(pp_layers) != num_layers or min(pp_layers) < 1:
+            raise ConfigError(f"--num-layer-list {pp_layers} must have pp={pp} positive entries summing to "
+                              f"{num_layers}")
+        bounds = [0]
+        for n in pp_layers:
+            bounds.append(bounds[-1] + n)
+        return [list(range(bounds[i], bounds[i + 1])) for i in range(pp)]
+    per = vpp_layers or num_layers // pp
+    if per < 1 or num_layers % (pp * per):
+        what = f"pp={pp} × {per} layers per virtual stage" if vpp_layers else f"pp={pp}"
+        raise ConfigError(f"{num_layers} layers do not split evenly over {what}; "
+                          "change --num-layers-per-virtual-pipeline-stage or give --num-layer-list")
+    return [list(range(s * per, (s + 1) * per)) for s in range(num_layers // per)]
+
+
+def rank_stages(pp_rank: int, pp: int, n_virtual: int) -> list[int]:
+    """The virtual stage ids pp rank `pp_rank` runs (Megatron's interleaved assignment)."""
+    return list(range(pp_rank, n_virtual, pp))
+
+
+def prune_to_rank(decoder: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
+    """Keep only `layers` (and the embedding / norm / head a first or last stage needs), in place."""
+    inner = decoder.model
+    kept = nn.ModuleDict({str(i): inner.layers[i] for i in layers})
+    inner.layers = kept
+    tied = decoder.config.tie_word_embeddings
+    if not (first or (last and tied)):
+        del inner.embed_tokens
+    if not last:
+        del inner.norm
+        if not tied:
+            del decoder.lm_head
+
+
+def _cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[1,T] document ids (consecutive runs) -> int32 cu_seqlens."""
+    _, counts = torch.unique_consecutive(doc_ids.reshape(-1), return_counts=True)
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+
+
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    cu = cu_seqlens.long()
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])[:total]
+
+
+class StageModule(nn.Module):
+    """One virtual stage over the rank's pruned decoder (holds no parameters of its own)."""
+
+    def __init__(self, decoder: nn.Module, layers: list[int], *, first: bool, last: bool, carry_aux: bool):
+        super().__init__()
+        self.decoder = decoder
+        self.layer_ids = [str(i) for i in layers]
+        self.first, self.last, self.carry_aux = first, last, carry_aux
+
+    def forward(self, x, aux=None, *, position_ids, doc_ids=None):
+        inner = self.decoder.model
+        cu_seqlens = _cu_seqlens(doc_ids) if doc_ids is not None else None
+        if self.first:
+            hidden = inner.embed_tokens(x)
+            # a zero that requires grad: the aux carry must be differentiable on every stage
+            aux = hidden.reshape(-1)[:1] * 0.0 if self.carry_aux else None
+        else:
+            hidden = x
+        cos, sin = inner.rotary(position_ids, hidden.dtype)
+        for i in self.layer_ids:
+            hidden, layer_aux = inner.layers[i](hidden, cos, sin, cu_seqlens)
+            if layer_aux is not None:
+                aux = aux + layer_aux.reshape(1).to(aux.dtype)
+        if self.last:
+            hidden = inner.norm(hidden)
+        return (hidden, aux) if self.carry_aux else hidden
+
+
+# ---------------------------------------------------------------------- the runner
+
+
+@dataclass
+class PipelineLayout:
+    pp: int
+    pp_rank: int
+    stage_ids: list[int]                 # this rank's virtual stages
+    n_virtual: int
+    layers: list[list[int]]              # layers of every virtual stage
+    first_rank: bool = False             # holds virtual stage 0
+    last_rank: bool = False              # holds the last virtual stage
+    extra: dict = field(default_factory=dict)
+
+
+def plan_pipeline(num_layers: int, pp: int, pp_rank: int, *, vpp_layers=None, pp_layers=None) -> PipelineLayout:
+    stages = virtual_stages(num_layers, pp, vpp_layers=vpp_layers, pp_layers=pp_layers)
+    ids = rank_stages(pp_rank, pp, len(stages))
+    return PipelineLayout(pp=pp, pp_rank=pp_rank, stage_ids=ids, n_virtual=len(stages), layers=stages,
+                          first_rank=0 in ids, last_rank=len(stages) - 1 in ids)
+
+
+class PipelineRunner:
+    """Builds the stages and the schedule for this rank; `forward_backward` runs one step's micro-batches.
+
+    `decoder` must already be pruned with prune_to_rank (and TP / CP applied before pruning).
+    """
+
+    def __init__(self, decoder: nn.Module, plan: PipelineLayout, *, pp_group, device: torch.device,
+                 tp_mesh=None, sequence_parallel: bool = False, precision: str = "fp32"):
+        self.decoder, self.plan, self.pp_group, self.device = decoder, plan, pp_group, device
+        self.precision = precision
+        self.tp_mesh, self.sp = tp_mesh, sequence_parallel
+        self.carry_aux = decoder.config.moe is not None
+        last = plan.n_virtual - 1
+        self.modules = [StageModule(decoder, plan.layers[s], first=s == 0, last=s == last, carry_aux=self.carry_aux)
+                        for s in plan.stage_ids]
+        self.schedule = None
+        self._shape = None
+        self._scale = (1.0, 0.0)
+        self._loss_sums: list[torch.Tensor] = []
+        self._auxes: list[torch.Tensor] = []
+
+    # ---- loss on the last stage
+
+    def _loss(self, output, labels):
+        hidden, aux = output if self.carry_aux else (output, None)
+        if getattr(self.decoder, "tp_info", None) is not None:
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+
+            from backends.llm.parallel.tensor_parallel import tp_loss
+
+            seq = Shard(1) if self.sp else Replicate()
+            loss_sum, _ = tp_loss(self.decoder, DTensor.from_local(hidden, self.tp_mesh, [seq], run_check=False),
+                                  labels)
+        else:
+            loss_sum, _ = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
+                                                      self.decoder.output_weight(), labels.reshape(-1))
+        token_scale, aux_scale = self._scale
+        self._loss_sums.append(loss_sum.detach().to(torch.float64))
+        loss = loss_sum.float() * token_scale
+        if aux is not None:
+            self._auxes.append(aux.detach().reshape(()).to(torch.float64))
+            if aux_scale:
+                loss = loss + aux.float().reshape(()) * aux_scale
+        return loss
+
+    # ---- schedule (built on the first step, when the micro-batch shape is known)
+
+    def _meta(self, shape, dtype):
+        # float activations carry gradients back: the static stage metadata must say so
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
+
+    def _build(self, n_micro: int, mb_shape: tuple[int, int], dtype: torch.dtype) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+        b, s = mb_shape
+        tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
+        h = self.decoder.config.hidden_size
+        hidden = self._meta((b, s // tp if self.sp else s, h), dtype)
+        carry = (hidden, self._meta((1,), dtype)) if self.carry_aux else (hidden,)
+        stages = []
+        for sid, module in zip(self.plan.stage_ids, self.modules):
+            inputs = (self._meta((b, s), torch.long),) if sid == 0 else carry
+            stages.append(PipelineStage(module, sid, self.plan.n_virtual, self.device, input_args=inputs,
+                                        output_args=carry, group=self.pp_group))
+        if len(stages) == 1:
+            self.schedule = Schedule1F1B(stages[0], n_micro, loss_fn=self._loss, scale_grads=False)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss, scale_grads=False)
+        self._shape = (n_micro, mb_shape)
+
+    def forward_backward(self, micro_batches: list[dict], token_scale: float, aux_scale: float):
+        """-> (summed token loss over the micro-batches, mean aux over them or None), the same on every
+        pp rank. Gradients are left in the parameters' .grad."""
+        n = len(micro_batches)
+        mb_shape = tuple(micro_batches[0]["input_ids"].shape)
+        if any(tuple(mb["input_ids"].shape) != mb_shape for mb in micro_batches):
+            raise ConfigError("pipeline parallel needs micro-batches of one shape; dynamic sequence length "
+                              "(--variable-seq-lengths / data.dynamic) does not combine with pp > 1")
+        if self._shape is None:
+            self._build(n, mb_shape, torch.float32)
+        elif self._shape != (n, mb_shape):
+            raise RuntimeError(f"micro-batch layout changed from {self._shape} to {(n, mb_shape)} between steps")
+        cat = {key: torch.cat([mb[key] for mb in micro_batches]) for key in ("input_ids", "labels", "position_ids")}
+        kwargs = {"position_ids": cat["position_ids"]}
+        if micro_batches[0].get("cu_seqlens") is not None:
+            kwargs["doc_ids"] = torch.cat([
+                doc_ids_from_cu_seqlens(mb["cu_seqlens"], mb["input_ids"].shape[1]).unsqueeze(0).to(self.device)
+                for mb in micro_batches])
+        self._scale = (token_scale, aux_scale)
+        self._loss_sums, self._auxes = [], []
+        args = (cat["input_ids"],) if self.plan.first_rank else ()
+        from backends.common.loop import autocast_for
+
+        with autocast_for(self.device, self.precision):
+            self.schedule.step(*args, target=cat["labels"], return_outputs=False, **kwargs)
+        # the last stage knows the loss; the pp group sums it so every rank reports the same value
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.plan.last_rank:
+            stats[0] = torch.stack(self._loss_sums).sum()
+            if self._auxes:
+                stats[1] = torch.stack(self._auxes).sum()
+        dist.all_reduce(stats, group=self.pp_group)
+        return stats[0], (float(stats[1]) / n if self.carry_aux else None)
+
+
+def tied_embedding_groups(mesh, pp: int):
+    """For a tied model: the process group pairing each first-stage rank with its last-stage rank (same
+    dp/cp/tp coordinate), or None for ranks in neither. Collective: every rank builds every group."""
+    ranks = mesh.mesh  # [pp, dp, cp, tp]
+    mine = None
+    me = dist.get_rank()
+    first, last = ranks[0].reshape(-1).tolist(), ranks[pp - 1].reshape(-1).tolist()
+    for a, b in zip(first, last):
+        group = dist.new_group([a, b])
+        if me in (a, b):
+            mine = group
+    return mine
+
+
+# ---------------------------------------------------------------------- engine glue
+
+
+def attach_pipeline(decoder: nn.Module, cfg, par, rt) -> None:
+    """Prune `decoder` to this rank's stages and hang the runner and the pp groups on `par`."""
+    p, c = cfg.parallel, decoder.config
+    if cfg.train.precision == "fp16":
+        raise ConfigError("pipeline parallel runs bf16 or fp32 in this build; use --bf16 (fp16's loss scaler "
+                          "is not threaded through the schedule)")
+    mesh = par.mesh
+    par.pp_rank = mesh["pp"].get_local_rank()
+    par.pp_group = mesh["pp"].get_group()
+    plan = plan_pipeline(c.num_layers, p.pp, par.pp_rank, vpp_layers=p.vpp_layers, pp_layers=p.pp_layers)
+    layers = [i for s in plan.stage_ids for i in plan.layers[s]]
+    par.tied_group = tied_embedding_groups(mesh, p.pp) if c.tie_word_embeddings else None
+    prune_to_rank(decoder, layers, first=plan.first_rank, last=plan.last_rank)
+    tp_mesh = mesh["tp"] if par.layout.tp > 1 else None
+    import logging
+
+    logging.getLogger("backends.llm").info(
+        "pipeline: pp=%d, %d virtual stages (%s), this rank runs stages %s = layers %s", p.pp, plan.n_virtual,
+        "interleaved 1F1B" if len(plan.stage_ids) > 1 else "1F1B", plan.stage_ids, layers)
+    par.pipeline = PipelineRunner(decoder, plan, pp_group=par.pp_group, device=rt.device, tp_mesh=tp_mesh,
+                                  sequence_parallel=cfg.parallel.sp, precision=cfg.train.precision)
+
+
+def tied_copy(model: nn.Module, par) -> torch.Tensor | None:
+    """The last stage's copy of a tied embedding (counted once in the grad norm: on the first stage)."""
+    if par.tied_group is None or not par.pipeline.plan.last_rank or par.pipeline.plan.first_rank:
+        return None
+    return model.decoder.model.embed_tokens.weight
+
+
+def sync_tied_embedding(model: nn.Module, par) -> None:
+    """Sum the tied embedding's gradient over its first- and last-stage copies."""
+    if par.tied_group is None:
+        return
+    weight = model.decoder.model.embed_tokens.weight
+    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    dist.all_reduce(local, group=par.tied_group)
+    weight.grad = grad
+
+
+def pipeline_clip(model: nn.Module, par):
+    """clip(limit) -> the global grad norm over every stage (the tied copy counted once)."""
+    from backends.common.gradnorm import clip_grad_norm_
+
+    copy = tied_copy(model, par)
+    params = list(model.parameters())
+    return lambda limit: clip_grad_norm_(params, limit, groups=[par.pp_group], counted=lambda p: p is not copy)
