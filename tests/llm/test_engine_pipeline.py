@@ -1,0 +1,127 @@
+"""backends.llm pipeline parallel through `ascendfactory run`: N CPU processes match one process."""
+
+import json
+
+import pytest
+import torch
+
+from backends.llm.config import ConfigError
+from backends.llm.parallel.pipeline import (_cu_seqlens, doc_ids_from_cu_seqlens, rank_stages,
+                                            virtual_stages)
+from tests.helpers.tiny_hf import TINY, make_tiny_hf
+from tests.llm.test_engine_parallel import assert_matches
+from tests.llm.test_engine_runs import job, losses, run_cli, run_job
+
+STEPS = 5
+
+
+def pjob(out, model_dir, family="qwen3", **changes):
+    train = {"steps": STEPS, **changes.pop("train", {})}
+    return job(out, model=TINY[family][1], model_path=str(model_dir), train=train, **changes)
+
+
+def torchrun(devices: int) -> dict:
+    return {"launcher": "torchrun", "resources": {"devices_per_node": devices}}
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A 4-layer tiny Qwen3 (so pp2 × vpp2 has one layer per virtual stage) and its 1-process runs."""
+    base = tmp_path_factory.mktemp("pp")
+    model = make_tiny_hf("qwen3", base / "model", num_hidden_layers=4)
+    refs = {}
+    for packed in (False, True):
+        out = base / f"ref-packed{packed}"
+        run_job(base, pjob(out, model, data={"packing": packed}), f"ref{packed}.yaml")
+        refs[packed] = out
+    return model, refs
+
+
+CASES = {  # name: (parallel, devices)
+    "pp2xdp2": ({"pp": 2}, 4),
+    "pp2-vpp2": ({"pp": 2, "vpp": 2}, 2),
+    "tp2xpp2": ({"pp": 2, "tp": 2}, 4),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_one_process(tmp_path, four_layers, name, packed):
+    model, refs = four_layers
+    parallel, devices = CASES[name]
+    run_job(tmp_path, pjob(tmp_path / "pp", model, data={"packing": packed}, parallel=parallel, **torchrun(devices)))
+    assert_matches(tmp_path / "pp", refs[packed])
+    if parallel.get("vpp"):  # the interleaved schedule really ran: each rank held two virtual stages
+        log = (tmp_path / "pp" / "logs" / "launcher-node0.log").read_text()
+        assert "4 virtual stages (interleaved 1F1B)" in log and "stages [0, 2] = layers [0, 2]" in log
+
+
+def test_uneven_layer_list_with_sequence_parallel(tmp_path, four_layers):
+    model, refs = four_layers
+    parallel = {"pp": 2, "pp_layers": [1, 3], "tp": 2, "sp": True}
+    run_job(tmp_path, pjob(tmp_path / "pp", model, parallel=parallel, **torchrun(4)))
+    assert_matches(tmp_path / "pp", refs[False])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_pipeline_tied_embeddings_and_moe_aux_across_stages(tmp_path, family):
+    """llama ties its embeddings (first and last stage hold copies); the MoE families carry the aux
+    loss through the stages (DeepSeek-V3's first layer is dense: stage 0 has no router). A large aux
+    coefficient makes a lost aux gradient show in the router weights."""
+    model = make_tiny_hf(family, tmp_path / "model")
+    train = {"moe_aux_loss_coeff": 1.0}
+    run_job(tmp_path, pjob(tmp_path / "ref", model, family, train=train), "ref.yaml")
+    run_job(tmp_path, pjob(tmp_path / "pp", model, family, train=train, parallel={"pp": 2}, **torchrun(2)))
+    assert_matches(tmp_path / "pp", tmp_path / "ref")
+    if family != "llama":
+        aux = [[json.loads(x).get("aux_loss") for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
+                if '"step"' in x and '"event"' not in x] for d in ("pp", "ref")]
+        assert aux[0] == pytest.approx(aux[1], rel=1e-5) and None not in aux[0]
+
+
+def test_pp2_checkpoint_resumes_at_pp1(tmp_path, four_layers):
+    model, refs = four_layers
+    first = pjob(tmp_path / "run", model, parallel={"pp": 2, "vpp": 2}, resume="auto",
+                 backend_overrides={"exit-interval": 2}, **torchrun(2))
+    run_job(tmp_path, first, "first.yaml")
+    assert len(losses(tmp_path / "run")) == 2
+    run_job(tmp_path, pjob(tmp_path / "run", model, resume="auto"), "second.yaml")
+    assert_matches(tmp_path / "run", refs[False])
+
+
+def test_pipeline_refuses_dynamic_sequence_length(tmp_path, four_layers):
+    model, _ = four_layers
+    spec = pjob(tmp_path / "pp", model, data={"packing": False, "dynamic_seq_len": True}, parallel={"pp": 2},
+                **torchrun(2))
+    path = tmp_path / "job.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(spec))
+    res = run_cli("run", path)
+    logs = "".join(p.read_text() for p in (tmp_path / "pp" / "logs").glob("*.log"))
+    assert res.returncode != 0
+    assert "pipeline parallel does not combine with dynamic sequence length" in res.stdout + res.stderr + logs
+
+
+# ---------------------------------------------------------------------- the split itself
+
+
+def test_virtual_stages_even_interleaved_and_listed():
+    assert virtual_stages(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    stages = virtual_stages(8, 2, vpp_layers=2)
+    assert stages == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rank_stages(0, 2, 4) == [0, 2] and rank_stages(1, 2, 4) == [1, 3]  # Megatron's interleaving
+    assert virtual_stages(4, 2, pp_layers=[1, 3]) == [[0], [1, 2, 3]]
+    with pytest.raises(ConfigError, match="do not split evenly"):
+        virtual_stages(6, 4)
+    with pytest.raises(ConfigError, match="must have pp=2"):
+        virtual_stages(4, 2, pp_layers=[1, 2])
+    with pytest.raises(ConfigError, match="do not combine"):
+        virtual_stages(4, 2, pp_layers=[2, 2], vpp_layers=1)
+
+
+def test_document_ids_round_trip_cu_seqlens():
+    cu = torch.tensor([0, 3, 4, 9, 12], dtype=torch.int32)
+    ids = doc_ids_from_cu_seqlens(cu, 12)
+    assert ids.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 3, 3]
+    assert torch.equal(_cu_seqlens(ids.unsqueeze(0)), cu)
