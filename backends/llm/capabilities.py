@@ -14,6 +14,7 @@ IMPLEMENTS = {
         "flash_attention": FAMILIES,
         "dynamic_seq_len": FAMILIES,
         "long_seq": FAMILIES,
+        "sptd": FAMILIES,
     },
 }
 
@@ -21,8 +22,6 @@ IMPLEMENTS = {
 # by `run` when a job needs them. They count as unbacked in the coverage table.
 PENDING = {
     "mindspeed-llm": {
-        "sptd": "pipeline parallelism is not implemented in backends.llm yet (data, tensor and sequence "
-                "parallel are)",
         "moe_parallel": "expert parallelism is not implemented in backends.llm yet (MoE models train with ep=1)",
     },
 }

@@ -18,7 +18,7 @@ from backends.llm.capabilities import IMPLEMENTS
 from tests.helpers.tiny_hf import TINY, make_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
-FEATURES = ("pretrain_full", "lora", "packing", "flash_attention", "dynamic_seq_len", "long_seq")
+FEATURES = ("pretrain_full", "lora", "packing", "flash_attention", "dynamic_seq_len", "long_seq", "sptd")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,10 @@ def _job(family: str, feature: str, model_dir: Path, out: Path) -> dict:
         job["data"]["packing"] = True
         job["kernels"]["flash_attention"] = True
         job.update(launcher="torchrun", resources={"device": "cpu", "devices_per_node": 2})
+    elif feature == "sptd":  # tensor + sequence + pipeline parallel over four CPU processes
+        job["parallel"].update(tp=2, sp=True, pp=2)
+        job["train"]["global_batch"] = 4  # two micro-batches in flight through the two stages
+        job.update(launcher="torchrun", resources={"device": "cpu", "devices_per_node": 4})
     return job
 
 
