@@ -179,23 +179,34 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._grad_mask = [bool(v) for v in has.tolist()]
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, groups=(), uncounted=()) -> torch.Tensor:
         """Global grad norm over all shards (of the reduced grads); scales them by
-        max_norm / (norm + 1e-6) when that is below 1, as torch.nn.utils.clip_grad_norm_. Collective."""
+        max_norm / (norm + 1e-6) when that is below 1, as torch.nn.utils.clip_grad_norm_. Collective.
+        `groups`: further process groups whose ranks hold other parameters (pipeline stages), summed
+        over too; `uncounted`: parameters clipped but left out of the norm (a tied weight's 2nd copy)."""
         self.reduce_grads()
         g = self._grad_shard
         norm_type = float(norm_type)
-        if math.isinf(norm_type):
-            local = g.abs().max() if g.numel() else torch.zeros((), device=self._device)
-            local = local.reshape(1).clone()
-            if self.dp_world > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.dp_group)
-            total = local[0]
+        skip = {id(p) for p in uncounted}
+        counted = g
+        if skip:
+            counted = g.clone()
+            for i, a, b, s in self._pieces:
+                if id(self._params[i]) in skip:
+                    counted[s:s + b - a] = 0
+        inf = math.isinf(norm_type)
+        if inf:
+            local = counted.abs().max() if g.numel() else torch.zeros((), device=self._device)
         else:
-            local = (g.abs() ** norm_type).sum().reshape(1) if g.numel() else torch.zeros(1, device=self._device)
-            if self.dp_world > 1:
-                dist.all_reduce(local, group=self.dp_group)
-            total = local[0] ** (1.0 / norm_type)
+            local = (counted.abs() ** norm_type).sum() if g.numel() else torch.zeros((), device=self._device)
+        local = local.reshape(1).clone()
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if self.dp_world > 1:  # dp_group None is the default group
+            dist.all_reduce(local, op=op, group=self.dp_group)
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(local, op=op, group=group)
+        total = local[0] if inf else local[0] ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         g.mul_(coef)
         return total

@@ -62,13 +62,15 @@ def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
         raise ConfigError("this build of backends.llm has data, tensor (+ sequence) and context parallelism and "
                           "the distributed optimizer; not implemented yet: " + ", ".join(asked))
     if p.pp > 1:
-        for flag, on in (("--use-distributed-optimizer", p.distributed_optimizer), ("--use-torch-fsdp2", p.fsdp),
-                         ("dynamic sequence length (data.dynamic)", cfg.data.dynamic)):
+        # stages need one micro-batch shape: packed documents split per document over cp are not
+        for flag, on in (("--use-torch-fsdp2", p.fsdp), ("dynamic sequence length (data.dynamic)", cfg.data.dynamic),
+                         ("context parallel on packed data (--context-parallel-size with --reset-attention-mask)",
+                          p.cp > 1 and cfg.data.packing)):
             if on:
                 raise ConfigError(f"pipeline parallel does not combine with {flag} in this build yet; "
                                   "use pp=1 or leave it off")
     if p.tp > 1:  # combinations not built (or not proven) yet
-        for flag, on in (("--lora-r", cfg.lora is not None), ("--context-parallel-size", p.cp > 1),
+        for flag, on in (("--lora-r", cfg.lora is not None),
                          ("--use-distributed-optimizer", p.distributed_optimizer), ("--use-torch-fsdp2", p.fsdp)):
             if on:
                 raise ConfigError(f"tensor parallel does not combine with {flag} in this build yet; "
@@ -266,7 +268,7 @@ def run(cfg: LLMConfig) -> int:
     if par.pipeline is not None:
         from backends.llm.parallel.pipeline import pipeline_clip
 
-        clip, forward_backward = pipeline_clip(model, par), par.pipeline.forward_backward
+        clip, forward_backward = pipeline_clip(model, optimizer, par), par.pipeline.forward_backward
     scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
                                 style=t.schedule)
     scaler = torch.amp.GradScaler(rt.device.type) if t.precision == "fp16" else None

@@ -73,6 +73,18 @@ def test_tensor_parallel_matches_one_process(tmp_path, baselines, tp, sp, device
     assert_matches(tmp_path / "tp", baselines[False])
 
 
+@pytest.mark.parametrize("packed,parallel", [
+    (False, {"tp": 2, "cp": 2, "cp_algo": "ring"}),
+    (True, {"tp": 2, "sp": True, "cp": 2, "cp_algo": "ulysses"}),
+], ids=["tp2xcp2-ring-padded", "tp2-sp-xcp2-ulysses-packed"])
+def test_tensor_with_context_parallel_matches_one_process(tmp_path, baselines, packed, parallel):
+    # CP attention on the tp-local heads; the TP grad all-reduce runs over dp × cp
+    spec = job(tmp_path / "tpcp", data={"packing": packed}, parallel=parallel, launcher="torchrun",
+               resources={"devices_per_node": 4})
+    run_job(tmp_path, spec, "tpcp.yaml")
+    assert_matches(tmp_path / "tpcp", baselines[packed])
+
+
 def test_resume_into_another_layout_tp2xdp2_to_dp4(tmp_path, baselines):
     # sharded DTensor checkpoint written at tp=2 × dp=2, read back by a plain dp=4 run
     first = job(tmp_path / "x", parallel={"tp": 2}, launcher="torchrun", resources={"devices_per_node": 4},

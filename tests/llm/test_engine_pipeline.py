@@ -37,20 +37,34 @@ def four_layers(tmp_path_factory):
     return model, refs
 
 
-CASES = {  # name: (parallel, devices)
-    "pp2xdp2": ({"pp": 2}, 4),
-    "pp2-vpp2": ({"pp": 2, "vpp": 2}, 2),
-    "tp2xpp2": ({"pp": 2, "tp": 2}, 4),
+def grad_norms(out) -> list[float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["grad_norm"] for r in rows if "step" in r and "event" not in r]
+
+
+def assert_pipeline_matches(out, ref) -> None:
+    """Losses and weights (assert_matches), and the clipped global grad norm: summed over the stages
+    with a tied weight counted once (train.grad_clip 1.0 is active: the norms are 2-5)."""
+    assert_matches(out, ref)
+    assert grad_norms(out) == pytest.approx(grad_norms(ref), rel=1e-5)
+
+
+CASES = {  # name: (parallel, devices, packed data too)
+    "pp2xdp2": ({"pp": 2}, 4, True),
+    "pp2-vpp2": ({"pp": 2, "vpp": 2}, 2, True),
+    "tp2xpp2": ({"pp": 2, "tp": 2}, 4, True),
+    "pp2xdp2-distributed-optimizer": ({"pp": 2, "distributed_optimizer": True}, 4, False),
+    "pp2xcp2": ({"pp": 2, "cp": 2, "cp_algo": "ring"}, 4, False),
 }
+RUNS = [(name, packed) for name, (_, _, both) in CASES.items() for packed in ((False, True) if both else (False,))]
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,packed", RUNS, ids=[f"{n}-{'packed' if p else 'padded'}" for n, p in RUNS])
 def test_pipeline_matches_one_process(tmp_path, four_layers, name, packed):
     model, refs = four_layers
-    parallel, devices = CASES[name]
+    parallel, devices, _ = CASES[name]
     run_job(tmp_path, pjob(tmp_path / "pp", model, data={"packing": packed}, parallel=parallel, **torchrun(devices)))
-    assert_matches(tmp_path / "pp", refs[packed])
+    assert_pipeline_matches(tmp_path / "pp", refs[packed])
     if parallel.get("vpp"):  # the interleaved schedule really ran: each rank held two virtual stages
         log = (tmp_path / "pp" / "logs" / "launcher-node0.log").read_text()
         assert "4 virtual stages (interleaved 1F1B)" in log and "stages [0, 2] = layers [0, 2]" in log
@@ -60,19 +74,22 @@ def test_uneven_layer_list_with_sequence_parallel(tmp_path, four_layers):
     model, refs = four_layers
     parallel = {"pp": 2, "pp_layers": [1, 3], "tp": 2, "sp": True}
     run_job(tmp_path, pjob(tmp_path / "pp", model, parallel=parallel, **torchrun(4)))
-    assert_matches(tmp_path / "pp", refs[False])
+    assert_pipeline_matches(tmp_path / "pp", refs[False])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_pipeline_tied_embeddings_and_moe_aux_across_stages(tmp_path, family):
     """llama ties its embeddings (first and last stage hold copies); the MoE families carry the aux
     loss through the stages (DeepSeek-V3's first layer is dense: stage 0 has no router). A large aux
-    coefficient makes a lost aux gradient show in the router weights."""
+    coefficient makes a lost aux gradient show in the router weights. The tied case also runs the
+    distributed optimizer (its clip norm leaves the tied copy out)."""
     model = make_tiny_hf(family, tmp_path / "model")
     train = {"moe_aux_loss_coeff": 1.0}
     run_job(tmp_path, pjob(tmp_path / "ref", model, family, train=train), "ref.yaml")
-    run_job(tmp_path, pjob(tmp_path / "pp", model, family, train=train, parallel={"pp": 2}, **torchrun(2)))
-    assert_matches(tmp_path / "pp", tmp_path / "ref")
+    tied = family == "llama"
+    parallel = {"pp": 2, "distributed_optimizer": tied}
+    run_job(tmp_path, pjob(tmp_path / "pp", model, family, train=train, parallel=parallel, **torchrun(4 if tied else 2)))
+    assert_pipeline_matches(tmp_path / "pp", tmp_path / "ref")
     if family != "llama":
         aux = [[json.loads(x).get("aux_loss") for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
                 if '"step"' in x and '"event"' not in x] for d in ("pp", "ref")]
@@ -86,13 +103,16 @@ def test_pp2_checkpoint_resumes_at_pp1(tmp_path, four_layers):
     run_job(tmp_path, first, "first.yaml")
     assert len(losses(tmp_path / "run")) == 2
     run_job(tmp_path, pjob(tmp_path / "run", model, resume="auto"), "second.yaml")
-    assert_matches(tmp_path / "run", refs[False])
+    assert_pipeline_matches(tmp_path / "run", refs[False])
 
 
-def test_pipeline_refuses_dynamic_sequence_length(tmp_path, four_layers):
+@pytest.mark.parametrize("data,parallel,says", [
+    ({"dynamic_seq_len": True}, {"pp": 2}, "dynamic sequence length"),
+    ({"packing": True}, {"pp": 2, "cp": 2}, "context parallel on packed data"),
+], ids=["dynamic", "cp-packed"])
+def test_pipeline_refuses_variable_micro_batch_shapes(tmp_path, four_layers, data, parallel, says):
     model, _ = four_layers
-    spec = pjob(tmp_path / "pp", model, data={"packing": False, "dynamic_seq_len": True}, parallel={"pp": 2},
-                **torchrun(2))
+    spec = pjob(tmp_path / "pp", model, data=data, parallel=parallel, **torchrun(4 if parallel.get("cp") else 2))
     path = tmp_path / "job.yaml"
     import yaml
 
@@ -100,7 +120,7 @@ def test_pipeline_refuses_dynamic_sequence_length(tmp_path, four_layers):
     res = run_cli("run", path)
     logs = "".join(p.read_text() for p in (tmp_path / "pp" / "logs").glob("*.log"))
     assert res.returncode != 0
-    assert "pipeline parallel does not combine with dynamic sequence length" in res.stdout + res.stderr + logs
+    assert f"pipeline parallel does not combine with {says}" in res.stdout + res.stderr + logs
 
 
 # ---------------------------------------------------------------------- the split itself

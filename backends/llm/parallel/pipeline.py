@@ -304,10 +304,13 @@ def sync_tied_embedding(model: nn.Module, par) -> None:
     weight.grad = grad
 
 
-def pipeline_clip(model: nn.Module, par):
+def pipeline_clip(model: nn.Module, optimizer, par):
     """clip(limit) -> the global grad norm over every stage (the tied copy counted once)."""
     from backends.common.gradnorm import clip_grad_norm_
 
     copy = tied_copy(model, par)
+    if hasattr(optimizer, "clip_grad_norm_"):  # the distributed optimizer holds the dp-reduced grads
+        return lambda limit: optimizer.clip_grad_norm_(limit, groups=[par.pp_group],
+                                                       uncounted=[copy] if copy is not None else [])
     params = list(model.parameters())
     return lambda limit: clip_grad_norm_(params, limit, groups=[par.pp_group], counted=lambda p: p is not copy)
