@@ -72,6 +72,7 @@ def forward_loss(model, ids, labels, n_total):
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.to_local() if hasattr(a, "to_local") else a  # this rank's expert shard
     return float((a.detach().float() - b.detach().float()).abs().max()) if a.numel() else 0.0
 
 
@@ -92,6 +93,7 @@ def compare_grads(ep_model, ref_model, errors, prefix, *, ranks_summed=True):
         if getattr(p, "expert_parallel", False):
             mod = ep_model.get_submodule(name.rsplit(".experts.", 1)[0])
             lo, hi = mod.local_start, mod.local_start + mod.num_local
+            assert p.grad.placements[0].is_shard(0) and p.grad.shape == r.grad.shape, name  # a Shard(0) DTensor
             check(errors, f"{prefix}expert_grad", max_err(p.grad, r.grad[lo:hi]))
             check(errors, f"{prefix}expert_weight", max_err(p, r[lo:hi]))
         else:

@@ -13,8 +13,10 @@ parameter names, but holds only this rank's E/ep routed experts. Forward per MoE
   (+ shared experts, replicated).
 
 Expert e lives on ep rank e // (E/ep); its weights are the slices [lo:hi] of the stacked
-experts.gate_up_proj [E,H,2I] / experts.down_proj [E,I,H], kept as this rank's own parameters
-under the same names (shape [E/ep, ...]); `gather_expert_weights` rebuilds the full tensors.
+experts.gate_up_proj [E,H,2I] / experts.down_proj [E,I,H], kept under the same names as DTensor
+parameters of global shape [E, ...] with Shard(0) placement on the 1-D ep mesh (the forward
+computes with `.to_local()`, so their gradients come back as Shard(0) DTensors too);
+`gather_expert_weights` rebuilds the full tensors.
 
 Tokens are data-parallel over the ep group (every ep rank reads a different slice of the batch).
 
@@ -47,9 +49,9 @@ Aux loss (`aux_loss=`):
     per-rank auxes.
 
 Checkpoints: expert weights keep their full-model names but hold different experts on different
-ep ranks, so torch.distributed.checkpoint must not see them as plain (replicated) tensors — it would
-keep one rank's copy. Save `gather_expert_weights(model)` (or apply EP after loading a full
-checkpoint, which slices it); DTensor-sharded experts for DCP are not implemented here.
+ep ranks; as Shard(0) DTensors, torch.distributed.checkpoint writes each rank's slice under the
+global shape and reshards on load (an ep=2 checkpoint loads at ep=1 and back), and
+get_model_state_dict(full_state_dict=True) gathers them for an HF export.
 """
 
 from __future__ import annotations
@@ -59,8 +61,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from backends import kernels
+from backends.llm.models.layers import maybe_checkpoint
 from backends.llm.models.moe import MoE
 
 __all__ = [
@@ -115,6 +120,16 @@ def _group_size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _ep_mesh(ep, device_type: str) -> DeviceMesh:
+    """A 1-D DeviceMesh over the ep ranks from a mesh, a process group or None (the default group)."""
+    if isinstance(ep, DeviceMesh):
+        if ep.ndim != 1:
+            raise ValueError(f"the ep mesh must be 1-D, got dims {ep.mesh_dim_names}")
+        return ep
+    _group_size_rank(ep)  # a clear error without a process group
+    return DeviceMesh.from_group(ep if ep is not None else dist.group.WORLD, device_type)
+
+
 def _chunk_order(counts: torch.Tensor) -> torch.Tensor:
     """counts [ep, E_l] (rows from source s for local expert e, laid out source-major) -> the row
     index that lays them out expert-major (expert 0's rows from source 0, 1, ..., then expert 1 ...)."""
@@ -138,11 +153,11 @@ class ExpertParallelMoE(MoE):
         nn.Module.__init__(self)  # take over moe's submodules instead of building new ones
         if aux_loss not in AUX_LOSS_MODES:
             raise ValueError(f"aux_loss={aux_loss!r} is not one of {', '.join(AUX_LOSS_MODES)}")
-        if hasattr(ep_group, "get_group"):  # a 1-D DeviceMesh
-            ep_group = ep_group.get_group()
+        mesh = _ep_mesh(ep_group, moe.experts.gate_up_proj.device.type)
         self.m = moe.m
-        self.ep_group = ep_group
-        self.ep_size, self.ep_rank = _group_size_rank(ep_group)
+        self.ep_mesh = mesh
+        self.ep_group = mesh.get_group()
+        self.ep_size, self.ep_rank = _group_size_rank(self.ep_group)
         self.aux_loss_mode = aux_loss
         total = moe.experts.num_experts
         if total % self.ep_size:
@@ -157,7 +172,9 @@ class ExpertParallelMoE(MoE):
         with torch.no_grad():
             for name in ("gate_up_proj", "down_proj"):
                 full = getattr(experts, name)
-                local = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
+                shard = DTensor.from_local(full.detach()[lo:hi].clone(), mesh, [Shard(0)], run_check=False,
+                                           shape=full.shape, stride=full.stride())
+                local = nn.Parameter(shard, requires_grad=full.requires_grad)
                 local.allreduce = False          # Megatron's flag: not data-parallel over ep
                 local.expert_parallel = True
                 setattr(experts, name, local)
@@ -185,6 +202,13 @@ class ExpertParallelMoE(MoE):
         return scaled + (value - scaled).detach()
 
     # -------------------------------------------------------------- forward
+
+    def _local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Experts.forward on this rank's shards (plain tensors; the grads flow back into the DTensors)."""
+        ex = self.experts
+        h = kernels.grouped_mm(x, ex.gate_up_proj.to_local(), counts)
+        h = maybe_checkpoint(ex.selective_recompute, kernels.swiglu, h)
+        return kernels.grouped_mm(h, ex.down_proj.to_local(), counts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -214,10 +238,10 @@ class ExpertParallelMoE(MoE):
             order = _chunk_order(recv_cpu).to(received.device)
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
-            hidden = self.experts(received.index_select(0, order), per_expert.to(received.device))
+            hidden = self._local_experts(received.index_select(0, order), per_expert.to(received.device))
             hidden = hidden.index_select(0, inverse)
         else:
-            hidden = self.experts(received, per_expert.to(received.device))
+            hidden = self._local_experts(received, per_expert.to(received.device))
         return all_to_all(hidden, input_splits, output_splits, self.ep_group)
 
 
@@ -225,19 +249,18 @@ class ExpertParallelMoE(MoE):
 
 
 def apply_expert_parallel(model: nn.Module, ep_group=None, *, aux_loss: str = "global") -> nn.Module:
-    """Replace every MoE block of `model` (in place) by an ExpertParallelMoE over `ep_group`
-    (None: the default group). Apply to a fully initialised / loaded model: each rank keeps the
-    slice of the stacked expert weights it owns. Returns the model."""
-    if hasattr(ep_group, "get_group"):  # a 1-D DeviceMesh
-        ep_group = ep_group.get_group()
-    size, _ = _group_size_rank(ep_group)
+    """Replace every MoE block of `model` (in place) by an ExpertParallelMoE over `ep_group` (a 1-D
+    DeviceMesh, a process group, or None: the default group). Apply to a fully initialised / loaded
+    model: each rank keeps the slice of the stacked expert weights it owns. Returns the model."""
+    size, _ = _group_size_rank(ep_group.get_group() if isinstance(ep_group, DeviceMesh) else ep_group)
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if isinstance(child, MoE) and not isinstance(child, ExpertParallelMoE)]
     if not targets:
         raise ValueError("apply_expert_parallel: the model has no MoE block")
+    mesh = _ep_mesh(ep_group, targets[0][2].experts.gate_up_proj.device.type)  # one mesh for every block
     for parent, name, child in targets:
-        setattr(parent, name, ExpertParallelMoE(child, ep_group, aux_loss=aux_loss))
+        setattr(parent, name, ExpertParallelMoE(child, mesh, aux_loss=aux_loss))
     model.expert_parallel_size = size
     return model
 
@@ -262,23 +285,15 @@ def finalize_expert_grads(model: nn.Module, *, grad_scale: float = 1.0, expert_d
     for p in expert_parameters(model):
         if p.grad is None:
             continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if expert_dp_group is not None and dist.get_world_size(expert_dp_group) > 1:
-            dist.all_reduce(p.grad, group=expert_dp_group)
+            dist.all_reduce(grad, group=expert_dp_group)
         if grad_scale != 1.0:
-            p.grad.mul_(grad_scale)
+            grad.mul_(grad_scale)
 
 
 @torch.no_grad()
 def gather_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: full stacked [E, ...] tensor} for every expert-parallel weight (collective
     over each block's ep group; for HF export or a full-model checkpoint)."""
-    out = {}
-    for mod_name, module in model.named_modules():
-        if not isinstance(module, ExpertParallelMoE):
-            continue
-        for pname in ("gate_up_proj", "down_proj"):
-            local = getattr(module.experts, pname).detach().contiguous()
-            parts = [torch.empty_like(local) for _ in range(module.ep_size)]
-            dist.all_gather(parts, local, group=module.ep_group)
-            out[f"{mod_name}.experts.{pname}"] = torch.cat(parts, dim=0)
-    return out
+    return {name: p.detach().full_tensor() for name, p in model.named_parameters() if is_expert_parameter(p)}
