@@ -32,10 +32,15 @@ class Parallel:
     pp_group: Any = None      # the ranks holding the other stages of this rank's pipeline
     pipeline: Any = None      # pipeline.PipelineRunner when pp > 1
     tied_group: Any = None    # first + last stage ranks sharing a tied embedding (pp > 1)
+    ep_mesh: Any = None       # 1-D DeviceMesh of this rank's ep group (ep > 1; the experts' DTensor mesh)
+    edp_group: Any = None     # ranks holding the same experts (ep > 1)
 
 
 def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
+    from backends.llm.parallel import ep_engine
+
     c, p = decoder.config, cfg.parallel
+    ep_engine.refuse_unbuilt(cfg)
     experts = c.moe.num_experts if c.moe is not None else 0
     layout = check_layout(rt.world, p.tp, p.pp, p.cp, p.ep, heads=c.num_attention_heads,
                           kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads,
@@ -52,6 +57,9 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
         from backends.llm.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(decoder, mesh["tp"], sequence_parallel=cfg.parallel.sp)
+    if layout.ep > 1:
+        par.ep_mesh, par.edp_group = ep_engine.build_groups(mesh, layout, rt.device.type)
+        ep_engine.apply(decoder, par.ep_mesh)
     if layout.pp > 1:  # after TP / CP, which see the whole model; then each rank keeps its stages
         from backends.llm.parallel.pipeline import attach_pipeline
 
@@ -121,6 +129,10 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt
         return fully_shard(model, mesh=par.grad_mesh)
     from torch.nn.parallel import DistributedDataParallel
 
+    if par.layout.ep > 1:
+        from backends.llm.parallel import ep_engine
+
+        ep_engine.ignore_in_ddp(model)
     return DistributedDataParallel(model, process_group=par.grad_group,
                                    device_ids=None if rt.device.type == "cpu" else [rt.device.index])
 
@@ -138,7 +150,12 @@ def build_optimizer(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
 
 
 def grad_sync(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
-    """The gradient all-reduce over dp × cp for layouts no wrapper reduces (tensor parallel), else None."""
+    """The gradient all-reduce over dp × cp for layouts no wrapper reduces (tensor parallel), the expert
+    grads' reduction over their replicas (expert parallel), else None."""
+    if par.layout.ep > 1:  # tp, pp and the distributed optimizer are refused with ep (ep_engine)
+        from backends.llm.parallel import ep_engine
+
+        return ep_engine.grad_finalizer(model, par.grad_world, par.edp_group)
     pipelined = par.layout.pp > 1
     if not pipelined and (par.grad_world == 1 or par.layout.tp == 1 or cfg.parallel.distributed_optimizer):
         return None
@@ -159,3 +176,13 @@ def grad_sync(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
             local.div_(par.grad_world)
 
     return sync
+
+
+def grad_clip(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
+    """train_step's clip(limit) -> norm where ranks hold different parameters (expert shards), else None
+    (pipeline stages bring their own, pipeline.pipeline_clip)."""
+    if par.layout.ep > 1:
+        from backends.llm.parallel import ep_engine
+
+        return ep_engine.clipper(model)
+    return None

@@ -1,0 +1,152 @@
+"""backends.llm expert parallel through `ascendfactory run`: ep over N CPU processes matches one process.
+
+A large aux-loss coefficient makes a wrong router (aux) gradient show in the weights; the tiny
+models' experts get real tokens (tests/parallel/test_expert_parallel.py checks the dispatch itself).
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.helpers.tiny_hf import TINY, make_tiny_hf
+from tests.llm.test_engine_parallel import assert_matches
+from tests.llm.test_engine_runs import ROOT, job, losses, run_cli, run_job
+
+TRAIN = {"steps": 4, "moe_aux_loss_coeff": 1.0}
+
+
+def ejob(out, model_dir, family, **changes):
+    return job(out, model=TINY[family][1], model_path=str(model_dir), train=TRAIN, **changes)
+
+
+def torchrun(devices: int) -> dict:
+    return {"launcher": "torchrun", "resources": {"devices_per_node": devices}}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """reference(family, packed) -> (tiny model dir, its one-process run dir), each made once."""
+    base = tmp_path_factory.mktemp("ep")
+    models, runs = {}, {}
+
+    def get(family: str, packed: bool = False):
+        if family not in models:
+            models[family] = make_tiny_hf(family, base / family)
+        if (family, packed) not in runs:
+            out = base / f"{family}-ref-packed{packed}"
+            run_job(base, ejob(out, models[family], family, data={"packing": packed}), f"{family}{packed}.yaml")
+            runs[family, packed] = out
+        return models[family], runs[family, packed]
+
+    return get
+
+
+def metric(out, key: str) -> list:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r.get(key) for r in rows if "step" in r and "event" not in r]
+
+
+def state_mib(out) -> list[float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("event") == "end"][-1]["model_state_mib"]
+
+
+def assert_ep_matches(out, ref, *, split: bool = True) -> None:
+    """Losses and exported weights (assert_matches), the aux losses and the clipped global grad norm;
+    and (`split`) the experts really were split: each rank holds less than the one process."""
+    assert_matches(out, ref)
+    for key in ("aux_loss", "grad_norm"):
+        assert metric(out, key) == pytest.approx(metric(ref, key), rel=1e-5) and None not in metric(out, key), key
+    if split:
+        assert max(state_mib(out)) < min(state_mib(ref)), (state_mib(out), state_mib(ref))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_ep2_matches_one_process(tmp_path, reference, family):
+    model, ref = reference(family)
+    run_job(tmp_path, ejob(tmp_path / "ep", model, family, parallel={"ep": 2}, **torchrun(2)))
+    assert_ep_matches(tmp_path / "ep", ref)
+
+
+def test_cp2_ep2_matches_cp2(tmp_path, reference):
+    """The ep group carved from context-parallel ranks (both hold halves of the same sequences)
+    trains as cp2 without EP. (Against one process cp2 differs already without EP: each cp rank's
+    aux loss is over its half of the sequence.)"""
+    model, _ = reference("mixtral")
+    run_job(tmp_path, ejob(tmp_path / "cp", model, "mixtral", parallel={"cp": 2}, **torchrun(2)), "cp.yaml")
+    run_job(tmp_path, ejob(tmp_path / "ep", model, "mixtral", parallel={"ep": 2, "cp": 2}, **torchrun(2)), "ep.yaml")
+    assert_ep_matches(tmp_path / "ep", tmp_path / "cp")
+
+
+def test_dp4_ep2_packed_matches_one_process(tmp_path, reference):
+    """Four ranks, two ep groups: each expert has a replica (the expert-data-parallel group of 2)
+    whose grads are summed; DeepSeek-V3: a dense first layer, shared experts, 4 local experts."""
+    model, ref = reference("deepseek_v3", packed=True)
+    run_job(tmp_path, ejob(tmp_path / "ep", model, "deepseek_v3", data={"packing": True}, parallel={"ep": 2},
+                           **torchrun(4)))
+    assert_ep_matches(tmp_path / "ep", ref)
+
+
+def test_ep2_checkpoint_resumes_at_ep1(tmp_path, reference):
+    """The Shard(0) DTensor experts of an ep2 checkpoint load into a one-process model (DCP reshards)."""
+    model, ref = reference("deepseek_v2")
+    first = ejob(tmp_path / "run", model, "deepseek_v2", parallel={"ep": 2}, resume="auto",
+                 backend_overrides={"exit-interval": 2}, **torchrun(2))
+    run_job(tmp_path, first, "first.yaml")
+    assert len(losses(tmp_path / "run")) == 2
+    run_job(tmp_path, ejob(tmp_path / "run", model, "deepseek_v2", resume="auto"), "second.yaml")
+    assert_ep_matches(tmp_path / "run", ref, split=False)  # the second half ran on one process
+
+
+def _engine_args(spec: dict, tmp_path) -> list[str]:
+    from ascendfactory.plan import make_plan
+    from ascendfactory.render import render
+    from ascendfactory.spec import parse_job
+
+    plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
+    return shlex.split(render(plan, tmp_path / "render").files["mindspeed_llm_args.sh"], comments=True)
+
+
+def test_bad_expert_layout_fails_with_exit_code_2(tmp_path):
+    """ep=3 splits neither the tiny Mixtral's 4 experts nor its card's 8: `run` refuses before launching,
+    and the engine started by hand with that flag refuses too."""
+    model = make_tiny_hf("mixtral", tmp_path / "model")
+    spec = ejob(tmp_path / "bad", model, "mixtral", parallel={"ep": 3}, **torchrun(3))
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    res = run_cli("run", path)
+    assert res.returncode == 2 and "parallel.ep" in res.stdout + res.stderr, res.stdout + res.stderr
+    # the engine on one process: 4 experts over ep=3 (and ep=3 over dp=1)
+    args = _engine_args(ejob(tmp_path / "ok", model, "mixtral", parallel={"ep": 2}, **torchrun(2)), tmp_path)
+    args[args.index("--expert-model-parallel-size") + 1] = "3"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "backends.llm", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "4 experts do not split over ep=3" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("parallel,finetuning,says", [
+    ({"ep": 2, "fsdp": True}, "full", "--use-torch-fsdp2"),
+    ({"ep": 2, "distributed_optimizer": True}, "full", "--use-distributed-optimizer"),
+    ({"ep": 2, "tp": 2}, "full", "--tensor-model-parallel-size"),
+    ({"ep": 2, "pp": 2}, "full", "--pipeline-model-parallel-size"),
+    ({"ep": 2, "moe_dispatcher": "alltoall_seq"}, "lora", "--lora-r"),
+], ids=["fsdp", "distributed-optimizer", "tp", "pp", "lora"])
+def test_expert_parallel_refuses_unbuilt_combinations(tmp_path, parallel, finetuning, says):
+    """Checked on the rendered flags, without launching."""
+    from backends.llm.config import ConfigError, parse_args
+    from backends.llm.parallel.ep_engine import refuse_unbuilt
+
+    model = make_tiny_hf("mixtral", tmp_path / "model", with_tokenizer=False)
+    spec = ejob(tmp_path / "x", model, "mixtral", parallel=parallel, finetuning=finetuning, **torchrun(4))
+    if finetuning == "lora":
+        spec["lora"] = {"rank": 4, "alpha": 8}
+    cfg = parse_args(_engine_args(spec, tmp_path))
+    with pytest.raises(ConfigError, match=f"expert parallel .*{says}"):
+        refuse_unbuilt(cfg)
