@@ -3,6 +3,8 @@ attention, the data-parallel wrap, and which ranks share data / tokens / gradien
 
 Gradients of replicated parameters are reduced over dp × cp (CP ranks hold different tokens of the
 same samples); the loss's token count is summed over the same ranks; the loader is sharded over dp.
+Expert parallel (parallel/ep_engine.py) carves its groups from those dp × cp ranks and keeps the
+expert weights out of that reduction.
 """
 
 from __future__ import annotations

@@ -66,10 +66,11 @@ def assert_ep_matches(out, ref, *, split: bool = True) -> None:
         assert max(state_mib(out)) < min(state_mib(ref)), (state_mib(out), state_mib(ref))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
-def test_ep2_matches_one_process(tmp_path, reference, family):
+@pytest.mark.parametrize("family,recompute", [("mixtral", "none"), ("qwen3_moe", "full"), ("deepseek_v3", "selective")])
+def test_ep2_matches_one_process(tmp_path, reference, family, recompute):
+    """Recomputation (against a reference without it) replays the all-to-alls in backward."""
     model, ref = reference(family)
-    run_job(tmp_path, ejob(tmp_path / "ep", model, family, parallel={"ep": 2}, **torchrun(2)))
+    run_job(tmp_path, ejob(tmp_path / "ep", model, family, parallel={"ep": 2, "recompute": recompute}, **torchrun(2)))
     assert_ep_matches(tmp_path / "ep", ref)
 
 
@@ -92,15 +93,19 @@ def test_dp4_ep2_packed_matches_one_process(tmp_path, reference):
     assert_ep_matches(tmp_path / "ep", ref)
 
 
-def test_ep2_checkpoint_resumes_at_ep1(tmp_path, reference):
-    """The Shard(0) DTensor experts of an ep2 checkpoint load into a one-process model (DCP reshards)."""
+def test_checkpoints_reshard_between_ep2_and_ep1(tmp_path, reference):
+    """Step 1 at ep2, step 2 at ep1, steps 3-4 at ep2 again, each resuming the last one's checkpoint:
+    DCP reshards the Shard(0) DTensor experts (and their Adam states) both ways."""
     model, ref = reference("deepseek_v2")
-    first = ejob(tmp_path / "run", model, "deepseek_v2", parallel={"ep": 2}, resume="auto",
-                 backend_overrides={"exit-interval": 2}, **torchrun(2))
-    run_job(tmp_path, first, "first.yaml")
-    assert len(losses(tmp_path / "run")) == 2
-    run_job(tmp_path, ejob(tmp_path / "run", model, "deepseek_v2", resume="auto"), "second.yaml")
-    assert_ep_matches(tmp_path / "run", ref, split=False)  # the second half ran on one process
+    out = tmp_path / "run"
+    legs = [({"ep": 2}, 1, 2), ({}, 2, 1), ({"ep": 2}, None, 2)]  # (parallel, --exit-interval, processes)
+    for i, (parallel, exit_at, devices) in enumerate(legs):
+        extra = {"backend_overrides": {"exit-interval": exit_at}} if exit_at else {}
+        spec = ejob(out, model, "deepseek_v2", parallel=parallel, resume="auto", **extra,
+                    **(torchrun(devices) if devices > 1 else {}))
+        run_job(tmp_path, spec, f"leg{i}.yaml")
+        assert len(losses(out)) == (exit_at or 4)
+    assert_ep_matches(out, ref)
 
 
 def _engine_args(spec: dict, tmp_path) -> list[str]:
