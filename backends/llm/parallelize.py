@@ -119,16 +119,16 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt
         return model
     if cfg.parallel.distributed_optimizer:
         return model  # the sharded optimizer reduce-scatters the grads itself (it replaces DDP)
-    if par.layout.tp > 1 or par.layout.pp > 1:
-        # DTensor parameters / stage modules the schedule calls directly: grad_sync() averages the
-        # gradients over dp × cp instead of a wrapper
-        return model
-    if cfg.parallel.fsdp:
+    if cfg.parallel.fsdp:  # FSDP2 over dp × cp (pp refuses it); TP DTensors become 2-D (dp_cp, tp)
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.decoder.model.layers:
             fully_shard(layer, mesh=par.grad_mesh)
         return fully_shard(model, mesh=par.grad_mesh)
+    if par.layout.tp > 1 or par.layout.pp > 1:
+        # DTensor parameters / stage modules the schedule calls directly: grad_sync() averages the
+        # gradients over dp × cp instead of a wrapper
+        return model
     from torch.nn.parallel import DistributedDataParallel
 
     if par.layout.ep > 1:
@@ -159,7 +159,8 @@ def grad_sync(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
 
         return ep_engine.grad_finalizer(model, par.grad_world, par.edp_group)
     pipelined = par.layout.pp > 1
-    if not pipelined and (par.grad_world == 1 or par.layout.tp == 1 or cfg.parallel.distributed_optimizer):
+    if not pipelined and (par.grad_world == 1 or par.layout.tp == 1 or cfg.parallel.distributed_optimizer
+                          or cfg.parallel.fsdp):
         return None
     import torch.distributed as dist
 

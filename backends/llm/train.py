@@ -71,7 +71,7 @@ def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
                                   "use pp=1 or leave it off")
     if p.tp > 1:  # combinations not built (or not proven) yet
         for flag, on in (("--lora-r", cfg.lora is not None),
-                         ("--use-distributed-optimizer", p.distributed_optimizer), ("--use-torch-fsdp2", p.fsdp)):
+                         ("--use-distributed-optimizer", p.distributed_optimizer)):
             if on:
                 raise ConfigError(f"tensor parallel does not combine with {flag} in this build yet; "
                                   "use one of them at a time")
@@ -264,7 +264,7 @@ def run(cfg: LLMConfig) -> int:
     model = parallelize.wrap_data_parallel(CausalLMWithLoss(decoder), cfg, par, rt)
     optimizer = parallelize.build_optimizer(model, cfg, par)
     sync = parallelize.grad_sync(model, cfg, par)
-    clip, forward_backward = None, None
+    clip, forward_backward = parallelize.grad_clip(model, cfg, par), None
     if par.pipeline is not None:
         from backends.llm.parallel.pipeline import pipeline_clip
 

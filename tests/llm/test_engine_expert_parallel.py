@@ -17,7 +17,7 @@ from tests.helpers.tiny_hf import TINY, make_tiny_hf
 from tests.llm.test_engine_parallel import assert_matches
 from tests.llm.test_engine_runs import ROOT, job, losses, run_cli, run_job
 
-TRAIN = {"steps": 4, "moe_aux_loss_coeff": 1.0}
+TRAIN = {"steps": 5, "moe_aux_loss_coeff": 1.0}
 
 
 def ejob(out, model_dir, family, **changes):

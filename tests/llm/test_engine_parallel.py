@@ -1,5 +1,7 @@
 """backends.llm context parallel through `ascendfactory run`: N CPU processes match one process."""
 
+import json
+
 import pytest
 
 from tests.llm.test_engine_runs import final_weights, job, losses, run_job
@@ -65,12 +67,17 @@ def test_distributed_optimizer_resumes_at_another_dp_size(tmp_path, baselines):
     assert losses(tmp_path / "z") == pytest.approx(losses(baselines[False]), rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("tp,sp,devices", [(2, False, 4), (2, True, 2)], ids=["tp2xdp2", "tp2-sp"])
-def test_tensor_parallel_matches_one_process(tmp_path, baselines, tp, sp, devices):
-    spec = job(tmp_path / "tp", parallel={"tp": tp, "sp": sp}, launcher="torchrun",
+@pytest.mark.parametrize("tp,sp,fsdp,devices", [(2, False, False, 4), (2, True, False, 2), (2, False, True, 4)],
+                         ids=["tp2xdp2", "tp2-sp", "tp2xfsdp2"])
+def test_tensor_parallel_matches_one_process(tmp_path, baselines, tp, sp, fsdp, devices):
+    spec = job(tmp_path / "tp", parallel={"tp": tp, "sp": sp, "fsdp": fsdp}, launcher="torchrun",
                resources={"devices_per_node": devices})
     run_job(tmp_path, spec, "tp.yaml")
     assert_matches(tmp_path / "tp", baselines[False])
+    if fsdp:  # FSDP2 shards the TP shards again over dp: a quarter of the model state per rank
+        end = [json.loads(x) for x in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()][-1]
+        ref = [json.loads(x) for x in (baselines[False] / "metrics.jsonl").read_text().splitlines()][-1]
+        assert max(end["model_state_mib"]) <= 0.3 * ref["model_state_mib"][0]
 
 
 @pytest.mark.parametrize("packed,parallel", [
