@@ -88,9 +88,13 @@ def _apply_context_parallel(decoder, par: Parallel, cfg: LLMConfig, rt) -> None:
     u = (cfg.parallel.ulysses_degree or 1) if cfg.parallel.cp_algo == "hybrid" else 1
     par.cp_groups = make_cp_groups(ranks, ulysses_degree=u)
     attend = partial(_cp_attend, groups=par.cp_groups, algo=cfg.parallel.cp_algo)
+    from backends.llm.models.moe import MoE
+
     for module in decoder.modules():
         if hasattr(module, "core_attention"):
             module.core_attention = attend
+        if isinstance(module, MoE):  # the aux loss of the whole sequence, not of this rank's chunks
+            module.aux_group = par.cp_groups.cp
 
 
 def shard_batch(mb: dict, par: Parallel) -> dict:
@@ -106,6 +110,8 @@ def shard_batch(mb: dict, par: Parallel) -> dict:
     out["position_ids"] = shard.positions.unsqueeze(0).expand(b, -1)
     if shard.cu_seqlens is None:
         out.pop("cu_seqlens", None)
+    if not bool(shard.valid.all()):  # CP padding inside packed documents: not tokens of the batch
+        out["aux_mask"] = shard.valid
     out["n_tokens"] = (out["labels"] != -100).sum()
     # metrics only: split the real-token count so the CP ranks add up to the micro-batch's
     total = int(mb.get("n_input", mb["input_ids"].numel()))

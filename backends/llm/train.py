@@ -34,7 +34,13 @@ class CausalLMWithLoss(torch.nn.Module):
         super().__init__()
         self.decoder = decoder
 
-    def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None):
+    def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None, aux_mask=None):
+        if self.decoder.config.moe is not None:
+            from backends.llm.models.moe import MoE
+
+            for module in self.decoder.modules():
+                if isinstance(module, MoE):
+                    module.aux_token_mask = aux_mask
         hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True)
         if getattr(self.decoder, "tp_info", None) is not None:  # vocab-parallel: no full-vocab logits
             from backends.llm.parallel.tensor_parallel import tp_loss
@@ -47,7 +53,7 @@ class CausalLMWithLoss(torch.nn.Module):
 
 
 def _loss_fn(model, mb):
-    return model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"))
+    return model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"), mb.get("aux_mask"))
 
 
 def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:

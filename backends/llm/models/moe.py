@@ -63,7 +63,39 @@ def group_limited_greedy(probs: torch.Tensor, top_k: int, n_group: int, topk_gro
     return masked.topk(top_k, dim=-1)
 
 
+def split_batch_aux_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, group,
+                         token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The aux loss of a batch whose tokens are split over `group` (context-parallel sequence halves,
+    or expert-parallel ranks): f_i and the token total are all-reduced, P_i's numerator is local.
+    Every rank returns the whole batch's value; its gradient is group-size × this rank's share, so
+    the gradient averaged over the group (DDP's mean) is the whole batch's (Megatron's global aux).
+    `token_mask` (bool [T]) leaves out positions that are not part of the batch (CP padding)."""
+    import torch.distributed as dist
+
+    e = num_experts
+    probs = probs.reshape(-1, probs.shape[-1]).float()
+    ids = ids.reshape(probs.shape[0], -1)
+    if token_mask is not None:
+        keep = token_mask.reshape(-1).to(probs.device).bool()
+        probs, ids = probs[keep], ids[keep]
+    stats = torch.zeros(e + 1, dtype=torch.int64, device=probs.device)
+    stats[:e] = torch.bincount(ids.reshape(-1), minlength=e)
+    stats[e] = probs.shape[0]
+    dist.all_reduce(stats, group=group)  # global top-k counts and token total (exact ints)
+    total = stats[e].to(torch.float32)
+    share = e * torch.sum(stats[:e].to(torch.float32) / total * (probs.sum(dim=0) / total))
+    value = share.detach().clone()
+    dist.all_reduce(value, group=group)
+    scaled = share * dist.get_world_size(group)
+    return scaled + (value - scaled).detach()
+
+
 class MoE(nn.Module):
+    # tokens of one micro-batch split over these ranks (context parallel): the aux loss is the whole
+    # micro-batch's, as one process computes it (set by backends.llm.parallelize)
+    aux_group = None
+    aux_token_mask = None  # bool [T] of the current micro-batch: False on CP padding (set per forward)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         m: MoEConfig = cfg.moe
@@ -95,11 +127,16 @@ class MoE(nn.Module):
                                          scaling_factor=m.routed_scaling_factor)
         return weights, ids, probs
 
+    def aux_loss(self, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.aux_group is None:
+            return kernels.moe_aux_loss(probs, ids, self.m.num_experts, token_mask=self.aux_token_mask)
+        return split_batch_aux_loss(probs, ids, self.m.num_experts, self.aux_group, self.aux_token_mask)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids, probs = self.route(self.gate(flat))
-        aux = kernels.moe_aux_loss(probs, ids, self.m.num_experts)
+        aux = self.aux_loss(probs, ids)
         permuted, row_map, tokens_per_expert = kernels.moe_permute(flat, ids, self.m.num_experts)
         out = kernels.moe_unpermute(self.experts(permuted, tokens_per_expert), row_map, weights)
         out = out.view(shape)

@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from backends import kernels
 from backends.llm.models.layers import maybe_checkpoint
-from backends.llm.models.moe import MoE
+from backends.llm.models.moe import MoE, split_batch_aux_loss
 
 __all__ = [
     "AUX_LOSS_MODES",
@@ -155,6 +155,8 @@ class ExpertParallelMoE(MoE):
             raise ValueError(f"aux_loss={aux_loss!r} is not one of {', '.join(AUX_LOSS_MODES)}")
         mesh = _ep_mesh(ep_group, moe.experts.gate_up_proj.device.type)
         self.m = moe.m
+        self.aux_group = moe.aux_group
+        self.aux_token_mask = None
         self.ep_mesh = mesh
         self.ep_group = mesh.get_group()
         self.ep_size, self.ep_rank = _group_size_rank(self.ep_group)
@@ -185,21 +187,9 @@ class ExpertParallelMoE(MoE):
     # -------------------------------------------------------------- aux loss
 
     def _aux(self, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        e = self.num_experts
         if self.aux_loss_mode == "local" or self.ep_size == 1:
-            return kernels.moe_aux_loss(probs, ids, e)
-        probs = probs.float()
-        stats = torch.zeros(e + 1, dtype=torch.int64, device=probs.device)
-        stats[:e] = torch.bincount(ids.reshape(-1), minlength=e)
-        stats[e] = probs.shape[0]
-        dist.all_reduce(stats, group=self.ep_group)  # global top-k counts and token total (exact ints)
-        total = stats[e].to(torch.float32)
-        f = stats[:e].to(torch.float32) / total
-        share = e * torch.sum(f * (probs.sum(dim=0) / total))  # sum over ep ranks = the global aux
-        value = share.detach().clone()
-        dist.all_reduce(value, group=self.ep_group)
-        scaled = share * self.ep_size
-        return scaled + (value - scaled).detach()
+            return self.aux_loss(probs, ids)  # over this rank's micro-batch (its cp group's, under CP)
+        return split_batch_aux_loss(probs, ids, self.num_experts, self.ep_group, self.aux_token_mask)
 
     # -------------------------------------------------------------- forward
 
