@@ -1,8 +1,8 @@
 """The global gradient norm when ranks hold different parameters (pipeline stages, expert shards).
 
 torch's clip_grad_norm_ sees one rank's parameters. With pipeline parallel each stage holds other
-layers, and with expert parallel each ep rank other experts, so the squared norms are summed over
-those groups first (Megatron's get_grad_norm_fp32 with its model-parallel group). Data-parallel
+layers (and with expert parallel each ep rank other experts), so the squared norms are summed over
+that group first (Megatron's get_grad_norm_fp32 with its model-parallel group). Data-parallel
 replicas hold the same reduced gradient and are counted once, i.e. not summed over.
 """
 
@@ -21,34 +21,26 @@ def _square_norm(grad: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, *, groups: Sequence = (),
-                    expert_groups: Sequence = (), is_expert: Callable[[torch.Tensor], bool] = lambda p: False,
                     counted: Callable[[torch.Tensor], bool] = lambda p: True,
                     device: torch.device | None = None) -> torch.Tensor:
     """Clip in place to `max_norm` (inf: measure only) and return the global norm (fp32 scalar).
 
     `groups`: process groups whose ranks hold different parameters (e.g. the pp group); the
-    squared norm is summed over each. Expert parameters (`is_expert`) are summed over
-    `expert_groups` instead (e.g. pp and ep). Every rank must call this with the same groups
-    (the all-reduces are collective), whether or not it holds any gradient of a kind.
+    squared norm is summed over each. DTensor gradients (TP shards, Shard(0) expert weights) count
+    their whole tensor already (full_tensor of the local square sums). Every rank must call this
+    with the same groups (the all-reduces are collective), whether or not it holds any gradient.
     Parameters not `counted` (a second copy of a tied weight) are clipped but add nothing to the norm."""
     params = [p for p in params if p.grad is not None]
     if device is None:
         device = params[0].grad.device if params else torch.device("cpu")
-    dense = torch.zeros((), dtype=torch.float32, device=device)
-    expert = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
-        if not counted(p):
-            continue
-        sq = _square_norm(p.grad).to(device)
-        if is_expert(p):
-            expert += sq
-        else:
-            dense += sq
-    for total, over in ((dense, groups), (expert, expert_groups)):
-        for group in over:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(total, group=group)
-    norm = (dense + expert).sqrt()
+        if counted(p):
+            total += _square_norm(p.grad).to(device)
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    norm = total.sqrt()
     if max_norm != float("inf"):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:

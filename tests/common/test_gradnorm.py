@@ -13,10 +13,9 @@ def _params(seed):
     return ps
 
 
-def test_matches_torch_clip_and_splits_expert_params():
+def test_matches_torch_clip():
     ours, ref = _params(0), _params(0)
-    ours[1].expert = True
-    norm = clip_grad_norm_(ours, 1.5, is_expert=lambda p: getattr(p, "expert", False))
+    norm = clip_grad_norm_(ours, 1.5)
     want = torch.nn.utils.clip_grad_norm_(ref, 1.5)
     torch.testing.assert_close(norm, want)
     for a, b in zip(ours, ref):
@@ -30,3 +29,13 @@ def test_inf_limit_measures_without_clipping():
     assert float(norm) > 1.5
     for p, g in zip(ps, before):
         assert torch.equal(p.grad, g)
+
+
+def test_uncounted_params_are_clipped_but_not_measured():
+    ps = _params(2)
+    twin = torch.nn.Parameter(ps[0].detach().clone())
+    twin.grad = ps[0].grad.clone()
+    want = torch.sqrt(sum(p.grad.pow(2).sum() for p in ps))
+    norm = clip_grad_norm_(ps + [twin], 1.0, counted=lambda p: p is not twin)
+    torch.testing.assert_close(norm, want)
+    torch.testing.assert_close(twin.grad, ps[0].grad)

@@ -14,7 +14,8 @@ Aux loss: the engine's train_step adds each micro-batch's aux (a mean over that 
 weight coeff / micro-batches, and DDP averages over the ranks: the single-process value is the mean
 of per-micro-batch auxes over all micro-batches of the global batch. With aux_loss="local" each
 rank's aux is exactly the one its micro-batch gives without EP, so the same mean comes out; the
-"global" mode (the ep group's batch as one) would not match it.
+"global" mode (the ep group's batch as one) would not match it. Under context parallel the
+"local" aux is already the whole micro-batch's (MoE.aux_group is the cp group, set by parallelize).
 """
 
 from __future__ import annotations
