@@ -1,12 +1,14 @@
-"""Per-rank peak memory of backends.llm as dp grows: plain DDP, the distributed optimizer, FSDP2.
+"""Per-rank peak memory of backends.llm as dp grows: plain DDP, the distributed optimizer, FSDP2;
+with --model-parallel: tp, pp and their combinations with the sharded data-parallel modes at 4 ranks.
 
-    python bench/llm_parallel_memory.py [--write]
+    python bench/llm_parallel_memory.py [--model-parallel] [--write]
 
 Each run is a real `ascendfactory run` (torchrun, CPU, gloo) of a ~40M-parameter Qwen3-shaped
 model for 2 steps; the engine reports every rank's peak resident set in metrics.jsonl ("end"
 event). The baseline is the same job at dp=1 in the same session. On the CPU the figure includes
 the Python / torch runtime (~constant per process), so the sharded part shows as the drop from
-the DDP row. --write replaces the "## LLM engine memory" section of bench/RESULTS.md.
+the DDP row. --write replaces the "## LLM engine memory" section of bench/RESULTS.md (with
+--model-parallel, the "## LLM engine memory, model parallel" section).
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def run(tmp: Path, model: Path, name: str, dp: int, parallel: dict) -> list[floa
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--model-parallel", action="store_true")
     args = parser.parse_args()
+    if args.model_parallel:
+        return model_parallel(args.write)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -92,6 +97,45 @@ def main() -> None:
         from results import RESULTS, write_section
 
         write_section(RESULTS, "## LLM engine memory (bench/llm_parallel_memory.py)", f"## LLM engine memory (bench/llm_parallel_memory.py)\n\n{text}\n")
+
+
+MODEL_PARALLEL = [  # (label, parallel) at 4 ranks
+    ("tp4", {"tp": 4}),
+    ("pp4 (1F1B)", {"pp": 4}),
+    ("tp2 × pp2", {"tp": 2, "pp": 2}),
+    ("tp2 × FSDP2 dp2", {"tp": 2, "fsdp": True}),
+    ("pp2 × distributed optimizer dp2", {"pp": 2, "distributed_optimizer": True}),
+]
+
+
+def model_parallel(write: bool) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = tmp / "model"
+        make_model(model)
+        base_peak, base_state = (max(x) for x in run(tmp, model, "one", 1, {}))
+        for i, (label, par) in enumerate(MODEL_PARALLEL):
+            peaks, states = run(tmp, model, f"mp{i}", 4, par)
+            rows.append((label, max(states), min(states), max(peaks)))
+    lines = [f"`python bench/llm_parallel_memory.py --model-parallel{' --write' if write else ''}` on "
+             f"{platform.machine()} with {os.cpu_count()} cores, {datetime.date.today().isoformat()}. The same "
+             "~46 M-parameter model and job as above, 4 ranks each.", "",
+             f"1-process baseline: parameters + optimizer states {base_state:,.0f} MiB, peak RSS {base_peak:,.0f} MiB.",
+             "", "| layout (4 ranks) | params + optimizer states, max rank (MiB) | min rank (MiB) | max rank / 1 process "
+             "| max per-rank peak RSS (MiB) |", "|---|---:|---:|---:|---:|"]
+    for label, hi, lo, peak in rows:
+        lines.append(f"| {label} | {hi:,.0f} | {lo:,.0f} | {hi / base_state:.2f} | {peak:,.0f} |")
+    lines += ["", "Pipeline stages differ: the first holds the embedding and the last the head, so the max and "
+              "min ranks are shown. Every rank still loads the whole HF checkpoint before it keeps its part "
+              "(peak RSS)."]
+    text = "\n".join(lines)
+    print(text)
+    if write:
+        from results import RESULTS, write_section
+
+        title = "## LLM engine memory, model parallel (bench/llm_parallel_memory.py --model-parallel)"
+        write_section(RESULTS, title, f"{title}\n\n{text}\n")
 
 
 if __name__ == "__main__":
