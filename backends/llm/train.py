@@ -31,16 +31,16 @@ class CausalLMWithLoss(torch.nn.Module):
     head) is unsharded for exactly this forward, so the chunked loss can read the head weight."""
 
     def __init__(self, decoder: torch.nn.Module):
+        from backends.llm.models.moe import MoE
+
         super().__init__()
         self.decoder = decoder
+        # found once (after parallelize.setup swapped in the EP blocks), not on every forward
+        self._moe_blocks = [m for m in decoder.modules() if isinstance(m, MoE)]
 
     def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None, aux_mask=None):
-        if self.decoder.config.moe is not None:
-            from backends.llm.models.moe import MoE
-
-            for module in self.decoder.modules():
-                if isinstance(module, MoE):
-                    module.aux_token_mask = aux_mask
+        for block in self._moe_blocks:  # CP padding of this micro-batch stays out of the aux loss
+            block.aux_token_mask = aux_mask
         hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True)
         if getattr(self.decoder, "tp_info", None) is not None:  # vocab-parallel: no full-vocab logits
             from backends.llm.parallel.tensor_parallel import tp_loss

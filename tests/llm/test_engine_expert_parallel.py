@@ -15,17 +15,13 @@ import yaml
 
 from tests.helpers.tiny_hf import TINY, make_tiny_hf
 from tests.llm.test_engine_parallel import assert_matches
-from tests.llm.test_engine_runs import ROOT, job, losses, run_cli, run_job
+from tests.llm.test_engine_runs import ROOT, job, losses, run_cli, run_job, torchrun
 
 TRAIN = {"steps": 5, "moe_aux_loss_coeff": 1.0}
 
 
 def ejob(out, model_dir, family, **changes):
     return job(out, model=TINY[family][1], model_path=str(model_dir), train=TRAIN, **changes)
-
-
-def torchrun(devices: int) -> dict:
-    return {"launcher": "torchrun", "resources": {"devices_per_node": devices}}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from backends.llm.parallel.pipeline import (_cu_seqlens, doc_ids_from_cu_seqlens
 from tests.helpers.tiny_hf import TINY, make_tiny_hf
 from tests.llm.test_engine_parallel import assert_matches
 from tests.llm.test_engine_runs import TINY as TINY_QWEN3
-from tests.llm.test_engine_runs import job, losses, run_job
+from tests.llm.test_engine_runs import job, losses, run_job, torchrun
 
 STEPS = 5
 
@@ -19,10 +19,6 @@ STEPS = 5
 def pjob(out, model_dir, family="qwen3", **changes):
     train = {"steps": STEPS, **changes.pop("train", {})}
     return job(out, model=TINY[family][1], model_path=str(model_dir), train=train, **changes)
-
-
-def torchrun(devices: int) -> dict:
-    return {"launcher": "torchrun", "resources": {"devices_per_node": devices}}
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,11 @@ def job(out: Path, **changes) -> dict:
     return base
 
 
+def torchrun(devices: int) -> dict:
+    """Job fields for a one-node torchrun launch on `devices` CPU processes."""
+    return {"launcher": "torchrun", "resources": {"devices_per_node": devices}}
+
+
 def run_job(tmp_path: Path, spec: dict, name="job.yaml", *extra) -> subprocess.CompletedProcess:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(spec))

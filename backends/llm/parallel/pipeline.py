@@ -26,7 +26,7 @@ is off for that reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -131,7 +131,6 @@ class PipelineLayout:
     layers: list[list[int]]              # layers of every virtual stage
     first_rank: bool = False             # holds virtual stage 0
     last_rank: bool = False              # holds the last virtual stage
-    extra: dict = field(default_factory=dict)
 
 
 def plan_pipeline(num_layers: int, pp: int, pp_rank: int, *, vpp_layers=None, pp_layers=None) -> PipelineLayout:
