@@ -151,7 +151,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         "python": python or "python",
         "env": env,
         "env_list": [{"name": k, "value": v} for k, v in env.items()],
-        "rdzv_endpoint": f"{job.resources.master_addr}:{job.resources.master_port}",
+        "rdzv_endpoint": f"{job.resources.master_addr}:{_rdzv_port(job.resources)}",
         "k8s_name": _k8s_name(job.name),
         "resource_name": job.k8s.resource_name or ("nvidia.com/gpu" if device == "cuda" else "huawei.com/Ascend910"),
     }
@@ -186,6 +186,14 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
                     "MASTER_PORT": str(job.resources.master_port)})
     return Rendered(files=files, argv=argv, env=env, engine_module=ENGINE_MODULE[job.framework],
                     run_dir=Path(paths["run_dir"]), warnings=list(plan.warnings))
+
+
+def _rdzv_port(resources) -> int:
+    """A one-node job without an explicit master_port rendezvouses on port 0: the agent takes a free
+    port (torchrun --standalone's way), so two such jobs on one machine never collide."""
+    if resources.nnodes == 1 and "master_port" not in resources.model_fields_set:
+        return 0
+    return resources.master_port
 
 
 def write_files(rendered: Rendered, out_dir: Path, extra: dict[str, str] | None = None) -> list[Path]:

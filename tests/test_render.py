@@ -45,6 +45,18 @@ def test_torchrun_argv_and_script(plan_of, tmp_path):
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
+def test_one_node_rendezvous_takes_a_free_port_unless_told(plan_of, tmp_path):
+    """Two one-node jobs on one machine must not meet on a fixed default port (torchrun --standalone
+    takes port 0 the same way); an explicit master_port, or a multi-node job, keeps its port."""
+    def endpoint(**resources) -> str:
+        r = render(plan_of(resources={"devices_per_node": 8, **resources}), tmp_path)
+        return dict(zip(r.argv, r.argv[1:]))["--rdzv-endpoint"]
+
+    assert endpoint() == "127.0.0.1:0"
+    assert endpoint(master_port=29411) == "127.0.0.1:29411"
+    assert endpoint(nnodes=2) == "127.0.0.1:29500"
+
+
 def test_local_launcher(plan_of, tmp_path):
     r = render(plan_of(launcher="local", resources={"devices_per_node": 1, "device": "cpu"},
                        train={"global_batch": 2}), tmp_path)
