@@ -186,11 +186,14 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
             raise JobError(f"The {p.job.framework} engine is not in this build yet",
                            [Problem("framework", f"{info.module} is not installed in this build, so the job cannot run",
                                     hint="`ascendfactory render` and `run --dry-run` still write the launch files")])
-        from ascendfactory.engines import over_limits
+        from ascendfactory.engines import over_limits, unbuilt_combinations
 
         pending = [Problem(field, f"{info.module} in this build runs {field} up to {limit!r}, the job asks for {value!r}",
                            hint=f"set {field}: {str(limit).lower()}, or render the job and run it with another build")
                    for field, value, limit in over_limits(info, p.job)]
+        pending += [Problem("parallel", f"{info.module} in this build does not combine {why}",
+                            hint="change one of those settings, or render the job and run it with another build")
+                    for why in unbuilt_combinations(info, p.job)]
         if pending:
             raise JobError(f"The {p.job.framework} engine in this build cannot run this job yet", pending)
         _check_inputs(p)

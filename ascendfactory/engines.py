@@ -23,6 +23,7 @@ class EngineInfo:
     implements: dict[str, object]  # feature → list of families or "*"
     pending: dict[str, str]        # feature → why the engine does not back it yet
     limits: dict[str, object]      # job field → the largest value this build runs
+    unbuilt: list                  # (conditions, reason): combinations of settings this build refuses
 
 
 def engine_info(framework: str) -> EngineInfo:
@@ -35,12 +36,14 @@ def engine_info(framework: str) -> EngineInfo:
     implements: dict[str, object] = {}
     pending: dict[str, str] = {}
     limits: dict[str, object] = {}
+    unbuilt: list = []
     if present:
         caps = importlib.import_module(module + ".capabilities")
         implements = dict(getattr(caps, "IMPLEMENTS", {}).get(framework, {}))
         pending = dict(getattr(caps, "PENDING", {}).get(framework, {}))
         limits = dict(getattr(caps, "LIMITS", {}).get(framework, {}))
-    return EngineInfo(framework, module, present, implements, pending, limits if present else {})
+        unbuilt = list(getattr(caps, "UNBUILT", {}).get(framework, []))
+    return EngineInfo(framework, module, present, implements, pending, limits, unbuilt)
 
 
 def implements(info: EngineInfo, feature: str, family: str) -> bool:
@@ -48,13 +51,23 @@ def implements(info: EngineInfo, feature: str, family: str) -> bool:
     return families == "*" or (isinstance(families, (list, tuple, set)) and family in families)
 
 
+def _field(job, dotted: str):
+    value = job
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def over_limits(info: EngineInfo, job) -> list[tuple[str, object, object]]:
     """(field, job value, limit) for every job setting beyond what the engine in this build runs."""
-    out = []
-    for dotted, limit in info.limits.items():
-        value = job
-        for part in dotted.split("."):
-            value = getattr(value, part)
-        if value > limit:
-            out.append((dotted, value, limit))
-    return out
+    return [(dotted, _field(job, dotted), limit) for dotted, limit in info.limits.items()
+            if _field(job, dotted) > limit]
+
+
+def unbuilt_combinations(info: EngineInfo, job) -> list[str]:
+    """The engine's reasons (capabilities.unbuilt, which the engine itself applies at start) for every
+    combination of this job's settings the build refuses, each naming its job fields."""
+    if not info.unbuilt:
+        return []
+    fields = {field: _field(job, field) for conditions, _ in info.unbuilt for field in conditions}
+    return importlib.import_module(info.module + ".capabilities").unbuilt(info.framework, fields)

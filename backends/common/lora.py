@@ -297,13 +297,14 @@ def _atomic_replace(tmp: Path, final: Path) -> None:
 def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
                       base_model_name_or_path: str | None = None, r: int | None = None,
                       alpha: float | None = None, dropout: float | None = None,
-                      target_modules: Iterable[str] | str | None = None) -> Path:
+                      target_modules: Iterable[str] | str | None = None, *, collective: bool = True) -> Path:
     """Write a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``).
 
     ``r``/``alpha``/``dropout`` default to the injected modules' values (and must agree with
     them when given). ``target_modules``: the suffixes given to :func:`inject_lora`; None or
     ``'all'`` writes the exact adapted module paths (as PEFT does for ``all-linear``).
-    Collective under torch.distributed (rank 0 writes); each file is written to a temporary name
+    Collective under torch.distributed (rank 0 writes), unless ``collective=False``: then the caller
+    writes a local model from one rank and no other rank takes part. Each file is written to a temporary name
     and renamed, the config last, so a directory with a config always has its weights.
     """
     from safetensors.torch import save_file
@@ -326,9 +327,9 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
     else:
         targets = sorted({str(t) for t in target_modules})
 
-    tensors = {PEFT_PREFIX + k: v for k, v in lora_state_dict(model).items()}  # collective
+    tensors = {PEFT_PREFIX + k: v for k, v in lora_state_dict(model).items()}  # collective on DTensors
     out = Path(out_dir)
-    if _dist_rank() == 0:
+    if not collective or _dist_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         config = {
             "peft_type": "LORA",
@@ -357,7 +358,8 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike,
         tmp_c = out / f".{ADAPTER_CONFIG}.tmp{os.getpid()}"
         tmp_c.write_text(json.dumps(config, indent=2) + "\n")
         _atomic_replace(tmp_c, out / ADAPTER_CONFIG)
-    _dist_barrier()
+    if collective:
+        _dist_barrier()
     return out
 
 

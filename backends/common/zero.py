@@ -26,15 +26,24 @@ Checkpoints:
     load_state_dict() re-shards it for the current dp size, so a run saved at dp=2 resumes at dp=4.
     torch.distributed.checkpoint: get_state_dict / set_state_dict (hence
     backends.common.checkpoint.save_checkpoint / load_checkpoint) work unchanged — the gathered
-    tensors are plain replicated tensors, DCP writes them once (deduplicated) and any world size
-    reads them back. The price is one full copy of the states per rank while saving/loading.
+    tensors are replicated over dp (plain, or DTensors of the parameter's tp / ep layout: see below),
+    DCP writes them once (deduplicated) and any world size reads them back. The price is one full
+    copy of this rank's parameters' states while saving/loading.
   * sharded_state_dict() / load_sharded_state_dict(): this rank's shard only, no communication
     (torch.save one file per rank); resuming needs the same dp size and parameter layout.
 
-With expert parallelism (backends.llm.parallel.expert_parallel) the expert weights are not
-data-parallel over dp: give them their own ShardedAdamW over the expert-data-parallel group (or a
-plain AdamW when ep == dp) and the other parameters this one over dp; the global clip norm then
-needs both optimizers' squared norms (not combined here).
+DTensor parameters (tensor parallel; expert parallel's Shard(0) experts): the flat layout, the grads,
+the update and the write-back use each rank's local shard (`to_local()`), so one ShardedAdamW runs per
+tp (or ep) coordinate over that coordinate's data-parallel group, whose members hold the same local
+shapes. The clip norm sums a Shard-placed parameter's part over its mesh's group and counts a
+replicated one once. state_dict() returns, for such a parameter, DTensor states with the parameter's
+mesh and placements (DCP then writes each piece under the one name and reshards on load, e.g. a
+tp2 checkpoint into tp1); load_state_dict() takes those or plain full tensors (sliced like the
+parameter).
+
+With expert parallelism the expert weights are not data-parallel over dp: they get their own
+ShardedAdamW over the expert-data-parallel group and the other parameters this one over dp × cp,
+stepped and clipped together by backends.common.chained_optim.ChainedOptimizer (one global norm).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 __all__ = ["ShardedAdamW", "build_sharded_optimizer"]
 
@@ -51,6 +61,19 @@ _ADAMW_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=Fals
                     fused=None, decoupled_weight_decay=True)
 _SHARD_FORMAT = "backends.common.zero/shard-v1"
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: a DTensor's local shard (under no_grad the live storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_groups(p: torch.Tensor) -> tuple:
+    """The process groups over which a DTensor parameter's local pieces differ (its Shard mesh dims);
+    () for plain and replicated parameters, whose pieces are the same on every such rank."""
+    if not isinstance(p, DTensor):
+        return ()
+    return tuple(p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if pl.is_shard())
 
 
 def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group) -> None:
@@ -96,12 +119,14 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ValueError("a parameter appears twice in the optimizer's param groups")
         if not self._params:
             raise ValueError("ShardedAdamW got no parameters")
+        # DTensor parameters (tensor / expert parallel): the optimizer works on the local shards; every
+        # member of dp_group must hold the same local shapes (the same tp / ep coordinate)
         devices = {p.device for p in self._params}
         if len(devices) != 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
         self._device = devices.pop()
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self._numels = [p.numel() for p in self._params]
+        self._numels = [_local(p).numel() for p in self._params]
         self._offsets = [0]
         for n in self._numels:
             self._offsets.append(self._offsets[-1] + n)
@@ -115,6 +140,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             a, b = max(off, self._lo), min(off + n, self._hi)
             if a < b:
                 self._pieces.append((i, a - off, b - off, a - self._lo))
+        self._norm_sets, self._norm_ranges = self._norm_layout()
         dtypes = {p.dtype for p in self._params}
         self._gather_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self.has_master = any(p.dtype in _LOW_PRECISION for p in self._params)
@@ -132,8 +158,29 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _shard_of_params(self, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self._hi - self._lo, dtype=dtype, device=self._device)
         for i, a, b, s in self._pieces:
-            out[s:s + b - a] = self._params[i].detach().reshape(-1)[a:b]
+            out[s:s + b - a] = _local(self._params[i]).detach().reshape(-1)[a:b]
         return out
+
+    def _norm_layout(self) -> tuple[list[tuple], list[list[tuple[int, int]]]]:
+        """The distinct shard-group sets of the parameters (first: none, the replicated ones) and, for
+        each, the ranges of my slice that belong to it. The sets come from every parameter, not just
+        my pieces, so all ranks run the same norm collectives."""
+        sets, keys, set_of = [()], [()], []
+        for p in self._params:
+            groups = _shard_groups(p)
+            key = tuple(tuple(dist.get_process_group_ranks(g)) for g in groups)
+            if key not in keys:
+                keys.append(key)
+                sets.append(groups)
+            set_of.append(keys.index(key))
+        ranges: list[list[tuple[int, int]]] = [[] for _ in sets]
+        for i, a, b, s in self._pieces:
+            spans = ranges[set_of[i]]
+            if spans and spans[-1][1] == s:  # adjacent pieces of one set: one range
+                spans[-1] = (spans[-1][0], s + b - a)
+            else:
+                spans.append((s, s + b - a))
+        return sets, ranges
 
     def _padded(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         buf = torch.zeros(self.shard_size, dtype=dtype, device=self._device)
@@ -164,9 +211,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         flat = torch.zeros(self.shard_size * self.dp_world, dtype=torch.float32, device=self._device)
         for i, p in enumerate(self._params):
             if p.grad is not None:
-                if p.grad.is_sparse:
+                grad = _local(p.grad)
+                if grad.is_sparse:
                     raise RuntimeError("ShardedAdamW does not support sparse gradients")
-                flat[self._offsets[i]:self._offsets[i + 1]] = p.grad.reshape(-1)
+                flat[self._offsets[i]:self._offsets[i + 1]] = grad.reshape(-1)
         if self.dp_world > 1:
             dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.dp_group)
             shard = torch.empty(self.shard_size, dtype=torch.float32, device=self._device)
@@ -183,10 +231,23 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Global grad norm over all shards (of the reduced grads); scales them by
         max_norm / (norm + 1e-6) when that is below 1, as torch.nn.utils.clip_grad_norm_. Collective.
         `groups`: further process groups whose ranks hold other parameters (pipeline stages), summed
-        over too; `uncounted`: parameters clipped but left out of the norm (a tied weight's 2nd copy)."""
+        over too; `uncounted`: parameters clipped but left out of the norm (a tied weight's 2nd copy).
+        DTensor parameters count whole: see grad_norm_power."""
+        power = self.grad_norm_power(norm_type, groups=groups, uncounted=uncounted)
+        total = power if math.isinf(float(norm_type)) else power ** (1.0 / float(norm_type))
+        self.scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    @torch.no_grad()
+    def grad_norm_power(self, norm_type: float = 2.0, *, groups=(), uncounted=()) -> torch.Tensor:
+        """sum |g|^norm_type (max |g| for inf) over every element of the reduced grads, on every rank.
+        Collective over dp, the shard groups of DTensor parameters (a Shard-placed parameter's local
+        slice differs per tp / ep rank, so its part is summed over that group; a replicated one
+        counts once) and `groups`. For combining several optimizers' norms (ChainedOptimizer)."""
         self.reduce_grads()
         g = self._grad_shard
         norm_type = float(norm_type)
+        inf = math.isinf(norm_type)
         skip = {id(p) for p in uncounted}
         counted = g
         if skip:
@@ -194,22 +255,33 @@ class ShardedAdamW(torch.optim.Optimizer):
             for i, a, b, s in self._pieces:
                 if id(self._params[i]) in skip:
                     counted[s:s + b - a] = 0
-        inf = math.isinf(norm_type)
-        if inf:
-            local = counted.abs().max() if g.numel() else torch.zeros((), device=self._device)
-        else:
-            local = (counted.abs() ** norm_type).sum() if g.numel() else torch.zeros((), device=self._device)
-        local = local.reshape(1).clone()
+        powered = counted.abs() if inf else counted.abs() ** norm_type
+        zero = torch.zeros((), dtype=torch.float32, device=self._device)
+        parts = []
+        for spans in self._norm_ranges:
+            values = torch.cat([powered[a:b] for a, b in spans]) if spans else zero.reshape(1)
+            parts.append((values.max() if inf else values.sum()) if values.numel() else zero)
+        local = torch.stack(parts)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if self.dp_world > 1:  # dp_group None is the default group
             dist.all_reduce(local, op=op, group=self.dp_group)
+        total = local[0:1].clone()
+        for k in range(1, len(parts)):
+            part = local[k:k + 1].clone()
+            for group in self._norm_sets[k]:
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(part, op=op, group=group)
+            total = torch.maximum(total, part) if inf else total + part
         for group in groups:
             if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(local, op=op, group=group)
-        total = local[0] if inf else local[0] ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        g.mul_(coef)
-        return total
+                dist.all_reduce(total, op=op, group=group)
+        return total[0]
+
+    @torch.no_grad()
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        """Multiply the reduced grads of my slice (the clip coefficient)."""
+        self.reduce_grads()
+        self._grad_shard.mul_(coef)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -260,7 +332,8 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _write_params(self, work: torch.Tensor) -> None:
         full = self._gather_flat(work, self._gather_dtype)
         for i, p in enumerate(self._params):
-            p.data.copy_(full[self._offsets[i]:self._offsets[i + 1]].view_as(p))
+            local = _local(p)
+            local.copy_(full[self._offsets[i]:self._offsets[i + 1]].view(local.shape))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_params"):
@@ -279,9 +352,35 @@ class ShardedAdamW(torch.optim.Optimizer):
             out.append(d)
         return out
 
+    @staticmethod
+    def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """A state tensor in the parameter's layout: a DTensor with its mesh and placements (each
+        tp / ep rank's piece under one name, as DCP needs), else the plain tensor."""
+        if not isinstance(p, DTensor):
+            return local
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+    @staticmethod
+    def _local_value(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A saved state tensor as this rank's local piece of `p`: a DTensor of p's layout gives its
+        local shard; a plain full tensor (another layout, e.g. saved at tp1) is sliced like p."""
+        if isinstance(value, DTensor):
+            if (isinstance(p, DTensor) and value.device_mesh == p.device_mesh
+                    and tuple(value.placements) == tuple(p.placements)):
+                return value.to_local()
+            value = value.full_tensor()  # another layout: collective over value's mesh
+        if isinstance(p, DTensor) and tuple(value.shape) == tuple(p.shape):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        return value
+
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
-        """The full torch.optim.AdamW-format state dict (collective over dp; same on every rank)."""
+        """The full torch.optim.AdamW-format state dict (collective over dp; same on every dp rank).
+        DTensor parameters get DTensor states of their layout (this rank's tp / ep piece)."""
         moments = {"exp_avg": self._gather_flat(self.exp_avg, torch.float32),
                    "exp_avg_sq": self._gather_flat(self.exp_avg_sq, torch.float32)}
         if self.master is not None:
@@ -291,14 +390,15 @@ class ShardedAdamW(torch.optim.Optimizer):
             lo, hi = self._offsets[i], self._offsets[i + 1]
             entry = {"step": torch.tensor(float(self._steps[i]))}
             for key, flat in moments.items():
-                entry[key] = flat[lo:hi].view(p.shape).clone()
+                entry[key] = self._like_param(p, flat[lo:hi].view(_local(p).shape).clone())
             state[i] = entry
         return {"state": state, "param_groups": self._group_dicts()}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A full (torch.optim.AdamW-format, from any dp size) or a sharded state dict; re-shards it
-        for this rank. No communication."""
+        for this rank. No communication (but for a DTensor state of another layout than its
+        parameter's, which is gathered whole first)."""
         if state_dict.get("format") == _SHARD_FORMAT:
             self.load_sharded_state_dict(state_dict)
             return
@@ -316,15 +416,17 @@ class ShardedAdamW(torch.optim.Optimizer):
             p = self._params[i]
             self._steps[i] = int(float(entry["step"])) if entry is not None else 0
             entry = entry if self._steps[i] else None
+            local_shape = tuple(_local(p).shape)
             for name, target in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-                value = entry[name] if entry is not None else None
-                if value is not None and tuple(value.shape) != tuple(p.shape):
+                value = self._local_value(p, entry[name]) if entry is not None else None
+                if value is not None and tuple(value.shape) != local_shape:
                     raise ValueError(f"state of parameter {key}: {name} shape {tuple(value.shape)} != "
-                                     f"{tuple(p.shape)}")
+                                     f"{local_shape} (this rank's piece of {tuple(p.shape)})")
                 self._load_piece(i, target, value)
             if self.master is not None:
                 master = entry.get("master") if entry is not None else None
-                self._load_piece(i, self.master, master if master is not None else p.detach())
+                master = self._local_value(p, master) if master is not None else _local(p).detach()
+                self._load_piece(i, self.master, master)
             if entry is not None:
                 self.state[p] = {"step": torch.tensor(float(self._steps[i]))}
             else:

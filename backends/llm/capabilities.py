@@ -32,3 +32,37 @@ PENDING: dict[str, dict[str, str]] = {}
 LIMITS: dict[str, dict[str, int]] = {
     "mindspeed-llm": {},
 }
+
+# Combinations of settings this build refuses although each setting runs on its own: job fields
+# (dotted, as in the job file) → the value that triggers it (">1": any value above 1), and why.
+# `run` refuses such a job before launching (exit 2); the engine refuses its flags again at start,
+# reading this same table through backends.llm.train.job_fields.
+UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
+    "mindspeed-llm": [
+        ({"parallel.ep": ">1", "parallel.tp": ">1"},
+         "experts are tensor-sharded under tp; expert parallel with tp (expert-tensor parallel) is not built"),
+        ({"parallel.ep": ">1", "parallel.moe_dispatcher": "allgather"},
+         "expert parallel here dispatches tokens with all-to-all; use moe_dispatcher alltoall"),
+        ({"parallel.tp": ">1", "finetuning": "lora"}, "LoRA adapters are not tensor-parallel yet"),
+        ({"parallel.pp": ">1", "train.precision": "fp16"},
+         "fp16's loss scaler is not threaded through the pipeline schedule; use bf16"),
+        ({"parallel.pp": ">1", "data.dynamic_seq_len": True},
+         "pipeline stages exchange one fixed micro-batch shape; dynamic sequence length changes it"),
+        ({"parallel.pp": ">1", "parallel.cp": ">1", "data.packing": True},
+         "per-document context-parallel padding changes the micro-batch shape, which pipeline stages fix"),
+    ],
+}
+
+
+def unbuilt(framework: str, fields: dict[str, object]) -> list[str]:
+    """The UNBUILT reasons that `fields` (dotted job field → value) trigger, each naming its settings."""
+    def hit(want, have) -> bool:
+        return (isinstance(have, int) and not isinstance(have, bool) and have > 1) if want == ">1" else have == want
+
+    out = []
+    for conditions, why in UNBUILT.get(framework, []):
+        if all(hit(want, fields.get(field)) for field, want in conditions.items()):
+            settings = " with ".join(f"{f} {fields[f]}" if c == ">1" else f"{f}: {str(fields[f]).lower()}"
+                                     for f, c in conditions.items())
+            out.append(f"{settings}: {why}")
+    return out

@@ -42,7 +42,6 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
     from backends.llm.parallel import ep_engine
 
     c, p = decoder.config, cfg.parallel
-    ep_engine.refuse_unbuilt(cfg)
     experts = c.moe.num_experts if c.moe is not None else 0
     layout = check_layout(rt.world, p.tp, p.pp, p.cp, p.ep, heads=c.num_attention_heads,
                           kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads,
@@ -125,12 +124,8 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt
         return model
     if cfg.parallel.distributed_optimizer:
         return model  # the sharded optimizer reduce-scatters the grads itself (it replaces DDP)
-    if cfg.parallel.fsdp:  # FSDP2 over dp × cp (pp refuses it); TP DTensors become 2-D (dp_cp, tp)
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.decoder.model.layers:
-            fully_shard(layer, mesh=par.grad_mesh)
-        return fully_shard(model, mesh=par.grad_mesh)
+    if cfg.parallel.fsdp:
+        return _fully_shard(model, par)
     if par.layout.tp > 1 or par.layout.pp > 1:
         # DTensor parameters / stage modules the schedule calls directly: grad_sync() averages the
         # gradients over dp × cp instead of a wrapper
@@ -146,51 +141,99 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LLMConfig, par: Parallel, rt
 
 
 def build_optimizer(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
-    """AdamW, or with --use-distributed-optimizer its ZeRO-1 form sharded over dp × cp."""
+    """AdamW, or with --use-distributed-optimizer its ZeRO-1 form sharded over dp × cp (under tp one per
+    tp rank, on the local shards); with expert parallel the experts get their own over the
+    expert-data-parallel group, chained with the dense one (one clip norm, one checkpoint)."""
     t = cfg.train
     if cfg.parallel.distributed_optimizer:
-        from backends.common.zero import build_sharded_optimizer
+        from backends.common.zero import ShardedAdamW, build_sharded_optimizer
 
-        return build_sharded_optimizer(model, par.grad_group, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        kw = dict(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        if par.layout.ep == 1:
+            return build_sharded_optimizer(model, par.grad_group, **kw)
+        from backends.common.chained_optim import ChainedOptimizer
+        from backends.common.optim import param_groups
+        from backends.llm.parallel.expert_parallel import is_expert_parameter
+
+        def split(expert: bool) -> list[dict]:
+            groups = [{**g, "params": [p for p in g["params"] if is_expert_parameter(p) == expert]}
+                      for g in param_groups(model, t.weight_decay)]
+            return [g for g in groups if g["params"]]
+
+        # expert grads arrive only scaled by 1/(dp·cp) (grad_sync): this reduce-scatter sums the replicas
+        return ChainedOptimizer([ShardedAdamW(split(False), par.grad_group, **kw),
+                                 ShardedAdamW(split(True), par.edp_group, grad_reduce="sum", **kw)])
     from backends.common.optim import build_optimizer as adamw
 
     return adamw(model, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas)
 
 
+def _fully_shard(model: torch.nn.Module, par: Parallel) -> torch.nn.Module:
+    """FSDP2 over dp × cp: one unit per layer, the rest in a root unit (the whole model, or with pp each
+    stage module, which the schedule calls directly). TP DTensors become 2-D (dp_cp, tp); expert-parallel
+    weights stay out (already sharded over ep; their replicas are summed by grad_sync)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from backends.llm.parallel.expert_parallel import expert_parameters
+
+    ignored = set(expert_parameters(model)) or None
+    layers = model.decoder.model.layers
+    for layer in (layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers):
+        fully_shard(layer, mesh=par.grad_mesh, ignored_params=ignored)
+    if par.pipeline is None:
+        return fully_shard(model, mesh=par.grad_mesh, ignored_params=ignored)
+    for stage in par.pipeline.modules:  # roots: unsharded for their forward and the loss after it
+        fully_shard(stage, mesh=par.grad_mesh, ignored_params=ignored)
+    return model
+
+
 def grad_sync(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
-    """The gradient all-reduce over dp × cp for layouts no wrapper reduces (tensor parallel), the expert
-    grads' reduction over their replicas (expert parallel), else None."""
-    if par.layout.ep > 1:  # tp, pp and the distributed optimizer are refused with ep (ep_engine)
+    """What runs after backward, before clipping, or None: the tied embedding's two stage copies summed
+    (pp); the mean over dp × cp where no wrapper reduces (tp or pp without FSDP2 or the distributed
+    optimizer, which reduce themselves); the expert grads summed over their replicas (ep)."""
+    from backends.llm.parallel.expert_parallel import is_expert_parameter
+
+    steps = []
+    if par.pipeline is not None:
+        from backends.llm.parallel.pipeline import sync_tied_embedding
+
+        steps.append(lambda: sync_tied_embedding(model, par))
+    reduced_elsewhere = cfg.parallel.distributed_optimizer or cfg.parallel.fsdp or \
+        (par.layout.tp == 1 and par.layout.pp == 1)  # DDP
+    if par.grad_world > 1 and not reduced_elsewhere:
+        dense = [p for p in model.parameters() if not is_expert_parameter(p)]
+        steps.append(lambda: _mean_over_dp(dense, par))
+    if par.layout.ep > 1:
         from backends.llm.parallel import ep_engine
 
-        return ep_engine.grad_finalizer(model, par.grad_world, par.edp_group)
-    pipelined = par.layout.pp > 1
-    if not pipelined and (par.grad_world == 1 or par.layout.tp == 1 or cfg.parallel.distributed_optimizer
-                          or cfg.parallel.fsdp):
+        # the distributed optimizer sums the expert replicas in its reduce-scatter over edp (build_optimizer)
+        edp = None if cfg.parallel.distributed_optimizer else par.edp_group
+        steps.append(ep_engine.grad_finalizer(model, par.grad_world, edp))
+    if not steps:
         return None
-    import torch.distributed as dist
 
     def sync() -> None:
-        if pipelined:
-            from backends.llm.parallel.pipeline import sync_tied_embedding
-
-            sync_tied_embedding(model, par)
-            if par.grad_world == 1 or cfg.parallel.distributed_optimizer:
-                return
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(local, group=par.grad_group)
-            local.div_(par.grad_world)
+        for step in steps:
+            step()
 
     return sync
+
+
+def _mean_over_dp(params: list, par: Parallel) -> None:
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            continue
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        dist.all_reduce(local, group=par.grad_group)
+        local.div_(par.grad_world)
 
 
 def grad_clip(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
     """train_step's clip(limit) -> norm where ranks hold different parameters (expert shards), else None
     (pipeline stages bring their own, pipeline.pipeline_clip)."""
-    if par.layout.ep > 1:
+    if par.layout.ep > 1 and not cfg.parallel.distributed_optimizer:  # that one clips its reduced grads
         from backends.llm.parallel import ep_engine
 
         return ep_engine.clipper(model)

@@ -56,31 +56,29 @@ def _loss_fn(model, mb):
     return model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"), mb.get("aux_mask"))
 
 
+def job_fields(cfg: LLMConfig) -> dict[str, object]:
+    """The job-file fields (dotted) these flags came from, as capabilities.UNBUILT names them."""
+    p, d = cfg.parallel, cfg.data
+    return {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp, "parallel.ep": p.ep,
+            "parallel.fsdp": p.fsdp, "parallel.distributed_optimizer": p.distributed_optimizer,
+            "parallel.moe_dispatcher": p.moe_dispatcher, "finetuning": "lora" if cfg.lora else "full",
+            "data.packing": d.packing, "data.dynamic_seq_len": d.dynamic, "train.precision": cfg.train.precision}
+
+
 def _refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
-    """The settings capabilities.LIMITS says this build cannot run (the orchestrator's `run` checks
-    the same table before launching), and combinations not built yet."""
-    from backends.llm.capabilities import LIMITS
+    """The settings and combinations capabilities.LIMITS / UNBUILT say this build cannot run (the
+    orchestrator's `run` checks the same tables before launching)."""
+    from backends.llm.capabilities import LIMITS, unbuilt
 
     p = cfg.parallel
     asked = [f"{field}={getattr(p, field.split('.')[1])} (this build runs up to {limit})"
              for field, limit in LIMITS["mindspeed-llm"].items() if getattr(p, field.split(".")[1]) > limit]
     if asked:
-        raise ConfigError("this build of backends.llm has data, tensor (+ sequence) and context parallelism and "
-                          "the distributed optimizer; not implemented yet: " + ", ".join(asked))
-    if p.pp > 1:
-        # stages need one micro-batch shape: packed documents split per document over cp are not
-        for flag, on in (("--use-torch-fsdp2", p.fsdp), ("dynamic sequence length (data.dynamic)", cfg.data.dynamic),
-                         ("context parallel on packed data (--context-parallel-size with --reset-attention-mask)",
-                          p.cp > 1 and cfg.data.packing)):
-            if on:
-                raise ConfigError(f"pipeline parallel does not combine with {flag} in this build yet; "
-                                  "use pp=1 or leave it off")
-    if p.tp > 1:  # combinations not built (or not proven) yet
-        for flag, on in (("--lora-r", cfg.lora is not None),
-                         ("--use-distributed-optimizer", p.distributed_optimizer)):
-            if on:
-                raise ConfigError(f"tensor parallel does not combine with {flag} in this build yet; "
-                                  "use one of them at a time")
+        raise ConfigError("this build of backends.llm does not implement: " + ", ".join(asked))
+    refused = unbuilt("mindspeed-llm", job_fields(cfg))
+    if refused:
+        raise ConfigError("this build of backends.llm does not combine " + "; ".join(refused)
+                          + ". Change one of those settings")
 
 
 def _kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
@@ -224,7 +222,7 @@ def _export(cfg: LLMConfig, model: torch.nn.Module, decoder: torch.nn.Module, rt
 
         save_peft_adapter(plain, out / "adapter", base_model_name_or_path=cfg.model.load_hf or cfg.model.model_id,
                           r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                          target_modules=cfg.lora.targets)
+                          target_modules=cfg.lora.targets, collective=False)  # `plain` lives on rank 0 only
         if cfg.lora.merge_on_export:
             merge_lora(plain)
             write_hf_dir(out / "merged", models.hf_state_dict(plain), plain.config.to_hf(), tokenizer_dir=tokenizer_dir)

@@ -13,7 +13,8 @@ fp32 partial sums match the ranks'). Checked (max abs error <= 1e-6):
   * per-rank optimizer state bytes ≈ 1/N of the unsharded AdamW's moments;
   * N == 2: a DCP checkpoint (backends.common.checkpoint.save_checkpoint) at step 3 into CKPT;
   * N == 4: resuming that dp=2 checkpoint (load_checkpoint: DCP + re-shard) and training steps 4-5
-    gives the reference's parameters; a sharded_state_dict() round trip at the same dp does too.
+    gives the reference's parameters; a sharded_state_dict() round trip at the same dp does too;
+    and tensor_parallel(): DTensor parameters on a tp2 × dp2 mesh against torch's AdamW on the full ones.
 Rank 0 writes OUT/zero_N.json.
 """
 
@@ -124,6 +125,61 @@ def sharded_steps(model, opt, sched, steps, rank, world, on_step=None):
     return losses, norms
 
 
+def tensor_parallel() -> dict[str, float]:
+    """World 4 as dp2 × tp2: Shard(0), Shard(1) and Replicate DTensor parameters, one ShardedAdamW per
+    tp rank over its dp group, vs torch.optim.AdamW on the full tensors. Checks the clipped global norm
+    (shards summed over tp, the replicated one once), the parameters, state_dict() as DTensors of the
+    parameters' layout, and load_state_dict() from torch's plain full state and from those DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp_rank = mesh["tp"], mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    full = [torch.randn(6, 5), torch.randn(5, 7), torch.randn(5)]  # 7 columns: uneven tp shards
+    places = [[Shard(0)], [Shard(1)], [Replicate()]]
+
+    def local(t, i):  # this rank's piece of a full tensor, no communication
+        return distribute_tensor(t, tp, places[i], src_data_rank=None)
+
+    def build():
+        return [torch.nn.Parameter(local(t.clone(), i)) for i, t in enumerate(full)]
+
+    params, ref = build(), [torch.nn.Parameter(t.clone()) for t in full]
+    opt = ShardedAdamW(params, mesh["dp"], lr=LR, betas=BETAS, weight_decay=WD)
+    ref_opt = torch.optim.AdamW(ref, lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
+    err = {"tp_norm_err": 0.0, "tp_param_err": 0.0}
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(t.shape, generator=g) for t in full]
+        for i, (p, q) in enumerate(zip(params, ref)):
+            p.grad = local(grads[i] * (2 * (dp_rank + 1) / 3), i)  # the dp mean is grads
+            q.grad = grads[i].clone()
+        ours = float(opt.clip_grad_norm_(CLIP))
+        theirs = float(torch.nn.utils.clip_grad_norm_(ref, CLIP))
+        assert theirs > CLIP
+        err["tp_norm_err"] = max(err["tp_norm_err"], abs(ours - theirs))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    err["tp_param_err"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(params, ref))
+    want = ref_opt.state_dict()["state"]
+    sd = opt.state_dict()
+    assert all(isinstance(sd["state"][i][k], DTensor) and sd["state"][i][k].placements == params[i].placements
+               for i in range(3) for k in ("exp_avg", "exp_avg_sq"))
+
+    def state_err(state):
+        return max(float((state[i][k].full_tensor() - want[i][k]).abs().max()) for i in range(3)
+                   for k in ("exp_avg", "exp_avg_sq"))
+
+    err["tp_state_err"] = state_err(sd["state"])
+    from_full, from_dtensor = ShardedAdamW(build(), mesh["dp"], lr=LR), ShardedAdamW(build(), mesh["dp"], lr=LR)
+    from_full.load_state_dict(ref_opt.state_dict())  # plain full tensors (another layout: tp1)
+    from_dtensor.load_state_dict(sd)
+    err["tp_load_err"] = max(state_err(from_full.state_dict()["state"]), state_err(from_dtensor.state_dict()["state"]))
+    return err
+
+
 def rel_err(a: list[float], b: list[float]) -> float:
     """Losses (~5.5, fp32 ulp 5e-7) are compared relative to their size."""
     return max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
@@ -218,6 +274,7 @@ def main() -> None:
         mixed, mixed_losses, _, _, _ = reference(lambda s: 2 if s < SAVE_AT else 4)
         res["dcp_resume_loss_err"] = rel_err(resumed, mixed_losses[SAVE_AT:])
         res["dcp_resume_param_err"] = max_param_err(model3, mixed)
+        res.update(tensor_parallel())
 
     errs = torch.tensor([v for k, v in res.items() if k.endswith("_err") or k == "state_dict_vs_torch"],
                         dtype=torch.float64)

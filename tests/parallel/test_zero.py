@@ -48,6 +48,8 @@ def test_sharded_adamw_dp2_dp4_and_resume_across_dp(tmp_path):
         assert sum(res["state_bytes"]) == 8 * res["numel"]
     res4 = json.loads((out / "zero_4.json").read_text())
     assert res4["dcp_resume_param_err"] <= 1e-6 and res4["dcp_resume_loss_err"] <= 1e-6
+    for key in ("tp_norm_err", "tp_param_err", "tp_state_err", "tp_load_err"):  # DTensor params at tp2 × dp2
+        assert res4[key] <= 1e-6, (key, res4[key])
 
 
 def _model(seed=0, dtype=torch.float32):
@@ -117,6 +119,40 @@ def test_bf16_params_keep_fp32_master_weights():
     for p, q in zip(bf16.parameters(), ref.parameters()):
         assert torch.equal(p, q.detach().to(torch.bfloat16))
     assert "master" in opt.state_dict()["state"][0]
+
+
+def test_chained_optimizers_step_and_clip_as_one_adamw():
+    """Two ShardedAdamW chained (the expert-parallel layout's dense + expert optimizers): one global
+    clip norm, one LR schedule driving both, one state dict in torch's AdamW format that loads back."""
+    from backends.common.chained_optim import ChainedOptimizer
+    from backends.common.optim import build_scheduler
+
+    ours, ref = _model(), _model()
+    chain = ChainedOptimizer([ShardedAdamW(ours[0].parameters(), lr=1e-2, weight_decay=0.1),
+                              ShardedAdamW(list(ours[1:].parameters()), lr=1e-2, weight_decay=0.1)])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    scheds = [build_scheduler(o, lr=1e-2, min_lr=1e-3, warmup=2, total=6, style="cosine") for o in (chain, ref_opt)]
+    for step in range(4):
+        for model, o in ((ours, chain), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(model, step).backward()
+        n1, n2 = chain.clip_grad_norm_(0.05), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert float(n2) > 0.05 and abs(float(n1) - float(n2)) <= 1e-6
+        chain.step()
+        ref_opt.step()
+        for s in scheds:
+            s.step()
+    assert chain.optimizers[1].param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    sd, ref_sd = chain.state_dict(), ref_opt.state_dict()
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1], [2, 3, 4, 5]] and len(chain.state) == 6
+    for k, v in ref_sd["state"].items():
+        torch.testing.assert_close(sd["state"][k]["exp_avg_sq"], v["exp_avg_sq"], atol=1e-7, rtol=0)
+    again = ChainedOptimizer([ShardedAdamW(ours[0].parameters()), ShardedAdamW(list(ours[1:].parameters()))])
+    again.load_state_dict(sd)
+    assert torch.equal(again.optimizers[1].exp_avg, chain.optimizers[1].exp_avg) and len(again.state) == 6
+    assert chain.state_bytes() == 8 * sum(p.numel() for p in ours.parameters())
 
 
 def test_refusals():

@@ -24,24 +24,6 @@ from typing import Any, Callable
 
 import torch
 
-from backends.llm.config import ConfigError, LLMConfig
-
-
-def refuse_unbuilt(cfg: LLMConfig) -> None:
-    """ConfigError for expert parallel with what this build does not combine it with (not proven)."""
-    p = cfg.parallel
-    if p.ep <= 1:
-        return
-    for flag, on in (("--tensor-model-parallel-size > 1", p.tp > 1),
-                     ("--pipeline-model-parallel-size > 1", p.pp > 1),
-                     ("--use-torch-fsdp2", p.fsdp),
-                     ("--use-distributed-optimizer", p.distributed_optimizer),
-                     ("--lora-r (LoRA)", cfg.lora is not None),
-                     ("--moe-token-dispatcher-type allgather (EP here dispatches with all-to-all)",
-                      p.moe_dispatcher == "allgather")):
-        if on:
-            raise ConfigError(f"expert parallel (--expert-model-parallel-size {p.ep}) does not combine with {flag} "
-                              "in this build yet; set --expert-model-parallel-size 1 or leave the other off")
 
 
 def build_groups(mesh, layout, device_type: str) -> tuple[Any, Any]:

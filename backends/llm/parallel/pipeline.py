@@ -92,30 +92,37 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tenso
 
 
 class StageModule(nn.Module):
-    """One virtual stage over the rank's pruned decoder (holds no parameters of its own)."""
+    """One virtual stage. Its submodules are the rank's pruned decoder's own (shared, no copies): its
+    layers, the embedding on the first stage, the final norm and the output weight's module on the
+    last. So FSDP2 can make each stage module a root that unshards exactly its parameters for its
+    forward, and keeps the output weight unsharded for the loss that reads it right after."""
 
     def __init__(self, decoder: nn.Module, layers: list[int], *, first: bool, last: bool, carry_aux: bool):
         super().__init__()
-        self.decoder = decoder
-        self.layer_ids = [str(i) for i in layers]
+        inner = decoder.model
+        self.layers = nn.ModuleDict({str(i): inner.layers[str(i)] for i in layers})
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.norm = inner.norm if last else None
+        tied = decoder.config.tie_word_embeddings
+        self.output = (inner.embed_tokens if tied else decoder.lm_head) if last else None
+        self.rotary = inner.rotary
         self.first, self.last, self.carry_aux = first, last, carry_aux
 
     def forward(self, x, aux=None, *, position_ids, doc_ids=None):
-        inner = self.decoder.model
         cu_seqlens = _cu_seqlens(doc_ids) if doc_ids is not None else None
         if self.first:
-            hidden = inner.embed_tokens(x)
+            hidden = self.embed_tokens(x)
             # a zero that requires grad: the aux carry must be differentiable on every stage
             aux = hidden.reshape(-1)[:1] * 0.0 if self.carry_aux else None
         else:
             hidden = x
-        cos, sin = inner.rotary(position_ids, hidden.dtype)
-        for i in self.layer_ids:
-            hidden, layer_aux = inner.layers[i](hidden, cos, sin, cu_seqlens)
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        for layer in self.layers.values():
+            hidden, layer_aux = layer(hidden, cos, sin, cu_seqlens)
             if layer_aux is not None:
                 aux = aux + layer_aux.reshape(1).to(aux.dtype)
         if self.last:
-            hidden = inner.norm(hidden)
+            hidden = self.norm(hidden)
         return (hidden, aux) if self.carry_aux else hidden
 
 
@@ -265,9 +272,6 @@ def tied_embedding_groups(mesh, pp: int):
 def attach_pipeline(decoder: nn.Module, cfg, par, rt) -> None:
     """Prune `decoder` to this rank's stages and hang the runner and the pp groups on `par`."""
     p, c = cfg.parallel, decoder.config
-    if cfg.train.precision == "fp16":
-        raise ConfigError("pipeline parallel runs bf16 or fp32 in this build; use --bf16 (fp16's loss scaler "
-                          "is not threaded through the schedule)")
     mesh = par.mesh
     par.pp_rank = mesh["pp"].get_local_rank()
     par.pp_group = mesh["pp"].get_group()

@@ -1,0 +1,118 @@
+"""backends.llm: the parallel features composed with each other, through `ascendfactory run` on 4 CPU
+processes against the one-process run of the same job; and the combinations this build still
+refuses (capabilities.UNBUILT), refused by `run` before launching and by the engine at start.
+"""
+
+import shlex
+
+import pytest
+import torch
+import yaml
+
+from tests.llm.test_engine_expert_parallel import assert_ep_matches, ejob, metric, state_mib
+from tests.llm.test_engine_pipeline import assert_pipeline_matches, pjob
+from tests.llm.test_engine_runs import job, losses, run_cli, run_job, torchrun
+
+
+def test_fsdp2_with_interleaved_pipeline_and_tied_embeddings(tmp_path, tiny_model, one_process):
+    """pp2 × vpp2 × FSDP2 dp2 on a tied llama: each stage module is an FSDP2 root over its own layers
+    (the last one's also holds the tied output copy, unsharded for the loss); the tied copies' grads
+    are summed over the stages and the norm counts them once. A quarter of the model state per rank."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    data = {"packing": True}
+    ref = one_process(pjob(tmp_path / "ref", model, "llama", data=data))
+    out = tmp_path / "pp"
+    run_job(tmp_path, pjob(out, model, "llama", data=data, parallel={"pp": 2, "vpp": 2, "fsdp": True}, **torchrun(4)))
+    assert_pipeline_matches(out, ref)
+    assert max(state_mib(out)) <= 0.3 * state_mib(ref)[0], (state_mib(out), state_mib(ref))
+
+
+@pytest.mark.parametrize("family,parallel,packed", [
+    ("deepseek_v3", {"ep": 2, "fsdp": True}, True),
+    ("mixtral", {"ep": 2, "pp": 2}, True),
+    ("mixtral", {"ep": 2, "pp": 2, "distributed_optimizer": True}, False),
+], ids=["ep2xfsdp2-packed", "ep2xpp2-packed", "ep2xpp2-distributed-optimizer"])
+def test_expert_parallel_composes(tmp_path, tiny_model, one_process, family, parallel, packed):
+    """FSDP2 shards the dense weights over dp and leaves the ep-sharded experts to grad_sync; inside
+    pipeline stages the ep groups are carved from each stage's dp ranks (the all-to-alls run in the
+    schedule's micro-batch order on every rank of a group) and the aux loss rides between stages."""
+    model = tiny_model(family)
+    data = {"packing": packed}
+    ref = one_process(ejob(tmp_path / "ref", model, family, data=data))
+    out = tmp_path / "ep"
+    run_job(tmp_path, ejob(out, model, family, data=data, parallel=parallel, **torchrun(4)))
+    assert_ep_matches(out, ref)
+
+
+def test_lora_on_moe_with_expert_parallel(tmp_path, tiny_model, one_process):
+    """Mixtral LoRA (attention adapters; routed experts frozen, ep-sharded) at dp4 × ep2: the adapters
+    and the merged export equal the one-process run's, and so do the losses and grad norms."""
+    from safetensors.torch import load_file
+
+    model = tiny_model("mixtral")
+    lora = {"finetuning": "lora", "lora": {"rank": 4, "alpha": 8, "merge_on_export": True}}
+    ref = one_process(ejob(tmp_path / "ref", model, "mixtral", parallel={"moe_dispatcher": "alltoall_seq"}, **lora))
+    out = tmp_path / "ep"
+    run_job(tmp_path, ejob(out, model, "mixtral", parallel={"ep": 2, "moe_dispatcher": "alltoall_seq"}, **lora,
+                           **torchrun(4)))
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
+    for key in ("grad_norm", "aux_loss"):
+        assert metric(out, key) == pytest.approx(metric(ref, key), rel=1e-5), key
+    for part in ("adapter/adapter_model.safetensors", "merged/model.safetensors"):
+        want, got = load_file(ref / "hf" / part), load_file(out / "hf" / part)
+        assert got.keys() == want.keys(), part
+        for name, value in got.items():
+            torch.testing.assert_close(value, want[name], atol=1e-4, rtol=1e-4)
+    first = load_file(model / "model.safetensors")
+    merged = load_file(out / "hf" / "merged" / "model.safetensors")
+    assert any((merged[k] - first[k]).abs().max() > 1e-4 for k in first if "self_attn" in k)  # it trained
+
+
+# ---------------------------------------------------------------------- what this build refuses
+
+REFUSED = {  # capabilities.UNBUILT entry (its fields) → a job that triggers it (family, job changes, devices)
+    ("parallel.ep", "parallel.tp"): ("mixtral", {"parallel": {"ep": 2, "tp": 2}}, 4),
+    ("parallel.ep", "parallel.moe_dispatcher"): ("mixtral", {"parallel": {"ep": 2, "moe_dispatcher": "allgather"}}, 2),
+    ("parallel.tp", "finetuning"): ("qwen3", {"parallel": {"tp": 2}, "finetuning": "lora", "lora": {"rank": 4}}, 2),
+    ("parallel.pp", "train.precision"): ("qwen3", {"parallel": {"pp": 2}, "train": {"precision": "fp16"}}, 2),
+    ("parallel.pp", "data.dynamic_seq_len"): ("qwen3", {"parallel": {"pp": 2}, "data": {"dynamic_seq_len": True}}, 2),
+    ("parallel.pp", "parallel.cp", "data.packing"): ("qwen3", {"parallel": {"pp": 2, "cp": 2}, "data": {"packing": True}}, 4),
+}
+
+
+def test_every_refused_combination_has_a_case():
+    from backends.llm.capabilities import UNBUILT
+
+    assert {tuple(conditions) for conditions, _ in UNBUILT["mindspeed-llm"]} == set(REFUSED)
+
+
+@pytest.mark.parametrize("fields", list(REFUSED), ids=["+".join(f.split(".")[-1] for f in k) for k in REFUSED])
+def test_refused_combination_stops_run_and_engine(tmp_path, tiny_model, fields):
+    """`run` exits 2 before launching anything, naming the job fields; the engine started by hand with
+    the rendered flags refuses with the same words (one table: capabilities.UNBUILT)."""
+    from ascendfactory.plan import make_plan
+    from ascendfactory.render import render
+    from ascendfactory.spec import parse_job
+    from backends.llm.capabilities import UNBUILT
+    from backends.llm.config import ConfigError, parse_args
+    from backends.llm.train import _refuse_unbuilt_parallelism
+    from tests.helpers.tiny_hf import TINY
+
+    family, changes, devices = REFUSED[fields]
+    why = next(w for conditions, w in UNBUILT["mindspeed-llm"] if tuple(conditions) == fields)
+    model = tiny_model(family)
+    spec = job(tmp_path / "out", model=TINY[family][1], model_path=str(model), **torchrun(devices))
+    for key, value in changes.items():
+        spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    res = run_cli("run", path)
+    said = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode == 2, said
+    assert why in said and all(f in said for f in fields) and "Traceback" not in said, said
+    assert not (tmp_path / "out" / "logs").exists()  # nothing was launched
+    plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
+    args = shlex.split(render(plan, tmp_path / "render").files["mindspeed_llm_args.sh"], comments=True)
+    with pytest.raises(ConfigError) as err:
+        _refuse_unbuilt_parallelism(parse_args(args))
+    assert why in str(err.value) and all(f in str(err.value) for f in fields)

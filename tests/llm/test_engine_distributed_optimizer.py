@@ -1,0 +1,70 @@
+"""The distributed optimizer (ZeRO-1, backends.common.zero) composed with tensor and expert parallel,
+through `ascendfactory run`: 4 CPU processes match the one-process run of the same job (losses, the
+clipped global grad norm, the exported weights), each rank holds less optimizer state, and a
+tp2 × dp2 checkpoint resumes at tp1 × dp4.
+"""
+
+import pytest
+
+from tests.llm.test_engine_expert_parallel import assert_ep_matches, ejob, metric, state_mib
+from tests.llm.test_engine_parallel import assert_matches
+from tests.llm.test_engine_runs import final_weights, job, losses, run_job, torchrun
+
+PACKED = {"packing": True}
+
+
+def zjob(out, **changes):
+    """The tiny Qwen3 job on packed data, 5 steps (train.grad_clip 1.0 clips: the norms are above it)."""
+    return job(out, data=PACKED, **changes)
+
+
+@pytest.fixture
+def baseline(one_process, tmp_path):
+    """Its one-process run (tests/llm/conftest.py: made once per session, shared with test_engine_parallel)."""
+    one = one_process(zjob(tmp_path / "one"))
+    assert max(metric(one, "grad_norm")) > 1.0, "clipping never engaged"
+    return one
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2xdp2", "tp2-sp-xdp2"])
+def test_tp2_dp2_matches_one_process(tmp_path, baseline, sp):
+    """One ShardedAdamW per tp rank over its dp group, on the local shards: the clip norm sums the
+    Shard-placed parts over tp. Model state per rank: half the weights, a quarter of the Adam moments
+    (~1/3 of one process's; tp alone would leave 1/2)."""
+    out = tmp_path / "z"
+    run_job(tmp_path, zjob(out, parallel={"tp": 2, "sp": sp, "distributed_optimizer": True}, **torchrun(4)))
+    assert_matches(out, baseline)
+    assert metric(out, "grad_norm") == pytest.approx(metric(baseline, "grad_norm"), rel=1e-5)
+    assert max(state_mib(out)) <= 0.4 * state_mib(baseline)[0], (state_mib(out), state_mib(baseline))
+
+
+def test_ep2_dp4_matches_one_process(tmp_path, tiny_model, one_process):
+    """Mixtral at ep2 over 4 ranks: the dense parameters' ShardedAdamW over dp (4 ranks), the experts'
+    over their expert-data-parallel group (2 ranks), chained: one global clip norm (grad_norm equal),
+    and each rank holds exactly its shares of the weights and of both optimizers' moments."""
+    model = tiny_model("mixtral")
+    ref = one_process(ejob(tmp_path / "ref", model, "mixtral"))  # shared with test_engine_expert_parallel
+    out = tmp_path / "ep"
+    run_job(tmp_path, ejob(out, model, "mixtral", parallel={"ep": 2, "distributed_optimizer": True}, **torchrun(4)),
+            "ep.yaml")
+    assert_ep_matches(out, ref)
+    weights = final_weights(ref)
+    experts = sum(v.numel() for k, v in weights.items() if ".experts." in k)
+    dense = sum(v.numel() for v in weights.values()) - experts
+    assert experts > dense  # the expert states are what must be split further
+    # fp32 weights (4 B) + exp_avg, exp_avg_sq (8 B) of this rank's flat slice, in MiB
+    want = (4 * dense + 8 * dense / 4 + 4 * experts / 2 + 8 * experts / 2 / 2) / 2**20
+    assert state_mib(out) == pytest.approx([want] * 4, abs=0.06), (state_mib(out), want)
+
+
+def test_tp2_dp2_checkpoint_resumes_at_tp1_dp4(tmp_path, baseline):
+    """DTensor optimizer states saved at tp2 × dp2 (each tp rank's piece under one name), read back by
+    DCP into the tp1 × dp4 run's plain tensors and re-sharded over its 4 dp ranks."""
+    out = tmp_path / "z"
+    first = zjob(out, parallel={"tp": 2, "distributed_optimizer": True}, resume="auto",
+                 backend_overrides={"exit-interval": 2}, **torchrun(4))
+    run_job(tmp_path, first, "first.yaml")
+    assert len(losses(out)) == 2
+    run_job(tmp_path, zjob(out, parallel={"distributed_optimizer": True}, resume="auto", **torchrun(4)), "again.yaml")
+    assert losses(out) == pytest.approx(losses(baseline), rel=1e-5, abs=1e-6)
+    assert_matches(out, baseline)
