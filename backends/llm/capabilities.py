@@ -43,7 +43,6 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
          "experts are tensor-sharded under tp; expert parallel with tp (expert-tensor parallel) is not built"),
         ({"parallel.ep": ">1", "parallel.moe_dispatcher": "allgather"},
          "expert parallel here dispatches tokens with all-to-all; use moe_dispatcher alltoall"),
-        ({"parallel.tp": ">1", "finetuning": "lora"}, "LoRA adapters are not tensor-parallel yet"),
         ({"parallel.pp": ">1", "train.precision": "fp16"},
          "fp16's loss scaler is not threaded through the pipeline schedule; use bf16"),
         ({"parallel.pp": ">1", "data.dynamic_seq_len": True},

@@ -11,6 +11,7 @@ import yaml
 
 from tests.llm.test_engine_expert_parallel import assert_ep_matches, ejob, metric, state_mib
 from tests.llm.test_engine_pipeline import assert_pipeline_matches, pjob
+from tests.helpers.tiny_hf import TINY
 from tests.llm.test_engine_runs import job, losses, run_cli, run_job, torchrun
 
 
@@ -44,25 +45,53 @@ def test_expert_parallel_composes(tmp_path, tiny_model, one_process, family, par
     assert_ep_matches(out, ref)
 
 
+def assert_lora_matches(out, ref) -> None:
+    """Losses and grad norms, the PEFT adapter and the merged export equal the one-process run's."""
+    from safetensors.torch import load_file
+
+    assert losses(out) == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
+    assert metric(out, "grad_norm") == pytest.approx(metric(ref, "grad_norm"), rel=1e-5)
+    for part in ("adapter/adapter_model.safetensors", "merged/model.safetensors"):
+        want, got = load_file(ref / "hf" / part), load_file(out / "hf" / part)
+        assert got.keys() == want.keys(), part
+        for name, value in got.items():
+            torch.testing.assert_close(value, want[name], atol=1e-4, rtol=1e-4)
+
+
+LORA = {"finetuning": "lora", "lora": {"rank": 4, "alpha": 8, "merge_on_export": True}}
+
+
+@pytest.mark.parametrize("family,parallel,packed", [
+    ("glm4", {"tp": 2, "sp": True}, True),
+    ("deepseek_v3", {"tp": 2, "moe_dispatcher": "alltoall_seq"}, False),
+], ids=["glm4-tp2-sp-xdp2-packed", "deepseek_v3-tp2xdp2"])
+def test_lora_with_tensor_parallel(tmp_path, tiny_model, one_process, family, parallel, packed):
+    """Adapters follow their base linear's layout: on column-parallel layers B is sharded (GLM-4's
+    fused gate_up pair-interleaved like its base), on row-parallel ones A is, reduced on its r-wide
+    output; MLA's replicated latents and DeepSeek's shared experts (reduced with the MoE block) too."""
+    model = tiny_model(family)
+    common = dict(data={"packing": packed}, train={"lr": 1e-2}, **LORA)
+    ref_parallel = {k: v for k, v in parallel.items() if k == "moe_dispatcher"}
+    ref = one_process(job(tmp_path / "ref", model=TINY[family][1], model_path=str(model), parallel=ref_parallel,
+                          **common))
+    out = tmp_path / "tp"
+    run_job(tmp_path, job(out, model=TINY[family][1], model_path=str(model), parallel=parallel, **common,
+                          **torchrun(4)))
+    assert_lora_matches(out, ref)
+
+
 def test_lora_on_moe_with_expert_parallel(tmp_path, tiny_model, one_process):
     """Mixtral LoRA (attention adapters; routed experts frozen, ep-sharded) at dp4 × ep2: the adapters
     and the merged export equal the one-process run's, and so do the losses and grad norms."""
     from safetensors.torch import load_file
 
     model = tiny_model("mixtral")
-    lora = {"finetuning": "lora", "lora": {"rank": 4, "alpha": 8, "merge_on_export": True}}
-    ref = one_process(ejob(tmp_path / "ref", model, "mixtral", parallel={"moe_dispatcher": "alltoall_seq"}, **lora))
+    ref = one_process(ejob(tmp_path / "ref", model, "mixtral", parallel={"moe_dispatcher": "alltoall_seq"}, **LORA))
     out = tmp_path / "ep"
-    run_job(tmp_path, ejob(out, model, "mixtral", parallel={"ep": 2, "moe_dispatcher": "alltoall_seq"}, **lora,
+    run_job(tmp_path, ejob(out, model, "mixtral", parallel={"ep": 2, "moe_dispatcher": "alltoall_seq"}, **LORA,
                            **torchrun(4)))
-    assert losses(out) == pytest.approx(losses(ref), rel=1e-5, abs=1e-6)
-    for key in ("grad_norm", "aux_loss"):
-        assert metric(out, key) == pytest.approx(metric(ref, key), rel=1e-5), key
-    for part in ("adapter/adapter_model.safetensors", "merged/model.safetensors"):
-        want, got = load_file(ref / "hf" / part), load_file(out / "hf" / part)
-        assert got.keys() == want.keys(), part
-        for name, value in got.items():
-            torch.testing.assert_close(value, want[name], atol=1e-4, rtol=1e-4)
+    assert_lora_matches(out, ref)
+    assert metric(out, "aux_loss") == pytest.approx(metric(ref, "aux_loss"), rel=1e-5)
     first = load_file(model / "model.safetensors")
     merged = load_file(out / "hf" / "merged" / "model.safetensors")
     assert any((merged[k] - first[k]).abs().max() > 1e-4 for k in first if "self_attn" in k)  # it trained
@@ -73,7 +102,6 @@ def test_lora_on_moe_with_expert_parallel(tmp_path, tiny_model, one_process):
 REFUSED = {  # capabilities.UNBUILT entry (its fields) → a job that triggers it (family, job changes, devices)
     ("parallel.ep", "parallel.tp"): ("mixtral", {"parallel": {"ep": 2, "tp": 2}}, 4),
     ("parallel.ep", "parallel.moe_dispatcher"): ("mixtral", {"parallel": {"ep": 2, "moe_dispatcher": "allgather"}}, 2),
-    ("parallel.tp", "finetuning"): ("qwen3", {"parallel": {"tp": 2}, "finetuning": "lora", "lora": {"rank": 4}}, 2),
     ("parallel.pp", "train.precision"): ("qwen3", {"parallel": {"pp": 2}, "train": {"precision": "fp16"}}, 2),
     ("parallel.pp", "data.dynamic_seq_len"): ("qwen3", {"parallel": {"pp": 2}, "data": {"dynamic_seq_len": True}}, 2),
     ("parallel.pp", "parallel.cp", "data.packing"): ("qwen3", {"parallel": {"pp": 2, "cp": 2}, "data": {"packing": True}}, 4),
@@ -96,7 +124,6 @@ def test_refused_combination_stops_run_and_engine(tmp_path, tiny_model, fields):
     from backends.llm.capabilities import UNBUILT
     from backends.llm.config import ConfigError, parse_args
     from backends.llm.train import _refuse_unbuilt_parallelism
-    from tests.helpers.tiny_hf import TINY
 
     family, changes, devices = REFUSED[fields]
     why = next(w for conditions, w in UNBUILT["mindspeed-llm"] if tuple(conditions) == fields)

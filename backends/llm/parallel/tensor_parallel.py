@@ -58,6 +58,12 @@ logits). Checkpoints: every parameter and optimizer state is an ordinary Shard/R
 of a tp-independent layout, so DCP (backends.common.checkpoint.resume) saves them and reshards
 them to another tp, and load_state_dict also accepts a plain full state dict.
 
+LoRA adapters (backends.common.lora.LoRALinear, injected before this): the wrapped linear's style
+goes to its base_layer and the adapter follows the base's layout. Column parallel: lora_A
+replicated, lora_B sharded on the output features. Row parallel: lora_A sharded on the input
+features and reduced on its r-wide output (cheaper than reducing the full width), lora_B
+replicated. Adapters on the output head are refused.
+
 Limitations: tp must divide the attention heads, the FFN widths (dense, expert and shared
 expert) and, with SP, the sequence length; kv heads must divide or be divisible by tp. Expert
 parallel is not combined here (experts are tensor-sharded on every rank). FSDP2 on top of this
@@ -210,8 +216,10 @@ class LocalParallel(ParallelStyle):
 
     def __init__(self, params: dict[str, _Param] | None = None, *, default_kind: str = REPLICATE_PARTIAL,
                  pre: Callable | None = None, post: Callable | None = None, attrs: dict[str, Any] | None = None,
-                 hide: tuple[str, ...] = (), required: tuple[str, ...] = ("weight",)):
+                 hide: tuple[str, ...] = (), required: tuple[str, ...] = ("weight",),
+                 lora: Callable[[], tuple["LocalParallel", "LocalParallel"]] | None = None):
         self.params = params or {}
+        self.lora = lora  # () -> the (lora_A, lora_B) styles that match this layout (see _with_lora)
         self.required = required
         self.default_kind = default_kind
         self.pre, self.post, self.attrs, self.hide = pre, post, attrs or {}, hide
@@ -289,7 +297,9 @@ class RegionEntry(ParallelStyle):
 def colwise(paired: bool = False) -> LocalParallel:
     """Column parallel: output features sharded; paired: a fused [gate; up] weight (see _to_paired)."""
     dim = 0 if paired else None
-    return LocalParallel({"weight": _Param(Shard(0), paired=dim), "bias": _Param(Shard(0), paired=dim)})
+    # LoRA: A replicated on the region's input (partial grads), B sharded like the base's outputs
+    return LocalParallel({"weight": _Param(Shard(0), paired=dim), "bias": _Param(Shard(0), paired=dim)},
+                         lora=lambda: (replicated(partial_grad=True), colwise(paired)))
 
 
 def rowwise(mesh: DeviceMesh, sp: bool, exit_region: bool = True) -> LocalParallel:
@@ -307,8 +317,15 @@ def rowwise(mesh: DeviceMesh, sp: bool, exit_region: bool = True) -> LocalParall
             out = out + (_reduce_grad(b, mesh) if sp else b)
         return out
 
+    # LoRA: A row-parallel like the base and leaving the region on the rank-r latent (r << out
+    # features: the cheaper reduction), B replicated after it; inside an enclosing region (no exit
+    # here) B acts on the partial latent and the block's exit reduces it with the rest
+    if exit_region:
+        lora = lambda: (rowwise(mesh, sp), replicated(partial_grad=sp))  # noqa: E731
+    else:
+        lora = lambda: (rowwise(mesh, sp, exit_region=False), replicated(partial_grad=True))  # noqa: E731
     return LocalParallel({"weight": _Param(Shard(1)), "bias": _Param(Replicate(), REPLICATE)},
-                         post=post, hide=("bias",))
+                         post=post, hide=("bias",), lora=lora)
 
 
 def replicated_kv(group: int, head_dim: int) -> LocalParallel:
@@ -316,11 +333,13 @@ def replicated_kv(group: int, head_dim: int) -> LocalParallel:
     rows = slice(group * head_dim, (group + 1) * head_dim)
     view = lambda t: t[rows]  # noqa: E731
     return LocalParallel({"weight": _Param(Replicate(), REPLICATE_PARTIAL, view),
-                          "bias": _Param(Replicate(), REPLICATE_PARTIAL, view)})
+                          "bias": _Param(Replicate(), REPLICATE_PARTIAL, view)},
+                         lora=lambda: (replicated(partial_grad=True), replicated_kv(group, head_dim)))
 
 
 def replicated(partial_grad: bool) -> LocalParallel:
-    return LocalParallel(default_kind=REPLICATE_PARTIAL if partial_grad else REPLICATE)
+    kind = REPLICATE_PARTIAL if partial_grad else REPLICATE
+    return LocalParallel(default_kind=kind, lora=lambda: (replicated(partial_grad), replicated(partial_grad)))
 
 
 def vocab_embedding(mesh: DeviceMesh, sp: bool) -> LocalParallel:
@@ -383,6 +402,26 @@ def _mlp_plan(mesh: DeviceMesh, sp: bool, fused: bool, exit_region: bool = True)
     if fused:
         return {"gate_up_proj": colwise(paired=True), "down_proj": rowwise(mesh, sp, exit_region)}
     return {"gate_proj": colwise(), "up_proj": colwise(), "down_proj": rowwise(mesh, sp, exit_region)}
+
+
+def _with_lora(root: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The plan for a model with LoRA adapters (backends.common.lora.LoRALinear): a wrapped linear's
+    style goes to its base_layer, and its lora_A / lora_B get the styles that keep the adapter's
+    output in the base's layout (the style's `lora`)."""
+    from backends.common.lora import LoRALinear
+
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        module = root.get_submodule(name)
+        if not isinstance(module, LoRALinear):
+            out[name] = style
+            continue
+        if getattr(style, "lora", None) is None:
+            raise TPConfigError(f"{name} has a LoRA adapter, which tensor parallel does not shard there; "
+                                "leave it out of --lora-target-modules")
+        out[f"{name}.base_layer"] = style
+        out[f"{name}.lora_A"], out[f"{name}.lora_B"] = style.lora()
+    return out
 
 
 def _moe_post(mesh: DeviceMesh, sp: bool):
@@ -451,9 +490,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             plan[prefix] = RegionEntry(sp)
         # parallelize_module applies the plan in insertion order; the entries (which change the
         # head counts) come after the projections
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, _with_lora(layer, plan))
 
     if not cfg.tie_word_embeddings:
+        from backends.common.lora import LoRALinear
+
+        if isinstance(model.lm_head, LoRALinear):
+            raise TPConfigError("lm_head has a LoRA adapter, which tensor parallel does not shard; "
+                                "leave it out of --lora-target-modules")
         parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=False)})
