@@ -39,8 +39,8 @@ LIMITS: dict[str, dict[str, int]] = {
 # reading this same table through backends.llm.train.job_fields.
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
     "mindspeed-llm": [
-        ({"parallel.ep": ">1", "parallel.tp": ">1"},
-         "experts are tensor-sharded under tp; expert parallel with tp (expert-tensor parallel) is not built"),
+        ({"parallel.ep": ">1", "parallel.tp": ">1", "parallel.sp": False},
+         "expert parallel with tp routes each tp rank's sequence shard; set parallel.sp: true (as Megatron asks)"),
         ({"parallel.ep": ">1", "parallel.moe_dispatcher": "allgather"},
          "expert parallel here dispatches tokens with all-to-all; use moe_dispatcher alltoall"),
         ({"parallel.pp": ">1", "train.precision": "fp16"},

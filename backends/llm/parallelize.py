@@ -57,7 +57,9 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
     if layout.tp > 1:
         from backends.llm.parallel.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(decoder, mesh["tp"], sequence_parallel=cfg.parallel.sp)
+        apply_tensor_parallel(decoder, mesh["tp"], sequence_parallel=cfg.parallel.sp, experts_elsewhere=layout.ep > 1)
+        if layout.ep > 1:  # each tp rank's MoE layers see a sequence shard: the aux loss spans cp × tp
+            _set_aux_group(decoder, mesh["cp", "tp"]._flatten("cp_tp").get_group())
     if layout.ep > 1:
         par.ep_mesh, par.edp_group = ep_engine.build_groups(mesh, layout, rt.device.type)
         ep_engine.apply(decoder, par.ep_mesh)
@@ -87,13 +89,20 @@ def _apply_context_parallel(decoder, par: Parallel, cfg: LLMConfig, rt) -> None:
     u = (cfg.parallel.ulysses_degree or 1) if cfg.parallel.cp_algo == "hybrid" else 1
     par.cp_groups = make_cp_groups(ranks, ulysses_degree=u)
     attend = partial(_cp_attend, groups=par.cp_groups, algo=cfg.parallel.cp_algo)
-    from backends.llm.models.moe import MoE
 
     for module in decoder.modules():
         if hasattr(module, "core_attention"):
             module.core_attention = attend
-        if isinstance(module, MoE):  # the aux loss of the whole sequence, not of this rank's chunks
-            module.aux_group = par.cp_groups.cp
+    _set_aux_group(decoder, par.cp_groups.cp)
+
+
+def _set_aux_group(decoder, group) -> None:
+    """The ranks holding parts of one micro-batch's tokens: the MoE aux loss is the whole micro-batch's."""
+    from backends.llm.models.moe import MoE
+
+    for module in decoder.modules():
+        if isinstance(module, MoE):
+            module.aux_group = group
 
 
 def shard_batch(mb: dict, par: Parallel) -> dict:

@@ -59,7 +59,7 @@ def _loss_fn(model, mb):
 def job_fields(cfg: LLMConfig) -> dict[str, object]:
     """The job-file fields (dotted) these flags came from, as capabilities.UNBUILT names them."""
     p, d = cfg.parallel, cfg.data
-    return {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp, "parallel.ep": p.ep,
+    return {"parallel.tp": p.tp, "parallel.sp": p.sp, "parallel.pp": p.pp, "parallel.cp": p.cp, "parallel.ep": p.ep,
             "parallel.fsdp": p.fsdp, "parallel.distributed_optimizer": p.distributed_optimizer,
             "parallel.moe_dispatcher": p.moe_dispatcher, "finetuning": "lora" if cfg.lora else "full",
             "data.packing": d.packing, "data.dynamic_seq_len": d.dynamic, "train.precision": cfg.train.precision}

@@ -32,11 +32,17 @@ def test_fsdp2_with_interleaved_pipeline_and_tied_embeddings(tmp_path, tiny_mode
     ("deepseek_v3", {"ep": 2, "fsdp": True}, True),
     ("mixtral", {"ep": 2, "pp": 2}, True),
     ("mixtral", {"ep": 2, "pp": 2, "distributed_optimizer": True}, False),
-], ids=["ep2xfsdp2-packed", "ep2xpp2-packed", "ep2xpp2-distributed-optimizer"])
+    ("mixtral", {"ep": 4, "tp": 2, "sp": True}, False),
+    ("deepseek_v3", {"ep": 2, "tp": 2, "sp": True, "cp": 2}, True),
+], ids=["ep2xfsdp2-packed", "ep2xpp2-packed", "ep2xpp2-distributed-optimizer", "ep4-over-tp2-sp-xdp2",
+        "ep2-over-tp2-sp-xcp2-packed"])
 def test_expert_parallel_composes(tmp_path, tiny_model, one_process, family, parallel, packed):
     """FSDP2 shards the dense weights over dp and leaves the ep-sharded experts to grad_sync; inside
     pipeline stages the ep groups are carved from each stage's dp ranks (the all-to-alls run in the
-    schedule's micro-batch order on every rank of a group) and the aux loss rides between stages."""
+    schedule's micro-batch order on every rank of a group) and the aux loss rides between stages.
+    With tp (+ SP) the MoE layers route each tp rank's sequence shard over an ep group carved from
+    dp·cp·tp (experts not tensor-sharded); the aux loss spans the cp × tp ranks of a micro-batch, with
+    the CP padding mask cut to each shard."""
     model = tiny_model(family)
     data = {"packing": packed}
     ref = one_process(ejob(tmp_path / "ref", model, family, data=data))
@@ -100,7 +106,7 @@ def test_lora_on_moe_with_expert_parallel(tmp_path, tiny_model, one_process):
 # ---------------------------------------------------------------------- what this build refuses
 
 REFUSED = {  # capabilities.UNBUILT entry (its fields) → a job that triggers it (family, job changes, devices)
-    ("parallel.ep", "parallel.tp"): ("mixtral", {"parallel": {"ep": 2, "tp": 2}}, 4),
+    ("parallel.ep", "parallel.tp", "parallel.sp"): ("mixtral", {"parallel": {"ep": 2, "tp": 2}}, 2),
     ("parallel.ep", "parallel.moe_dispatcher"): ("mixtral", {"parallel": {"ep": 2, "moe_dispatcher": "allgather"}}, 2),
     ("parallel.pp", "train.precision"): ("qwen3", {"parallel": {"pp": 2}, "train": {"precision": "fp16"}}, 2),
     ("parallel.pp", "data.dynamic_seq_len"): ("qwen3", {"parallel": {"pp": 2}, "data": {"dynamic_seq_len": True}}, 2),

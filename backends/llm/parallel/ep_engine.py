@@ -31,7 +31,7 @@ def build_groups(mesh, layout, device_type: str) -> tuple[Any, Any]:
     Collective: every rank builds every group."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = mesh.mesh.reshape(layout.pp, -1, layout.ep)  # tp == 1: dp × cp ranks per stage, ep innermost
+    ranks = mesh.mesh.reshape(layout.pp, -1, layout.ep)  # dp × cp × tp ranks per stage, ep innermost
     ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep"))
     return ep_mesh["ep"], ep_mesh["edp"].get_group()
 

@@ -154,6 +154,10 @@ class ExpertParallelMoE(MoE):
         if aux_loss not in AUX_LOSS_MODES:
             raise ValueError(f"aux_loss={aux_loss!r} is not one of {', '.join(AUX_LOSS_MODES)}")
         mesh = _ep_mesh(ep_group, moe.experts.gate_up_proj.device.type)
+        # hooks other plans hung on the block it replaces (tensor parallel's SequenceShardedMoE) stay
+        for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(self, hooks).update(getattr(moe, hooks))
         self.m = moe.m
         self.aux_group = moe.aux_group
         self.aux_token_mask = None

@@ -65,9 +65,10 @@ features and reduced on its r-wide output (cheaper than reducing the full width)
 replicated. Adapters on the output head are refused.
 
 Limitations: tp must divide the attention heads, the FFN widths (dense, expert and shared
-expert) and, with SP, the sequence length; kv heads must divide or be divisible by tp. Expert
-parallel is not combined here (experts are tensor-sharded on every rank). FSDP2 on top of this
-is untested.
+expert) and, with SP, the sequence length; kv heads must divide or be divisible by tp. With
+expert parallel (experts_elsewhere=True) the MoE blocks are not tensor-sharded: they run on each
+rank's sequence shard (SP is required) and the ep group exchanges the tokens (SequenceShardedMoE).
+FSDP2 on top of this shards the TP shards again over dp (2-D DTensors).
 """
 
 from __future__ import annotations
@@ -436,13 +437,41 @@ def _moe_post(mesh: DeviceMesh, sp: bool):
     return post
 
 
+class SequenceShardedMoE(ParallelStyle):
+    """Hooks for a MoE block left to expert parallel (experts not tensor-sharded, Megatron's expert
+    tensor parallel size 1): under SP it runs on this rank's sequence shard, outside any TP region,
+    and the ep group (carved from dp·cp·tp) exchanges the tokens. The aux loss is the micro-batch's
+    over the ranks holding its shards (MoE.aux_group, set by the caller); the tp ranks' gate grads
+    are summed like any replicated weight on sequence shards, so its gradient counts 1/tp here. A CP
+    padding mask (aux_token_mask, over the CP chunk) is cut to this rank's shard for the forward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+
+        def pre(mod, args):
+            mod._tp_full_mask = mask = mod.aux_token_mask
+            if mask is not None:
+                rows = args[0].shape[0]
+                mod.aux_token_mask = mask.reshape(rows, -1).chunk(tp, dim=1)[rank].reshape(-1)
+
+        def post(mod, args, output):
+            mod.aux_token_mask = mod._tp_full_mask  # a recomputed forward cuts it again
+            out, aux = output
+            return out, (None if aux is None else _ScaleGrad.apply(aux, 1.0 / tp))
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-                          loss_parallel: bool = True) -> nn.Module:
+                          loss_parallel: bool = True, experts_elsewhere: bool = False) -> nn.Module:
     """Shard a CausalLM (backends.llm.models) over the 1-D `tp_mesh` in place and return it.
 
     Every rank must hold the same model (same seed or the same checkpoint); parameters are
     scattered / broadcast from the mesh's first rank. After this, model.tp_info describes the
     layout, the decoder returns its final hidden states as a DTensor, and `tp_loss` is the loss.
+    experts_elsewhere: the MoE blocks are left to expert parallel (SequenceShardedMoE; needs SP).
     """
     from backends.llm.models.layers import FusedMLP
     from backends.llm.models.moe import MoE
@@ -454,6 +483,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     tp, sp = tp_mesh.size(), bool(sequence_parallel)
     cfg = model.config
     check_tensor_parallel(cfg, tp)
+    if experts_elsewhere and not sp:
+        raise TPConfigError("expert parallel with tensor parallel needs sequence parallel (--sequence-parallel): "
+                            "each tp rank's MoE layers route its own sequence shard")
     seq = Shard(1) if sp else Replicate()
     decoder = model.model
 
@@ -477,7 +509,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         plan["self_attn"] = RegionEntry(sp, attrs=attrs)
         block = getattr(layer, layer.mlp_name)
         prefix = layer.mlp_name
-        if isinstance(block, MoE):
+        if isinstance(block, MoE) and experts_elsewhere:  # sequence shards in, expert parallel inside
+            plan[f"{prefix}.gate"] = replicated(partial_grad=True)
+            if block.shared_experts is not None:
+                plan.update({f"{prefix}.shared_experts.{k}": replicated(partial_grad=True)
+                             for k in ("gate_proj", "up_proj", "down_proj")})
+            plan[prefix] = SequenceShardedMoE()
+        elif isinstance(block, MoE):
             plan[f"{prefix}.gate"] = replicated(partial_grad=True)
             plan[f"{prefix}.experts"] = experts_style()
             if block.shared_experts is not None:
