@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from tests.helpers.tiny_hf import TINY, make_tiny_hf
+from tests.helpers.tiny_hf import TINY
 from tests.llm.test_engine_parallel import assert_matches
 from tests.llm.test_engine_runs import ROOT, job, losses, run_cli, run_job, torchrun
 
@@ -24,20 +24,14 @@ def ejob(out, model_dir, family, **changes):
     return job(out, model=TINY[family][1], model_path=str(model_dir), train=TRAIN, **changes)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """reference(family, packed) -> (tiny model dir, its one-process run dir), each made once."""
-    base = tmp_path_factory.mktemp("ep")
-    models, runs = {}, {}
+@pytest.fixture
+def reference(tiny_model, one_process, tmp_path):
+    """reference(family, packed) -> (tiny model dir, its one-process run dir), each made once per session
+    (tests/llm/conftest.py: the pipeline tests hold their MoE runs against the same references)."""
 
     def get(family: str, packed: bool = False):
-        if family not in models:
-            models[family] = make_tiny_hf(family, base / family)
-        if (family, packed) not in runs:
-            out = base / f"{family}-ref-packed{packed}"
-            run_job(base, ejob(out, models[family], family, data={"packing": packed}), f"{family}{packed}.yaml")
-            runs[family, packed] = out
-        return models[family], runs[family, packed]
+        model = tiny_model(family)
+        return model, one_process(ejob(tmp_path / "ref", model, family, data={"packing": packed}))
 
     return get
 
@@ -62,11 +56,15 @@ def assert_ep_matches(out, ref, *, split: bool = True) -> None:
         assert max(state_mib(out)) < min(state_mib(ref)), (state_mib(out), state_mib(ref))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("family,recompute", [("mixtral", "none"), ("qwen3_moe", "full"), ("deepseek_v3", "selective")])
-def test_ep2_matches_one_process(tmp_path, reference, family, recompute):
-    """Recomputation (against a reference without it) replays the all-to-alls in backward."""
-    model, ref = reference(family)
-    run_job(tmp_path, ejob(tmp_path / "ep", model, family, parallel={"ep": 2, "recompute": recompute}, **torchrun(2)))
+def test_ep2_dp2_matches_one_process(tmp_path, reference, family, recompute, packed):
+    """Four ranks, two ep groups: each expert has a replica (the expert-data-parallel group of 2)
+    whose grads are summed. Recomputation (against a reference without it) replays the all-to-alls
+    in backward. DeepSeek-V3: a dense first layer, shared experts, 4 local experts."""
+    model, ref = reference(family, packed)
+    run_job(tmp_path, ejob(tmp_path / "ep", model, family, data={"packing": packed},
+                           parallel={"ep": 2, "recompute": recompute}, **torchrun(4)))
     assert_ep_matches(tmp_path / "ep", ref)
 
 
@@ -81,15 +79,6 @@ def test_cp2_and_cp2_ep2_match_one_process(tmp_path, reference, packed):
     assert_ep_matches(tmp_path / "cp", ref, split=False)
     run_job(tmp_path, ejob(tmp_path / "ep", model, "mixtral", data=data, parallel={"ep": 2, "cp": 2}, **torchrun(2)),
             "ep.yaml")
-    assert_ep_matches(tmp_path / "ep", ref)
-
-
-def test_dp4_ep2_packed_matches_one_process(tmp_path, reference):
-    """Four ranks, two ep groups: each expert has a replica (the expert-data-parallel group of 2)
-    whose grads are summed; DeepSeek-V3: a dense first layer, shared experts, 4 local experts."""
-    model, ref = reference("deepseek_v3", packed=True)
-    run_job(tmp_path, ejob(tmp_path / "ep", model, "deepseek_v3", data={"packing": True}, parallel={"ep": 2},
-                           **torchrun(4)))
     assert_ep_matches(tmp_path / "ep", ref)
 
 
@@ -117,10 +106,10 @@ def _engine_args(spec: dict, tmp_path) -> list[str]:
     return shlex.split(render(plan, tmp_path / "render").files["mindspeed_llm_args.sh"], comments=True)
 
 
-def test_bad_expert_layout_fails_with_exit_code_2(tmp_path):
+def test_bad_expert_layout_fails_with_exit_code_2(tmp_path, tiny_model):
     """ep=3 splits neither the tiny Mixtral's 4 experts nor its card's 8: `run` refuses before launching,
     and the engine started by hand with that flag refuses too."""
-    model = make_tiny_hf("mixtral", tmp_path / "model")
+    model = tiny_model("mixtral")
     spec = ejob(tmp_path / "bad", model, "mixtral", parallel={"ep": 3}, **torchrun(3))
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -134,24 +123,3 @@ def test_bad_expert_layout_fails_with_exit_code_2(tmp_path):
                          text=True, timeout=300)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "4 experts do not split over ep=3" in res.stderr, res.stderr
-
-
-@pytest.mark.parametrize("parallel,finetuning,says", [
-    ({"ep": 2, "fsdp": True}, "full", "--use-torch-fsdp2"),
-    ({"ep": 2, "distributed_optimizer": True}, "full", "--use-distributed-optimizer"),
-    ({"ep": 2, "tp": 2}, "full", "--tensor-model-parallel-size"),
-    ({"ep": 2, "pp": 2}, "full", "--pipeline-model-parallel-size"),
-    ({"ep": 2, "moe_dispatcher": "alltoall_seq"}, "lora", "--lora-r"),
-], ids=["fsdp", "distributed-optimizer", "tp", "pp", "lora"])
-def test_expert_parallel_refuses_unbuilt_combinations(tmp_path, parallel, finetuning, says):
-    """Checked on the rendered flags, without launching."""
-    from backends.llm.config import ConfigError, parse_args
-    from backends.llm.parallel.ep_engine import refuse_unbuilt
-
-    model = make_tiny_hf("mixtral", tmp_path / "model", with_tokenizer=False)
-    spec = ejob(tmp_path / "x", model, "mixtral", parallel=parallel, finetuning=finetuning, **torchrun(4))
-    if finetuning == "lora":
-        spec["lora"] = {"rank": 4, "alpha": 8}
-    cfg = parse_args(_engine_args(spec, tmp_path))
-    with pytest.raises(ConfigError, match=f"expert parallel .*{says}"):
-        refuse_unbuilt(cfg)

@@ -9,16 +9,11 @@ from tests.llm.test_engine_runs import final_weights, job, losses, run_job
 import torch
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory):
-    """The one-process runs every parallel layout is held against (padded and packed data)."""
-    base = tmp_path_factory.mktemp("baseline")
-    out = {}
-    for packed in (False, True):
-        spec = job(base / f"packed{packed}", data={"packing": packed})
-        run_job(base, spec, f"packed{packed}.yaml")
-        out[packed] = base / f"packed{packed}"
-    return out
+@pytest.fixture
+def baselines(one_process, tmp_path):
+    """The one-process runs (5 steps) every parallel layout is held against, padded and packed data:
+    run once per session (tests/llm/conftest.py), shared with test_engine_runs.py."""
+    return {packed: one_process(job(tmp_path / "one", data={"packing": packed})) for packed in (False, True)}
 
 
 def assert_matches(out, ref) -> None:
@@ -31,29 +26,29 @@ def assert_matches(out, ref) -> None:
         torch.testing.assert_close(value, want[key], atol=1e-4, rtol=1e-4)
 
 
-CASES = [  # (cp, algo, ulysses degree, devices)
-    (2, "ring", None, 2), (2, "ulysses", None, 2), (4, "hybrid", 2, 4), (2, "ring", None, 4),
+CASES = [  # (cp, algo, ulysses degree): four processes each, so cp2 also runs dp2
+    (2, "ring", None), (2, "ulysses", None), (4, "hybrid", 2),
 ]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("cp,algo,ulysses,devices", CASES,
-                         ids=["cp2-ring", "cp2-ulysses", "cp4-hybrid", "dp2xcp2-ring"])
-def test_context_parallel_matches_one_process(tmp_path, baselines, packed, cp, algo, ulysses, devices):
+@pytest.mark.parametrize("cp,algo,ulysses", CASES, ids=["dp2xcp2-ring", "dp2xcp2-ulysses", "cp4-hybrid"])
+def test_context_parallel_matches_one_process(tmp_path, baselines, packed, cp, algo, ulysses):
     parallel = {"cp": cp, "cp_algo": algo}
     if ulysses:
         parallel["ulysses_degree"] = ulysses
     spec = job(tmp_path / "cp", data={"packing": packed}, parallel=parallel, launcher="torchrun",
-               resources={"devices_per_node": devices})
+               resources={"devices_per_node": 4})
     run_job(tmp_path, spec, "cp.yaml")
     assert_matches(tmp_path / "cp", baselines[packed])
 
 
-def test_distributed_optimizer_dp4_matches_one_process(tmp_path, baselines):
-    spec = job(tmp_path / "zero", parallel={"distributed_optimizer": True}, launcher="torchrun",
-               resources={"devices_per_node": 4})
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_distributed_optimizer_dp4_matches_one_process(tmp_path, baselines, packed):
+    spec = job(tmp_path / "zero", data={"packing": packed}, parallel={"distributed_optimizer": True},
+               launcher="torchrun", resources={"devices_per_node": 4})
     run_job(tmp_path, spec, "zero.yaml")
-    assert_matches(tmp_path / "zero", baselines[False])
+    assert_matches(tmp_path / "zero", baselines[packed])
 
 
 def test_distributed_optimizer_resumes_at_another_dp_size(tmp_path, baselines):
@@ -67,13 +62,18 @@ def test_distributed_optimizer_resumes_at_another_dp_size(tmp_path, baselines):
     assert losses(tmp_path / "z") == pytest.approx(losses(baselines[False]), rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("tp,sp,fsdp,devices", [(2, False, False, 4), (2, True, False, 2), (2, False, True, 4)],
-                         ids=["tp2xdp2", "tp2-sp", "tp2xfsdp2"])
-def test_tensor_parallel_matches_one_process(tmp_path, baselines, tp, sp, fsdp, devices):
-    spec = job(tmp_path / "tp", parallel={"tp": tp, "sp": sp, "fsdp": fsdp}, launcher="torchrun",
-               resources={"devices_per_node": devices})
+TP_CASES = [  # (sp, fsdp, packed): tp2 over four processes, so dp2 (or FSDP2 over the 2 dp ranks)
+    (False, False, False), (False, False, True), (True, False, False), (True, False, True), (False, True, False),
+]
+
+
+@pytest.mark.parametrize("sp,fsdp,packed", TP_CASES, ids=["tp2xdp2-padded", "tp2xdp2-packed", "tp2-sp-xdp2-padded",
+                                                          "tp2-sp-xdp2-packed", "tp2xfsdp2-padded"])
+def test_tensor_parallel_matches_one_process(tmp_path, baselines, sp, fsdp, packed):
+    spec = job(tmp_path / "tp", data={"packing": packed}, parallel={"tp": 2, "sp": sp, "fsdp": fsdp},
+               launcher="torchrun", resources={"devices_per_node": 4})
     run_job(tmp_path, spec, "tp.yaml")
-    assert_matches(tmp_path / "tp", baselines[False])
+    assert_matches(tmp_path / "tp", baselines[packed])
     if fsdp:  # FSDP2 shards the TP shards again over dp: a quarter of the model state per rank
         end = [json.loads(x) for x in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()][-1]
         ref = [json.loads(x) for x in (baselines[False] / "metrics.jsonl").read_text().splitlines()][-1]

@@ -8,9 +8,8 @@ import torch
 from backends.llm.config import ConfigError
 from backends.llm.parallel.pipeline import (_cu_seqlens, doc_ids_from_cu_seqlens, rank_stages,
                                             virtual_stages)
-from tests.helpers.tiny_hf import TINY, make_tiny_hf
+from tests.helpers.tiny_hf import TINY
 from tests.llm.test_engine_parallel import assert_matches
-from tests.llm.test_engine_runs import TINY as TINY_QWEN3
 from tests.llm.test_engine_runs import job, losses, run_job, torchrun
 
 STEPS = 5
@@ -21,17 +20,13 @@ def pjob(out, model_dir, family="qwen3", **changes):
     return job(out, model=TINY[family][1], model_path=str(model_dir), train=train, **changes)
 
 
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    """A 4-layer tiny Qwen3 (so pp2 × vpp2 has one layer per virtual stage) and its 1-process runs."""
-    base = tmp_path_factory.mktemp("pp")
-    model = make_tiny_hf("qwen3", base / "model", num_hidden_layers=4)
-    refs = {}
-    for packed in (False, True):
-        out = base / f"ref-packed{packed}"
-        run_job(base, pjob(out, model, data={"packing": packed}), f"ref{packed}.yaml")
-        refs[packed] = out
-    return model, refs
+@pytest.fixture
+def four_layers(tiny_model, one_process, tmp_path):
+    """A 4-layer tiny Qwen3 (so pp2 × vpp2 has one layer per virtual stage) and its 1-process runs,
+    padded and packed (each made once per session: tests/llm/conftest.py)."""
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    return model, {packed: one_process(pjob(tmp_path / "ref", model, data={"packing": packed}))
+                   for packed in (False, True)}
 
 
 def grad_norms(out) -> list[float]:
@@ -48,7 +43,7 @@ def assert_pipeline_matches(out, ref) -> None:
 
 CASES = {  # name: (parallel, devices, packed data too)
     "pp2xdp2": ({"pp": 2}, 4, True),
-    "pp2-vpp2": ({"pp": 2, "vpp": 2}, 2, True),
+    "pp2-vpp2xdp2": ({"pp": 2, "vpp": 2}, 4, True),
     "tp2xpp2": ({"pp": 2, "tp": 2}, 4, True),
     "pp2xdp2-distributed-optimizer": ({"pp": 2, "distributed_optimizer": True}, 4, False),
     "pp2xcp2": ({"pp": 2, "cp": 2, "cp_algo": "ring"}, 4, False),
@@ -75,21 +70,21 @@ def test_uneven_layer_list_with_sequence_parallel(tmp_path, four_layers):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
-def test_pipeline_tied_embeddings_and_moe_aux_across_stages(tmp_path, family):
+def test_pipeline_tied_embeddings_and_moe_aux_across_stages(tmp_path, tiny_model, one_process, family):
     """llama ties its embeddings (first and last stage hold copies); the MoE families carry the aux
     loss through the stages (DeepSeek-V3's first layer is dense: stage 0 has no router). A large aux
     coefficient makes a lost aux gradient show in the router weights. The tied case also runs the
     distributed optimizer (its clip norm leaves the tied copy out)."""
-    model = make_tiny_hf(family, tmp_path / "model")
+    model = tiny_model(family)
     train = {"moe_aux_loss_coeff": 1.0}
-    run_job(tmp_path, pjob(tmp_path / "ref", model, family, train=train), "ref.yaml")
+    ref = one_process(pjob(tmp_path / "ref", model, family, train=train))  # the same job as the EP tests' reference
     tied = family == "llama"
     parallel = {"pp": 2, "distributed_optimizer": tied}
     run_job(tmp_path, pjob(tmp_path / "pp", model, family, train=train, parallel=parallel, **torchrun(4 if tied else 2)))
-    assert_pipeline_matches(tmp_path / "pp", tmp_path / "ref")
+    assert_pipeline_matches(tmp_path / "pp", ref)
     if family != "llama":
-        aux = [[json.loads(x).get("aux_loss") for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()
-                if '"step"' in x and '"event"' not in x] for d in ("pp", "ref")]
+        aux = [[json.loads(x).get("aux_loss") for x in (d / "metrics.jsonl").read_text().splitlines()
+                if '"step"' in x and '"event"' not in x] for d in (tmp_path / "pp", ref)]
         assert aux[0] == pytest.approx(aux[1], rel=1e-5) and None not in aux[0]
 
 
@@ -101,30 +96,6 @@ def test_pp2_checkpoint_resumes_at_pp1(tmp_path, four_layers):
     assert len(losses(tmp_path / "run")) == 2
     run_job(tmp_path, pjob(tmp_path / "run", model, resume="auto"), "second.yaml")
     assert_pipeline_matches(tmp_path / "run", refs[False])
-
-
-@pytest.mark.parametrize("data,parallel,says", [
-    ({"dynamic_seq_len": True}, {"pp": 2}, "dynamic sequence length"),
-    ({"packing": True}, {"pp": 2, "cp": 2}, "context parallel on packed data"),
-], ids=["dynamic", "cp-packed"])
-def test_pipeline_refuses_variable_micro_batch_shapes(tmp_path, data, parallel, says):
-    """Stages need one micro-batch shape; the engine refuses at start with the flag named
-    (checked on the rendered flags, without launching)."""
-    import shlex
-
-    import yaml
-
-    from ascendfactory.plan import make_plan
-    from ascendfactory.render import render
-    from ascendfactory.spec import parse_job
-    from backends.llm.config import parse_args
-    from backends.llm.train import _refuse_unbuilt_parallelism
-
-    spec = pjob(tmp_path / "pp", TINY_QWEN3, data=data, parallel=parallel, **torchrun(4 if parallel.get("cp") else 2))
-    plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
-    args = shlex.split(render(plan, tmp_path / "run").files["mindspeed_llm_args.sh"], comments=True)
-    with pytest.raises(ConfigError, match=f"pipeline parallel does not combine with {says}"):
-        _refuse_unbuilt_parallelism(parse_args(args))
 
 
 # ---------------------------------------------------------------------- the split itself

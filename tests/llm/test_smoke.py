@@ -1,7 +1,8 @@
 """One optimizer step through `ascendfactory run` for every (family × feature) backends.llm declares.
 
 Each declaration in backends/llm/capabilities.py is proven here: the job goes through the whole
-path (validate → plan → render → launch → engine → metrics.jsonl → export) on the CPU.
+path (validate → plan → render → launch → engine → metrics.jsonl → export) on the CPU. Features
+that run on the same layout share one run (GROUPS), each keeping its own checks.
 """
 
 import json
@@ -15,31 +16,46 @@ import pytest
 import yaml
 
 from backends.llm.capabilities import IMPLEMENTS
-from tests.helpers.tiny_hf import TINY, make_tiny_hf
+from tests.helpers.tiny_hf import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 FEATURES = ("pretrain_full", "lora", "packing", "flash_attention", "dynamic_seq_len", "long_seq", "sptd")
+# one-process features that combine: one run proves both (a feature in no group runs on its own)
+GROUPS = (("pretrain_full",), ("lora", "dynamic_seq_len"), ("packing", "flash_attention"), ("long_seq",), ("sptd",))
+# runs whose family × layout an engine test already proves more strictly (the same family, layout
+# and data, held step by step against one process): in the slow set only
+COVERED = {
+    ("qwen3", ("long_seq",)): "test_engine_parallel.py dp2xcp2-ring-packed (cp2 ring, packed, flash attention)",
+    ("mixtral", ("long_seq",)): "test_engine_expert_parallel.py test_cp2_and_cp2_ep2_match_one_process[packed]",
+    ("qwen3", ("sptd",)): "test_engine_pipeline.py test_uneven_layer_list_with_sequence_parallel (tp2 + sp + pp2)",
+}
 
 
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    base = tmp_path_factory.mktemp("tiny_models")
-    return {family: make_tiny_hf(family, base / family) for family in TINY}
+@pytest.fixture
+def tiny_models(tiny_model):
+    """family -> its tiny model, made once per session (tests/llm/conftest.py)."""
+    return {family: tiny_model(family) for family in TINY}
 
 
-def _job(family: str, feature: str, model_dir: Path, out: Path) -> dict:
+def _job(family: str, features: tuple[str, ...], model_dir: Path, out: Path) -> dict:
     _, card, _ = TINY[family]
     moe = family in ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
     job = {
         "model": card, "model_path": str(model_dir), "framework": "mindspeed-llm", "stage": "sft",
         "data": {"path": str(ROOT / "examples/data/arithmetic_alpaca.json"), "format": "alpaca", "seq_len": 64,
                  "max_samples": 16},
-        "parallel": {}, "kernels": {"flash_attention": feature == "flash_attention"},
+        "parallel": {}, "kernels": {"flash_attention": "flash_attention" in features},
         "train": {"steps": 1, "global_batch": 2, "micro_batch": 2, "lr": 1e-3, "precision": "fp32",
                   "moe_aux_loss_coeff": 0.01 if moe else 0.0},
         "resources": {"device": "cpu", "devices_per_node": 1}, "launcher": "local", "output_dir": str(out),
         "resume": "never",
     }
+    for feature in features:
+        _add_feature(job, feature, moe)
+    return job
+
+
+def _add_feature(job: dict, feature: str, moe: bool) -> None:
     if feature == "pretrain_full":
         job["stage"] = "pt"
         job["data"].update(path=str(ROOT / "examples/data/arithmetic_corpus.jsonl"), format="text")
@@ -61,17 +77,29 @@ def _job(family: str, feature: str, model_dir: Path, out: Path) -> dict:
         job["parallel"].update(tp=2, sp=True, pp=2)
         job["train"]["global_batch"] = 4  # two micro-batches in flight through the two stages
         job.update(launcher="torchrun", resources={"device": "cpu", "devices_per_node": 4})
-    return job
 
 
-CASES = [(family, feature) for feature in FEATURES for family in IMPLEMENTS["mindspeed-llm"][feature]]
+def _cases() -> list:
+    declared = IMPLEMENTS["mindspeed-llm"]
+    groups = list(GROUPS) + [(f,) for f in FEATURES if not any(f in g for g in GROUPS)]
+    cases = []
+    for group in groups:
+        for family in TINY:
+            features = tuple(f for f in group if family in declared.get(f, ()))
+            if features:
+                marks = [pytest.mark.slow] if (family, features) in COVERED else []
+                cases.append(pytest.param(family, features, marks=marks, id=f"{family}-{'+'.join(features)}"))
+    return cases
 
 
-@pytest.mark.parametrize("family,feature", CASES, ids=[f"{a}-{b}" for a, b in CASES])
-def test_one_step_through_run(family, feature, tiny_models, tmp_path):
+CASES = _cases()
+
+
+@pytest.mark.parametrize("family,features", CASES)
+def test_one_step_through_run(family, features, tiny_models, tmp_path):
     out = tmp_path / "run"
     job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(_job(family, feature, tiny_models[family], out)))
+    job_file.write_text(yaml.safe_dump(_job(family, features, tiny_models[family], out)))
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "ascendfactory", "run", str(job_file), "--allow-unsupported"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -80,12 +108,12 @@ def test_one_step_through_run(family, feature, tiny_models, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["loss"]) and steps[0]["grad_norm"] > 0
-    if feature == "lora":
+    if "lora" in features:
         assert (out / "hf" / "adapter" / "adapter_model.safetensors").exists()
     else:
         assert (out / "hf" / "config.json").exists()
-    if feature == "packing":
+    if "packing" in features:
         assert steps[0]["padding_waste"] < 0.5  # several samples share each 64-token row
-    if feature == "dynamic_seq_len":
+    if "dynamic_seq_len" in features:
         start = next(r for r in records if r.get("event") == "start")
         assert start["samples"] > 0
