@@ -105,6 +105,8 @@ MODEL_PARALLEL = [  # (label, parallel) at 4 ranks
     ("tp2 × pp2", {"tp": 2, "pp": 2}),
     ("tp2 × FSDP2 dp2", {"tp": 2, "fsdp": True}),
     ("pp2 × distributed optimizer dp2", {"pp": 2, "distributed_optimizer": True}),
+    ("tp2 × distributed optimizer dp2", {"tp": 2, "distributed_optimizer": True}),
+    ("pp2 × FSDP2 dp2", {"pp": 2, "fsdp": True}),
 ]
 
 
