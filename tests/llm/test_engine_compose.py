@@ -15,6 +15,24 @@ from tests.helpers.tiny_hf import TINY
 from tests.llm.test_engine_runs import job, losses, run_cli, run_job, torchrun
 
 
+@pytest.mark.parametrize("parallel,packed", [
+    ({"cp": 2, "cp_algo": "ring", "fsdp": True}, True),
+    ({"cp": 2, "cp_algo": "ulysses", "distributed_optimizer": True}, False),
+], ids=["fsdp2-over-dp2xcp2-ring-packed", "distributed-optimizer-over-dp2xcp2-ulysses"])
+def test_sharded_data_parallel_with_context_parallel(tmp_path, one_process, parallel, packed):
+    """FSDP2 and the distributed optimizer shard over dp × cp (the cp ranks hold other tokens of the
+    same samples, so their gradients are averaged with dp's): each rank holds a quarter of the state."""
+    from tests.llm.test_engine_parallel import assert_matches
+
+    ref = one_process(job(tmp_path / "ref", data={"packing": packed}))
+    out = tmp_path / "cp"
+    run_job(tmp_path, job(out, data={"packing": packed}, parallel=parallel, **torchrun(4)))
+    assert_matches(out, ref)
+    assert metric(out, "grad_norm") == pytest.approx(metric(ref, "grad_norm"), rel=1e-5)
+    weights_and_adam = state_mib(ref)[0]
+    assert max(state_mib(out)) <= (0.3 if parallel.get("fsdp") else 0.55) * weights_and_adam, state_mib(out)
+
+
 def test_fsdp2_with_interleaved_pipeline_and_tied_embeddings(tmp_path, tiny_model, one_process):
     """pp2 × vpp2 × FSDP2 dp2 on a tied llama: each stage module is an FSDP2 root over its own layers
     (the last one's also holds the tied output copy, unsharded for the loss); the tied copies' grads
