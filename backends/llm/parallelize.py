@@ -164,14 +164,17 @@ def build_optimizer(model: torch.nn.Module, cfg: LLMConfig, par: Parallel):
         from backends.common.optim import param_groups
         from backends.llm.parallel.expert_parallel import is_expert_parameter
 
-        def split(expert: bool) -> list[dict]:
-            groups = [{**g, "params": [p for p in g["params"] if is_expert_parameter(p) == expert]}
-                      for g in param_groups(model, t.weight_decay)]
-            return [g for g in groups if g["params"]]
+        groups = param_groups(model, t.weight_decay)
 
-        # expert grads arrive only scaled by 1/(dp·cp) (grad_sync): this reduce-scatter sums the replicas
+        def split(expert: bool) -> list[dict]:
+            parts = [{**g, "params": [p for p in g["params"] if is_expert_parameter(p) == expert]} for g in groups]
+            return [g for g in parts if g["params"]]
+
+        # expert grads arrive only scaled by 1/(dp·cp) (grad_sync): this reduce-scatter sums the replicas.
+        # Shown as the one optimizer's groups, so checkpoints move between ep and no ep.
         return ChainedOptimizer([ShardedAdamW(split(False), par.grad_group, **kw),
-                                 ShardedAdamW(split(True), par.edp_group, grad_reduce="sum", **kw)])
+                                 ShardedAdamW(split(True), par.edp_group, grad_reduce="sum", **kw)],
+                                groups=[{k: v for k, v in g.items()} for g in groups])
     from backends.common.optim import build_optimizer as adamw
 
     return adamw(model, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas)

@@ -68,3 +68,20 @@ def test_tp2_dp2_checkpoint_resumes_at_tp1_dp4(tmp_path, baseline):
     run_job(tmp_path, zjob(out, parallel={"distributed_optimizer": True}, resume="auto", **torchrun(4)), "again.yaml")
     assert losses(out) == pytest.approx(losses(baseline), rel=1e-5, abs=1e-6)
     assert_matches(out, baseline)
+
+
+def test_ep2_checkpoint_moves_to_ep1_and_back(tmp_path, tiny_model, one_process):
+    """With ep the dense and expert states live in two chained optimizers, shown under the one
+    optimizer's param groups: 2 steps at ep2 (4 ranks), 2 at ep1 (2 ranks), 1 at ep2 again, each
+    resuming the last one's checkpoint, train as the one process does."""
+    model = tiny_model("mixtral")
+    ref = one_process(ejob(tmp_path / "ref", model, "mixtral"))
+    out = tmp_path / "run"
+    legs = [({"ep": 2}, 2, 4), ({}, 4, 2), ({"ep": 2}, None, 4)]  # (parallel, --exit-interval, processes)
+    for i, (parallel, exit_at, devices) in enumerate(legs):
+        extra = {"backend_overrides": {"exit-interval": exit_at}} if exit_at else {}
+        spec = ejob(out, model, "mixtral", parallel={**parallel, "distributed_optimizer": True}, resume="auto",
+                    **extra, **torchrun(devices))
+        run_job(tmp_path, spec, f"leg{i}.yaml")
+        assert len(losses(out)) == (exit_at or 5)
+    assert_ep_matches(out, ref, split=False)

@@ -155,6 +155,41 @@ def test_chained_optimizers_step_and_clip_as_one_adamw():
     assert chain.state_bytes() == 8 * sum(p.numel() for p in ours.parameters())
 
 
+def test_chained_optimizer_shows_the_one_optimizers_groups():
+    """Shown groups (what one optimizer over the model would have) cut across the children, as the
+    engine's dense / expert split does: the state dict is that one optimizer's, loads into it and
+    back, and the lr the scheduler writes into a shown group reaches every child group inside it."""
+    from backends.common.chained_optim import ChainedOptimizer
+
+    model = _model()
+    groups = param_groups(model, 0.1)
+    assert len(groups) == 2 and all(len(g["params"]) >= 2 for g in groups)
+
+    def chained():  # child 0: the first parameter of each shown group, child 1: the rest
+        parts = [[{**g, "params": g["params"][:1]} for g in groups], [{**g, "params": g["params"][1:]} for g in groups]]
+        return ChainedOptimizer([ShardedAdamW(part, lr=1e-2) for part in parts], groups=[dict(g) for g in groups])
+
+    chain = chained()
+    for step in range(2):
+        chain.zero_grad()
+        _loss(model, step).backward()
+        chain.step()
+    sd = chain.state_dict()
+    assert [len(g["params"]) for g in sd["param_groups"]] == [len(g["params"]) for g in groups]
+    assert [g["weight_decay"] for g in sd["param_groups"]] == [0.1, 0.0]
+    single = ShardedAdamW(param_groups(model, 0.1), lr=1e-2)
+    single.load_state_dict(sd)
+    back = chained()
+    back.load_state_dict(single.state_dict())
+    for key, value in back.state_dict()["state"].items():
+        assert torch.equal(value["exp_avg"], sd["state"][key]["exp_avg"]) and float(value["step"]) == 2.0
+    back.param_groups[1]["lr"] = 0.5
+    back.step()
+    assert [g["lr"] for o in back.optimizers for g in o.param_groups] == [1e-2, 0.5, 1e-2, 0.5]
+    with pytest.raises(ValueError, match="exactly the children's"):
+        ChainedOptimizer([ShardedAdamW(groups[0]["params"])], groups=[dict(g) for g in groups])
+
+
 def test_refusals():
     model = _model()
     with pytest.raises(ValueError, match="amsgrad"):
