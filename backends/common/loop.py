@@ -66,6 +66,18 @@ def _accumulate(model, micro_batches, loss_fn, *, device, precision, token_scale
     return loss_sum_total, aux_total
 
 
+def _agree_on_overflow(scaler, optimizer) -> None:
+    """fp16: every rank skips the step when any rank's gradients overflowed. Data-parallel replicas
+    agree anyway; pipeline stages and tensor / expert shards hold different gradients, and a step
+    taken on some ranks only would split the model."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
                loss_fn: LossFn, *, device: torch.device, dp_world: int, precision: str = "fp32",
                grad_clip: float = 0.0, aux_coeff: float = 0.0, scaler=None, group=None,
@@ -87,8 +99,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     global_valid, global_tokens, global_real = all_reduce_sum(local, group).tolist()
     denom = max(global_valid, 1.0)
     if forward_backward is not None:  # e.g. a pipeline schedule that runs the micro-batches itself
-        loss_sum_total, aux_total = forward_backward(micro_batches, dp_world / denom,
-                                                     aux_coeff / len(micro_batches))
+        # fp16: the loss scale rides in the scales (scaler.scale of a one also starts the scaler)
+        scale = float(scaler.scale(torch.ones((), device=device))) if scaler is not None else 1.0
+        loss_sum_total, aux_total = forward_backward(micro_batches, dp_world / denom * scale,
+                                                     aux_coeff / len(micro_batches) * scale)
     else:
         loss_sum_total, aux_total = _accumulate(model, micro_batches, loss_fn, device=device, precision=precision,
                                                 token_scale=dp_world / denom, aux_coeff=aux_coeff, scaler=scaler)
@@ -96,6 +110,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         after_backward()
     if scaler is not None:
         scaler.unscale_(optimizer)
+        _agree_on_overflow(scaler, optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     limit = grad_clip if grad_clip and grad_clip > 0 else float("inf")
     if clip is not None:

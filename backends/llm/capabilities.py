@@ -43,8 +43,6 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
          "expert parallel with tp routes each tp rank's sequence shard; set parallel.sp: true (as Megatron asks)"),
         ({"parallel.ep": ">1", "parallel.moe_dispatcher": "allgather"},
          "expert parallel here dispatches tokens with all-to-all; use moe_dispatcher alltoall"),
-        ({"parallel.pp": ">1", "train.precision": "fp16"},
-         "fp16's loss scaler is not threaded through the pipeline schedule; use bf16"),
         ({"parallel.pp": ">1", "data.dynamic_seq_len": True},
          "pipeline stages exchange one fixed micro-batch shape; dynamic sequence length changes it"),
         ({"parallel.pp": ">1", "parallel.cp": ">1", "data.packing": True},

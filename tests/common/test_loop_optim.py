@@ -100,3 +100,31 @@ def test_norms_and_biases_are_not_decayed():
     assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
     assert [p.shape for p in groups[0]["params"]] == [(11, 8)]   # the head matrix
     assert [p.shape for p in groups[1]["params"]] == [(11,)]     # the head bias
+
+
+def _overflow_worker(rank: int, init_file: str, out: dict) -> None:
+    import torch.distributed as dist
+
+    from backends.common.loop import _agree_on_overflow
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(weight.sum()).backward()
+    if rank == 0:  # only this rank's gradients overflow (one pipeline stage)
+        weight.grad[0] = float("inf")
+    scaler.unscale_(optimizer)
+    _agree_on_overflow(scaler, optimizer)
+    scaler.step(optimizer)
+    out[rank] = weight.detach().tolist()
+    dist.destroy_process_group()
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_overflow_worker, args=(str(tmp_path / "init"), out), nprocs=2)
+        assert dict(out) == {0: [1.0, 1.0, 1.0], 1: [1.0, 1.0, 1.0]}  # neither rank stepped
