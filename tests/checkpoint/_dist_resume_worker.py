@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.helpers.dist_exit import leave
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -113,7 +115,7 @@ def main():
         result = {k: v for k, v in result.items() if "weights" not in k}
     torch.save(result, out / f"{phase}_rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tests.helpers.dist_exit import leave  # noqa: E402
+
 from backends import kernels  # noqa: E402
 from backends.llm.parallel.context_parallel import (  # noqa: E402
     cp_attention,
@@ -145,7 +147,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.helpers.dist_exit import leave
+
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -336,7 +338,8 @@ def main():
             print(f"{case}: {time.perf_counter() - start:.1f} s", flush=True)
     if dist.get_rank() == 0:
         out_path.write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    dist.barrier()
+    leave()
 
 
 if __name__ == "__main__":
