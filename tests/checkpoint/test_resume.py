@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -122,9 +124,13 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk died after the shards were written")
 
     monkeypatch.setattr(R, "_write_rank_state", boom)
-    with pytest.raises(OSError):
+    # a failed save says what failed and what is still there, and removes its half-written directory
+    with pytest.raises(CheckpointError, match=r"step_2.*disk died.*previous checkpoint .*step_1 is intact"):
         save_checkpoint(tmp_path, 2, model, opt, sched)
-    assert (tmp_path / ".step_2.tmp" / ".metadata").is_file()  # the shards did land
+    assert not (tmp_path / ".step_2.tmp").exists()
+    # a save killed half-way (its shards landed, no marker) is never picked
+    shutil.copytree(tmp_path / "step_1", tmp_path / ".step_2.tmp")
+    (tmp_path / ".step_2.tmp" / "complete").unlink()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
     assert resolve_resume("auto", tmp_path) == tmp_path / "step_1"
 
@@ -247,3 +253,64 @@ def test_trainable_only_checkpoint_skips_frozen_base(tmp_path):
     assert load_checkpoint(path, fresh, opt2)[0] == 2
     a, b = lora_state_dict(model), lora_state_dict(fresh)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "truncate":
+        with open(path, "r+b") as fh:
+            fh.truncate(path.stat().st_size // 2)
+    else:  # flip one byte in the middle, size unchanged
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+@pytest.mark.parametrize("victim", ["__0_0.distcp", ".metadata", "rank_0.pt"])
+def test_damaged_file_found_before_loading_and_auto_falls_back(tmp_path, how, victim):
+    model, opt, sched = build()
+    seed_all(0)
+    train_steps(model, opt, sched, 1, dataset())
+    save_checkpoint(tmp_path, 1, model, opt, sched)
+    train_steps(model, opt, sched, 1, dataset())
+    save_checkpoint(tmp_path, 2, model, opt, sched)
+    assert R.verify_checkpoint(tmp_path / "step_2") == []
+    _damage(tmp_path / "step_2" / victim, how)
+
+    problems = R.verify_checkpoint(tmp_path / "step_2")
+    assert len(problems) == 1 and problems[0].startswith(victim), problems
+    chosen, skipped = R.newest_intact(tmp_path)
+    assert chosen == tmp_path / "step_1"
+    assert [p for p, _ in skipped] == [tmp_path / "step_2"]
+
+    fresh, fopt, fsched = build(seed=7)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"step_2 is damaged: {re.escape(victim)}"):
+        load_checkpoint(tmp_path / "step_2", fresh, fopt, fsched)
+    # refused before any weight was touched
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_several_models_in_one_checkpoint(tmp_path):
+    actor, aopt, asched = build(seed=1)
+    critic, copt, csched = build(seed=2, hidden=16)
+    seed_all(0)
+    train_steps(actor, aopt, asched, 2, dataset())
+    train_steps(critic, copt, csched, 1, dataset())
+    models, optims, scheds = {"actor": actor, "critic": critic}, {"actor": aopt, "critic": copt}, \
+        {"actor": asched, "critic": csched}
+    save_checkpoint(tmp_path, 3, models, optims, scheds)
+
+    a2, ao2, as2 = build(seed=5)
+    c2, co2, cs2 = build(seed=6, hidden=16)
+    step, _ = load_checkpoint(tmp_path / "step_3", {"actor": a2, "critic": c2}, {"actor": ao2, "critic": co2},
+                              {"actor": as2, "critic": cs2})
+    assert step == 3
+    for mine, theirs in ((actor, a2), (critic, c2)):
+        for (k, v), (_, w) in zip(mine.state_dict().items(), theirs.state_dict().items()):
+            assert torch.equal(v, w), k
+    assert as2.state_dict() == asched.state_dict() and cs2.state_dict() == csched.state_dict()
+    assert ao2.state_dict()["state"][0]["exp_avg"].equal(aopt.state_dict()["state"][0]["exp_avg"])
+    # the critic's shapes differ from the actor's: swapping them is one clear error
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_checkpoint(tmp_path / "step_3", {"actor": c2, "critic": a2}, {"actor": co2, "critic": ao2})

@@ -9,7 +9,13 @@ Layout of one checkpoint (``root/step_{N}/``)::
                                    the LR-scheduler state, the caller's ``extra`` dict (data-loader
                                    position, ...) and the step
     complete                       JSON marker written last; a directory without it is not a
-                                   checkpoint
+                                   checkpoint. It lists every file with its size and CRC-32, so a
+                                   truncated or damaged file is found before any weight is read
+                                   (:func:`verify_checkpoint`); ``resume: auto`` then falls back to
+                                   the newest checkpoint that verifies (:func:`newest_intact`)
+
+Several models (an RL recipe's actor and critic) go in one checkpoint: pass ``{name: module}`` and
+``{name: optimizer}`` (and ``{name: scheduler}``); their states sit under ``name.model`` / ``name.optim``.
 
 Atomicity: every rank writes into ``root/.step_{N}.tmp``; after a barrier rank 0 checks that all
 rank files are there, writes the ``complete`` marker and renames the directory to ``step_{N}``.
@@ -29,9 +35,10 @@ import re
 import shutil
 import time
 import warnings
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -57,6 +64,8 @@ __all__ = [
     "load_checkpoint",
     "resolve_resume",
     "checkpoint_problems",
+    "verify_checkpoint",
+    "newest_intact",
     "list_checkpoints",
     "MARKER",
 ]
@@ -242,6 +251,48 @@ def resolve_resume(resume_setting: Any, root: str | os.PathLike) -> Path | None:
     return path
 
 
+def verify_checkpoint(path: str | os.PathLike) -> list[str]:
+    """Files of a complete checkpoint whose size or CRC-32 differ from what the save recorded ([] when
+    intact). Collective when torch.distributed is on: the ranks share the reading and agree on the
+    verdict. Checkpoints written before digests were recorded pass on their structure alone."""
+    path = Path(path)
+    try:
+        digests = _read_marker(path).get("digests") or {}
+    except CheckpointError as e:
+        digests, local = {}, [str(e)]
+    else:
+        local = []
+    names = sorted(digests)
+    for name in names[_rank()::_world()]:
+        want = digests[name]
+        try:
+            have = _file_digest(path / name)
+        except OSError as e:
+            local.append(f"{name} is unreadable ({e.strerror or e})")
+            continue
+        if have["size"] != want["size"]:
+            local.append(f"{name} has {have['size']} bytes, {want['size']} were written (truncated or overwritten)")
+        elif have["crc32"] != want["crc32"]:
+            local.append(f"{name} has the right size but its CRC-32 differs (the bytes are corrupted)")
+    if not _dist_on():
+        return local
+    box: list[Any] = [None] * _world()
+    dist.all_gather_object(box, local)
+    return sorted({problem for part in box for problem in part})
+
+
+def newest_intact(root: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """``resume: auto`` with fallback (collective): the newest complete checkpoint under ``root`` whose
+    files verify, and the newer ones skipped as damaged with what is wrong with each."""
+    skipped = []
+    for path in reversed(list_checkpoints(root)):
+        damage = verify_checkpoint(path)
+        if not damage:
+            return path, skipped
+        skipped.append((path, damage))
+    return None, skipped
+
+
 # --------------------------------------------------------------------------- state dicts
 
 
@@ -249,14 +300,29 @@ def _options(trainable_only: bool) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
-def _get_states(model, optimizer, options) -> dict[str, Any]:
+def _parts(model, optimizer) -> dict[str, tuple[Any, Any]]:
+    """{prefix: (module, optimizer or None)}: one unnamed part, or the named parts of a recipe."""
+    if isinstance(model, Mapping):
+        optimizers = optimizer or {}
+        return {name: (module, optimizers.get(name)) for name, module in model.items()}
+    return {"": (model, optimizer)}
+
+
+def _part_states(model, optimizer, options) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
     msd, osd = get_state_dict(model, optimizer, options=options)
     return {"model": msd, "optim": osd}
 
 
-def _set_states(model, optimizer, states, options) -> None:
+def _get_states(model, optimizer, options) -> dict[str, Any]:
+    parts = _parts(model, optimizer)
+    if set(parts) == {""}:
+        return _part_states(*parts[""], options)
+    return {name: _part_states(m, o, options) for name, (m, o) in parts.items()}
+
+
+def _set_part_states(model, optimizer, states, options) -> None:
     if optimizer is None:
         set_model_state_dict(model, states["model"], options=options)
     else:
@@ -264,6 +330,40 @@ def _set_states(model, optimizer, states, options) -> None:
             model, optimizer, model_state_dict=states["model"],
             optim_state_dict=states["optim"], options=options,
         )
+
+
+def _set_states(model, optimizer, states, options) -> None:
+    parts = _parts(model, optimizer)
+    if set(parts) == {""}:
+        _set_part_states(*parts[""], states, options)
+        return
+    for name, (m, o) in parts.items():
+        _set_part_states(m, o, states[name], options)
+
+
+def _model_prefixes(model) -> tuple[str, ...]:
+    return tuple(f"{name}.model." if name else "model." for name in _parts(model, None))
+
+
+def _schedulers_state(scheduler) -> Any:
+    if scheduler is None:
+        return None
+    if isinstance(scheduler, Mapping):
+        return {name: s.state_dict() for name, s in scheduler.items()}
+    return scheduler.state_dict()
+
+
+def _load_schedulers(scheduler, state, path: Path) -> None:
+    if state is None:
+        raise CheckpointError(f"checkpoint {path} holds no LR-scheduler state but a scheduler was given")
+    if isinstance(scheduler, Mapping):
+        missing = [name for name in scheduler if name not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} holds no LR-scheduler state for {missing}")
+        for name, s in scheduler.items():
+            s.load_state_dict(state[name])
+    else:
+        scheduler.load_state_dict(state)
 
 
 def _global_shape(value) -> tuple[int, ...] | None:
@@ -281,7 +381,7 @@ def _flatten(states: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _check_fits(path: Path, states: dict[str, Any]) -> None:
+def _check_fits(path: Path, states: dict[str, Any], model_keys: tuple[str, ...] = ("model.",)) -> None:
     """Compare what the model/optimizer need with the checkpoint's metadata; one clear error."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -301,15 +401,15 @@ def _check_fits(path: Path, states: dict[str, Any]) -> None:
         saved_shape = tuple(meta.size) if hasattr(meta, "size") else None
         if shape is not None and saved_shape != shape:
             mismatched.append(f"{key}: checkpoint {list(saved_shape) if saved_shape is not None else 'non-tensor'} vs model {list(shape)}")
-    unexpected = sorted(k for k in saved if k.startswith("model.") and k not in flat)
+    unexpected = sorted(k for k in saved if k.startswith(model_keys) and k not in flat)
     if not (missing or mismatched or unexpected):
         return
     parts = []
     if mismatched:
         parts.append(f"{len(mismatched)} shape mismatch(es): " + "; ".join(mismatched[:8])
                      + (" ..." if len(mismatched) > 8 else ""))
-    missing_model = [k for k in missing if k.startswith("model.")]
-    missing_other = [k for k in missing if not k.startswith("model.")]
+    missing_model = [k for k in missing if k.startswith(model_keys)]
+    missing_other = [k for k in missing if not k.startswith(model_keys)]
     if missing_model:
         parts.append(f"{len(missing_model)} model key(s) missing from the checkpoint: "
                      + ", ".join(missing_model[:8]) + (" ..." if len(missing_model) > 8 else ""))
@@ -333,7 +433,37 @@ def _write_rank_state(tmp: Path, rank: int, payload: dict[str, Any]) -> None:
     _atomic_write_bytes(tmp / f"rank_{rank}.pt", buf.getvalue())
 
 
-def _finalize(tmp: Path, final: Path, marker: dict[str, Any]) -> None:
+def _file_digest(path: Path) -> dict[str, int]:
+    """Size and CRC-32 of a file, read in 16 MiB pieces (fast enough to run on every save)."""
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while piece := fh.read(1 << 24):
+            crc = zlib.crc32(piece, crc)
+            size += len(piece)
+    return {"size": size, "crc32": crc}
+
+
+def _own_files(tmp: Path, rank: int) -> list[str]:
+    """The files this rank wrote into the checkpoint: its DCP shards (``__{rank}_*.distcp``), its
+    rank file, and on rank 0 the DCP metadata."""
+    names = [p.name for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") and p.name.endswith(".distcp")]
+    names.append(f"rank_{rank}.pt")
+    if rank == 0:
+        names.append(".metadata")
+    return sorted(names)
+
+
+def _agree(error: BaseException | None) -> list[str]:
+    """Every rank's failure text (collective); [] when all ranks succeeded."""
+    text = None if error is None else f"{type(error).__name__}: {str(error).strip()[:500]}"
+    if not _dist_on():
+        return [text] if text else []
+    box: list[Any] = [None] * _world()
+    dist.all_gather_object(box, text)
+    return [f"rank {r}: {t}" for r, t in enumerate(box) if t]
+
+
+def _finalize(tmp: Path, final: Path, marker: dict[str, Any], digests: dict[str, dict[str, int]]) -> None:
     world = int(marker["world_size"])
     missing = [f"rank_{r}.pt" for r in range(world) if not (tmp / f"rank_{r}.pt").is_file()]
     if not (tmp / ".metadata").is_file():
@@ -341,6 +471,7 @@ def _finalize(tmp: Path, final: Path, marker: dict[str, Any]) -> None:
     if missing:
         raise CheckpointError(f"checkpoint {final}: save incomplete, missing {missing} in {tmp}")
     marker["files"] = sorted(p.name for p in tmp.iterdir() if p.name.endswith(".distcp"))
+    marker["digests"] = dict(sorted(digests.items()))
     _atomic_write_bytes(tmp / MARKER, json.dumps(marker, indent=1).encode())
     _fsync_dir(tmp)
     old = None
@@ -351,6 +482,19 @@ def _finalize(tmp: Path, final: Path, marker: dict[str, Any]) -> None:
     _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_failed(root: Path, step: int, tmp: Path, failures: list[str]) -> CheckpointError:
+    """Remove the half-written directory (rank 0) and say what failed and what is still there."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    previous = [p for p in list_checkpoints(root) if _step_of(p) != step]
+    kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+    full = any("No space left" in f or "Errno 28" in f for f in failures)
+    advice = ("free space on that filesystem or point the checkpoint directory elsewhere" if full else
+              "check that the directory is writable on every node")
+    return CheckpointError(f"saving checkpoint step_{step} under {root} failed ({'; '.join(failures)}); "
+                           f"nothing half-written was left, {kept}; {advice}")
 
 
 def _prune(root: Path, keep_last: int, current_step: int) -> None:
@@ -401,18 +545,38 @@ def save_checkpoint(
 
     options = _options(trainable_only)
     states = _get_states(model, optimizer, options)
-    with _quiet_dcp():
-        dcp.save(states, checkpoint_id=str(tmp))
-    payload = {
-        "step": step,
-        "world_size": world,
-        "rank": rank,
-        "rng": _rng_state(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "extra": extra,
-    }
-    _write_rank_state(tmp, rank, payload)
-    _barrier()
+    error: BaseException | None = None
+    try:
+        with _quiet_dcp():
+            dcp.save(states, checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        error = e
+    if error is None:
+        payload = {
+            "step": step,
+            "world_size": world,
+            "rank": rank,
+            "rng": _rng_state(),
+            "scheduler": _schedulers_state(scheduler),
+            "extra": extra,
+        }
+        try:
+            _write_rank_state(tmp, rank, payload)
+        except OSError as e:
+            error = e
+    digests: dict[str, dict[str, int]] = {}
+    if error is None:
+        try:  # each rank checksums what it wrote, in parallel
+            digests = {name: _file_digest(tmp / name) for name in _own_files(tmp, rank)}
+        except OSError as e:
+            error = e
+    failures = _agree(error)  # a rank that failed alone must not leave the others in a barrier
+    if failures:
+        raise _save_failed(root, step, tmp, failures) from error
+    if _dist_on():
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, digests)
+        digests = {k: v for part in every for k, v in part.items()}
 
     error = None
     if rank == 0:
@@ -423,22 +587,19 @@ def save_checkpoint(
             "trainable_only": bool(trainable_only),
             "has_optimizer": optimizer is not None,
             "has_scheduler": scheduler is not None,
+            "parts": sorted(_parts(model, optimizer)),
             "torch": torch.__version__,
             "time": time.time(),
         }
         try:
-            _finalize(tmp, final, marker)
+            _finalize(tmp, final, marker, digests)
             if keep_last is not None and keep_last > 0:
                 _prune(root, int(keep_last), step)
         except Exception as e:  # tell the other ranks instead of leaving them in a barrier
             error = e
-    if _dist_on():
-        box = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is not None and error is None:
-            raise CheckpointError(f"checkpoint {final}: rank 0 failed to finalize the save ({box[0]})")
-    if error is not None:
-        raise error
+    failures = _agree(error)
+    if failures:
+        raise _save_failed(root, step, tmp, failures) from error
     return final
 
 
@@ -452,24 +613,30 @@ def load_checkpoint(
     scheduler: Any = None,
     *,
     restore_rng: bool = True,
+    verify: bool = True,
 ) -> tuple[int, Any]:
     """Restore model, optimizer, scheduler and RNG states from a complete checkpoint.
 
     Collective (all ranks call). Returns ``(step, extra)`` with this rank's ``extra``. When the
     world size changed, model/optimizer are resharded by DCP, the scheduler comes from rank 0's
     file, and ranks without their own file keep their RNG state and get rank 0's ``extra``.
+    Every file is checked against its recorded digest first (``verify=False``: the caller just did).
     """
     path = Path(path)
     problems = checkpoint_problems(path)
     if problems:
         raise CheckpointError(f"checkpoint {path} is not complete: " + "; ".join(problems))
+    damage = verify_checkpoint(path) if verify else []
+    if damage:
+        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(damage)
+                              + " — resume from an earlier step_N (resume: auto picks the newest intact one)")
     marker = _read_marker(path)
     if optimizer is not None and not marker.get("has_optimizer", True):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state but an optimizer was given")
 
     options = _options(bool(marker.get("trainable_only", False)))
     states = _get_states(model, optimizer, options)
-    _check_fits(path, states)
+    _check_fits(path, states, _model_prefixes(model))
     try:
         with _quiet_dcp():
             dcp.load(states, checkpoint_id=str(path))
@@ -496,9 +663,7 @@ def load_checkpoint(
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: unreadable {src.name} ({type(e).__name__}: {e})") from e
     if scheduler is not None:
-        if payload.get("scheduler") is None:
-            raise CheckpointError(f"checkpoint {path} holds no LR-scheduler state but a scheduler was given")
-        scheduler.load_state_dict(payload["scheduler"])
+        _load_schedulers(scheduler, payload.get("scheduler"), path)
     if src != own:
         warnings.warn(
             f"checkpoint {path} was saved with world size {marker.get('world_size')}; rank {rank} "
