@@ -75,16 +75,16 @@ def _hf_stepper(path: Path):
 def _our_stepper(path: Path):
     import torch
 
-    from backends.common.loop import train_step
     from backends.common.optim import build_optimizer
+    from backends.common.trainer import Part, optimize
     from backends.llm.models import from_pretrained
-    from backends.llm.train import CausalLMWithLoss, _loss_fn
+    from backends.llm.recipe import CausalLMWithLoss, causal_lm_loss
 
     model = CausalLMWithLoss(from_pretrained(path)).train()
-    opt = build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95))
+    part = Part(model, build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95)))
 
     def step_mb(mb):
-        return train_step(model, opt, [mb], _loss_fn, device=torch.device("cpu"), dp_world=1)
+        return optimize(part, [mb], causal_lm_loss, device=torch.device("cpu"))
 
     def step(ids, targets) -> tuple[float, float]:
         r = step_mb({"input_ids": ids, "labels": targets, "n_tokens": torch.tensor(targets.numel())})

@@ -1,13 +1,5 @@
-import logging
-import os
 import sys
 
-from backends.llm.train import main
+from backends.llm.recipe import main
 
-code = main()
-# Leave without the interpreter's teardown: destroying gloo / FSDP state at exit can abort
-# ("terminate called without an active exception") after a run that finished fine.
-logging.shutdown()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+sys.exit(main())

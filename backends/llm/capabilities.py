@@ -36,7 +36,7 @@ LIMITS: dict[str, dict[str, int]] = {
 # Combinations of settings this build refuses although each setting runs on its own: job fields
 # (dotted, as in the job file) → the value that triggers it (">1": any value above 1), and why.
 # `run` refuses such a job before launching (exit 2); the engine refuses its flags again at start,
-# reading this same table through backends.llm.train.job_fields.
+# reading this same table through backends.llm.recipe.job_fields.
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
     "mindspeed-llm": [
         ({"parallel.ep": ">1", "parallel.tp": ">1", "parallel.sp": False},

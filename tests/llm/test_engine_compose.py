@@ -48,7 +48,7 @@ def test_fsdp2_with_interleaved_pipeline_and_tied_embeddings(tmp_path, tiny_mode
 
 def test_fp16_loss_scaling_through_the_pipeline(tmp_path, tiny_model, one_process):
     """pp2 × dp2 in fp16: the loss scale rides in the schedule's loss scaling, the stages unscale
-    their own gradients and skip a step together (backends.common.loop._agree_on_overflow): the
+    their own gradients and skip a step together (backends.common.trainer._agree_on_overflow): the
     same curve as one fp16 process, within 16-bit rounding."""
     model = tiny_model("qwen3", num_hidden_layers=4)
     train = {"precision": "fp16"}
@@ -160,7 +160,7 @@ def test_refused_combination_stops_run_and_engine(tmp_path, tiny_model, fields):
     from ascendfactory.spec import parse_job
     from backends.llm.capabilities import UNBUILT
     from backends.llm.config import ConfigError, parse_args
-    from backends.llm.train import _refuse_unbuilt_parallelism
+    from backends.llm.recipe import refuse_unbuilt_parallelism
 
     family, changes, devices = REFUSED[fields]
     why = next(w for conditions, w in UNBUILT["mindspeed-llm"] if tuple(conditions) == fields)
@@ -178,5 +178,5 @@ def test_refused_combination_stops_run_and_engine(tmp_path, tiny_model, fields):
     plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
     args = shlex.split(render(plan, tmp_path / "render").files["mindspeed_llm_args.sh"], comments=True)
     with pytest.raises(ConfigError) as err:
-        _refuse_unbuilt_parallelism(parse_args(args))
+        refuse_unbuilt_parallelism(parse_args(args))
     assert why in str(err.value) and all(f in str(err.value) for f in fields)

@@ -176,14 +176,14 @@ def test_mixed_precision_and_recompute_track_the_fp32_run(tmp_path, one_process,
 
 def test_flash_and_fused_switches_choose_the_plain_ops():
     from backends.llm.config import parse_args
-    from backends.llm.train import _kernel_overrides
+    from backends.llm.recipe import kernel_overrides
 
     base = ["--model-id", "qwen3-8b", "--data-path", "x", "--seq-length", "8", "--global-batch-size", "1",
             "--lr", "1e-4", "--train-iters", "1"]
     fused = base + ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
-    assert _kernel_overrides(parse_args(fused)) == {}  # auto: the fused kernel of the device
-    assert _kernel_overrides(parse_args(base)) == {"attention": "reference", "rms_norm": "reference",
+    assert kernel_overrides(parse_args(fused)) == {}  # auto: the fused kernel of the device
+    assert kernel_overrides(parse_args(base)) == {"attention": "reference", "rms_norm": "reference",
                                                    "apply_rotary": "reference", "swiglu": "reference"}
     mine = parse_args(base + ["--use-flash-attn", "--kernel-override", "attention=cuda"])
-    assert _kernel_overrides(mine) == {"attention": "cuda", "rms_norm": "reference", "apply_rotary": "reference",
+    assert kernel_overrides(mine) == {"attention": "cuda", "rms_norm": "reference", "apply_rotary": "reference",
                                        "swiglu": "reference"}

@@ -8,7 +8,7 @@ gives both, and its 1-D "ep" sub-mesh carries the Shard(0) DTensor expert weight
 Gradients (see expert_parallel's docstring): DDP averages the replicated parameters over dp × cp
 with the experts left out; after backward the expert grads are summed over the edp group and
 scaled by 1 / (dp·cp), which makes them the single-process gradients in the engine's
-loss × dp_world convention (backends.common.loop).
+loss × dp_world convention (backends.common.trainer).
 
 Aux loss: the engine's train_step adds each micro-batch's aux (a mean over that micro-batch) with
 weight coeff / micro-batches, and DDP averages over the ranks: the single-process value is the mean

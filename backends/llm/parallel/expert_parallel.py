@@ -25,7 +25,7 @@ collect the contributions of every ep rank's tokens: expert grads are local — 
 all-reduced over the ep group. With each rank's loss a share of one global loss (sum convention:
 sum over ranks of the local losses = the global loss), the expert grads equal the single-process
 grads of those experts and the replicated parameters' grads, summed over the ranks, equal the
-single-process grads. In the engine's convention (backends.common.loop: local loss × dp, DDP averages
+single-process grads. In the engine's convention (backends.common.trainer: local loss × dp, DDP averages
 over dp) that means:
   * non-expert params: data-parallel as usual (DDP / all-reduce mean over dp);
   * expert params (`expert_parameters`, flagged `param.allreduce = False` as in Megatron): leave

@@ -19,7 +19,7 @@ stages travel the hidden states and, for MoE models, the running aux-loss sum, s
 reaches the routers of every stage.
 
 Loss. The last stage computes the summed token cross entropy (chunked, no full logits; vocab-
-parallel under TP) and scales it exactly as backends.common.loop does: × dp_world / global valid
+parallel under TP) and scales it exactly as backends.common.trainer does: × dp_world / global valid
 tokens, plus the aux sum × coeff / micro-batches. The schedule's own 1/n_microbatches grad scaling
 is off for that reason.
 """
@@ -238,7 +238,7 @@ class PipelineRunner:
         self._scale = (token_scale, aux_scale)
         self._loss_sums, self._auxes = [], []
         args = (cat["input_ids"],) if self.plan.first_rank else ()
-        from backends.common.loop import autocast_for
+        from backends.common.trainer import autocast_for
 
         with autocast_for(self.device, self.precision):
             self.schedule.step(*args, target=cat["labels"], return_outputs=False, **kwargs)

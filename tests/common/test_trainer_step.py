@@ -1,4 +1,4 @@
-"""The step skeleton's loss is the global token mean; the LR schedule follows Megatron's shape."""
+"""The trainer's optimizer step: the loss is the global token mean; the LR schedule follows Megatron's shape."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.common.loop import train_step
+from backends.common.trainer import Loss, Part, optimize
 from backends.common.optim import build_optimizer, build_scheduler, lr_at, param_groups
 
 
@@ -25,7 +25,7 @@ class Tiny(torch.nn.Module):
 
 
 def _loss_fn(model, mb):
-    return model(mb["input_ids"], mb["labels"])
+    return Loss(model(mb["input_ids"], mb["labels"])[0])
 
 
 def _micro(seed, valid):
@@ -41,7 +41,7 @@ def test_accumulated_step_equals_one_big_batch_token_mean():
     micro = [_micro(1, 11), _micro(2, 3), _micro(3, 7)]
     a, b = Tiny(), Tiny()
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
-    result = train_step(a, opt_a, micro, _loss_fn, device=torch.device("cpu"), dp_world=1)
+    result = optimize(Part(a, opt_a), micro, _loss_fn, device=torch.device("cpu"))
     ids = torch.cat([m["input_ids"] for m in micro])
     labels = torch.cat([m["labels"] for m in micro])
     ref = F.cross_entropy(b.head(b.emb(ids)).flatten(0, 1), labels.flatten(), ignore_index=-100)
@@ -56,8 +56,8 @@ def test_accumulated_step_equals_one_big_batch_token_mean():
 def test_grad_clip_reports_the_pre_clip_norm():
     micro = [_micro(4, 12)]
     model = Tiny()
-    res = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), micro, _loss_fn,
-                     device=torch.device("cpu"), dp_world=1, grad_clip=1e-3)
+    res = optimize(Part(model, torch.optim.SGD(model.parameters(), lr=0.0), grad_clip=1e-3), micro, _loss_fn,
+                   device=torch.device("cpu"))
     ref = Tiny()
     loss_sum, n, _ = ref(micro[0]["input_ids"], micro[0]["labels"])
     (loss_sum / n).backward()
@@ -105,7 +105,7 @@ def test_norms_and_biases_are_not_decayed():
 def _overflow_worker(rank: int, init_file: str, out: dict) -> None:
     import torch.distributed as dist
 
-    from backends.common.loop import _agree_on_overflow
+    from backends.common.trainer import _agree_on_overflow
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     weight = torch.nn.Parameter(torch.ones(3))

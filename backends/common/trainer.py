@@ -1,0 +1,463 @@
+"""The one outer loop every engine runs: an engine supplies a Recipe, the Trainer does the rest.
+
+A recipe builds its model(s), optimizer(s) and data, and says how one micro-batch's loss is computed.
+The trainer owns what is the same for every engine: gradient accumulation with the global token
+mean, clipping, the LR schedule, `resume: auto | never | path` (the newest *intact* checkpoint for
+auto), atomic saves on a cadence, the exit interval, SIGTERM preemption, metrics.jsonl and the
+progress lines, the loss plot, the export and a clean shutdown.
+
+The loss of a step is the mean over every valid token of the global batch (all micro-batches on
+all data-parallel ranks), not a mean of per-micro-batch means: each micro-batch's summed loss is
+divided by the global token count before backward. So the count must be known before the forward:
+every micro-batch dict carries `n_tokens`, the number of loss terms it contributes (label tokens;
+response tokens for RL; pairs for DPO), and may carry `n_positions` (input positions, padding
+included) and `n_input` (real input tokens) for the throughput figures. DDP / FSDP average gradients
+over dp ranks, so the local loss is also multiplied by the dp size to turn that average into the sum.
+
+Several models (RL's actor, reference and critic) are several `Part`s of one recipe; the recipe's
+own `step` then calls `optimize` once per trained part, and checkpoints hold every part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from backends.common.distributed import Runtime, all_reduce_sum, gather_floats, init_runtime, peak_memory_mib
+from backends.common.metrics import MetricsWriter, read_metrics
+
+log = logging.getLogger("backends.trainer")
+
+
+@dataclass
+class Loss:
+    """What a recipe's loss returns for one micro-batch."""
+    sum: torch.Tensor                       # summed over the micro-batch's `n_tokens` loss terms
+    extra: torch.Tensor | None = None       # a per-micro-batch mean term (e.g. coefficient × MoE aux loss),
+    #                                         averaged over the micro-batches and added as is
+    metrics: dict[str, Any] = field(default_factory=dict)  # logged: mean over micro-batches and ranks
+
+
+@dataclass
+class Part:
+    """One trained model and what its optimizer step needs; the recipe builds it."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    grad_group: Any = None        # ranks that hold different tokens and average gradients (dp, dp × cp)
+    grad_world: int = 1           # its size
+    precision: str = "fp32"
+    grad_clip: float = 0.0
+    after_backward: Callable[[], None] | None = None   # e.g. a gradient all-reduce no wrapper does
+    clip: Callable[[float], torch.Tensor] | None = None  # clip(limit) -> norm where ranks hold different params
+    # forward_backward(micro_batches, token_scale, extra_scale) -> (summed token loss, metrics) replaces the
+    # plain accumulation (a pipeline schedule); it scales each micro-batch's loss sum by token_scale and
+    # its extra term by extra_scale before backward
+    forward_backward: Callable | None = None
+    scaler: Any = None            # torch.amp.GradScaler for fp16
+
+    def __post_init__(self):
+        if self.precision == "fp16" and self.scaler is None:
+            device = next(iter(self.model.parameters())).device.type
+            self.scaler = torch.amp.GradScaler(device)
+
+
+@dataclass
+class StepResult:
+    loss: float            # global token-mean loss (without the extra term)
+    grad_norm: float
+    tokens: int            # input positions processed on all ranks (padding included)
+    valid_tokens: int      # loss terms on all ranks
+    seconds: float
+    real_tokens: int = 0   # input positions holding a real (non-pad) token
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Settings:
+    """The trainer's share of an engine's configuration (each engine maps its dialect onto it)."""
+    total_steps: int
+    save_dir: str | None = None
+    save_interval: int | None = None
+    exit_interval: int | None = None
+    resume: str | None = None     # "auto" | None (never) | a step_N checkpoint path
+    log_interval: int = 1
+    metrics_file: str | None = None
+    keep_last: int | None = None
+    trainable_only: bool = False  # LoRA: the frozen base comes back from the model path, not the checkpoint
+    seed: int = 1234
+
+
+class Recipe:
+    """What an engine supplies. `build` sets `parts` (name -> Part; one part named "model" for most
+    engines) and returns the Settings; `next_micro_batches` and `loss` drive the default `step`.
+    Recipes with several models, or a different step (RL: rollout, then updates), override `step`."""
+
+    name = "engine"
+    parts: dict[str, Part]
+
+    def build(self, rt: Runtime) -> Settings:
+        raise NotImplementedError
+
+    def next_micro_batches(self) -> list[dict]:
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> Loss:
+        raise NotImplementedError
+
+    def step(self, trainer: "Trainer", step: int) -> StepResult:
+        return trainer.optimize(self.parts["model"], self.next_micro_batches(), self.loss)
+
+    def state_dict(self) -> dict:          # this rank's resumable extra state (e.g. the loader position)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def start_info(self) -> dict:          # fields of the "start" event
+        return {}
+
+    def export(self, trainer: "Trainer") -> None:  # collective; e.g. the HF export
+        pass
+
+    def plot_title(self, total_steps: int) -> str:
+        return f"{self.name} · {total_steps} steps"
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+
+
+def autocast_for(device: torch.device, precision: str):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _no_sync(model: torch.nn.Module, last: bool):
+    """Skip DDP's gradient all-reduce on all but the last micro-batch (FSDP2 reduces per backward)."""
+    if not last and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _accumulate(part: Part, micro_batches, loss_fn, device, token_scale):
+    """Forward + backward of every micro-batch (gradients accumulate) -> (summed token loss, metric sums)."""
+    loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
+    metric_sums: dict[str, float] = {}
+    n = len(micro_batches)
+    for i, mb in enumerate(micro_batches):
+        with _no_sync(part.model, i == n - 1):
+            with autocast_for(device, part.precision):
+                out = loss_fn(part.model, mb)
+            loss = out.sum.float() * token_scale
+            if out.extra is not None:
+                loss = loss + out.extra.float() / n
+            (part.scaler.scale(loss) if part.scaler is not None else loss).backward()
+        loss_sum_total += out.sum.detach().to(torch.float64)
+        for key, value in out.metrics.items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + float(value) / n
+    return loss_sum_total, metric_sums
+
+
+def _agree_on_overflow(scaler, optimizer) -> None:
+    """fp16: every rank skips the step when any rank's gradients overflowed. Data-parallel replicas
+    agree anyway; pipeline stages and tensor / expert shards hold different gradients, and a step
+    taken on some ranks only would split the model."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+
+def _counts(micro_batches: list[dict]) -> list[float]:
+    valid = positions = real = 0.0
+    for mb in micro_batches:
+        n = float(int(mb["n_tokens"]))
+        p = float(mb["n_positions"]) if "n_positions" in mb else \
+            float(mb["input_ids"].numel()) if "input_ids" in mb else n
+        valid, positions, real = valid + n, positions + p, real + float(int(mb.get("n_input", p)))
+    return [valid, positions, real]
+
+
+def optimize(part: Part, micro_batches: list[dict], loss_fn: Callable[[torch.nn.Module, dict], Loss], *,
+             device: torch.device) -> StepResult:
+    """One optimizer step of `part` over `micro_batches` (the scheduler is stepped by the trainer)."""
+    start = time.perf_counter()
+    local = torch.tensor(_counts(micro_batches), dtype=torch.float64, device=device)
+    global_valid, global_tokens, global_real = all_reduce_sum(local, part.grad_group).tolist()
+    denom = max(global_valid, 1.0)
+    token_scale = part.grad_world / denom
+    if part.forward_backward is not None:  # e.g. a pipeline schedule that runs the micro-batches itself
+        # fp16: the loss scale rides in the scales (scaler.scale of a one also starts the scaler)
+        scale = float(part.scaler.scale(torch.ones((), device=device))) if part.scaler is not None else 1.0
+        loss_sum_total, metric_sums = part.forward_backward(micro_batches, token_scale * scale,
+                                                            scale / len(micro_batches))
+    else:
+        loss_sum_total, metric_sums = _accumulate(part, micro_batches, loss_fn, device, token_scale)
+    if part.after_backward is not None:
+        part.after_backward()
+    optimizer, scaler = part.optimizer, part.scaler
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+        _agree_on_overflow(scaler, optimizer)
+    limit = part.grad_clip if part.grad_clip and part.grad_clip > 0 else float("inf")
+    if part.clip is not None:
+        norm = part.clip(limit)
+    elif hasattr(optimizer, "clip_grad_norm_"):  # a sharded optimizer: only it sees the reduced grads
+        norm = optimizer.clip_grad_norm_(limit)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], limit)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = float(all_reduce_sum(loss_sum_total, part.grad_group)) / denom
+    metrics = {}
+    if metric_sums:  # each rank's mean over its micro-batches, then the mean over the ranks
+        keys = sorted(metric_sums)
+        summed = all_reduce_sum(torch.tensor([metric_sums[k] for k in keys], dtype=torch.float64, device=device),
+                                part.grad_group)
+        metrics = {k: float(v) / part.grad_world for k, v in zip(keys, summed.tolist())}
+    return StepResult(loss=loss, grad_norm=float(norm), tokens=int(global_tokens), valid_tokens=int(global_valid),
+                      seconds=time.perf_counter() - start, real_tokens=int(global_real), metrics=metrics)
+
+
+# ----------------------------------------------------------------------------- the outer loop
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, rt: Runtime):
+        self.recipe, self.rt = recipe, rt
+        self.settings: Settings | None = None
+        self.step = 0
+        self._signalled: str | None = None
+        self.metrics: MetricsWriter | None = None
+
+    # -- pieces a recipe may call
+    def optimize(self, part: Part, micro_batches: list[dict], loss_fn) -> StepResult:
+        return optimize(part, micro_batches, loss_fn, device=self.rt.device)
+
+    # -- signals: Slurm, Kubernetes and ModelArts send SIGTERM before they stop a job
+    def _watch_signals(self) -> None:
+        def note(signum, _frame):
+            self._signalled = signal.Signals(signum).name
+
+        signal.signal(signal.SIGTERM, note)
+
+    def _agree_to_stop(self) -> bool:
+        """True on every rank when any rank was signalled (one scalar all-reduce per step)."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self._signalled else 0.0],
+                            device=self.rt.device if self.rt.backend != "gloo" else "cpu")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # -- checkpoints
+    def _models(self) -> dict:
+        return {n: p.model for n, p in self.recipe.parts.items()}
+
+    def _checkpoint_args(self):
+        parts = self.recipe.parts
+        if list(parts) == ["model"]:  # one model: the plain layout every existing checkpoint has
+            p = parts["model"]
+            return p.model, p.optimizer, p.scheduler
+        return ({n: p.model for n, p in parts.items()}, {n: p.optimizer for n, p in parts.items()},
+                {n: p.scheduler for n, p in parts.items() if p.scheduler is not None} or None)
+
+    def _resume(self) -> None:
+        from backends.common.checkpoint.resume import CheckpointError, load_checkpoint, newest_intact
+
+        s = self.settings
+        if not s.resume:
+            return
+        if s.resume == "auto":
+            if not s.save_dir:
+                return
+            path, skipped = newest_intact(s.save_dir)
+            for bad, problems in skipped:
+                log.warning("checkpoint %s is damaged (%s); %s", bad, "; ".join(problems),
+                            f"resuming from the previous complete checkpoint {path}" if path else
+                            "no earlier intact checkpoint: starting from step 0")
+            if path is None:
+                return
+        else:
+            path = Path(s.resume)
+        model, optimizer, scheduler = self._checkpoint_args()
+        step, extra = load_checkpoint(path, model, optimizer, scheduler, verify=s.resume != "auto")
+        if extra is None:
+            raise CheckpointError(f"checkpoint {path} holds no {self.recipe.name} state (data position)")
+        self.recipe.load_state_dict(extra)
+        self.step = step
+        log.info("resumed from %s at step %d", path, step)
+
+    def save(self) -> Path | None:
+        from backends.common.checkpoint.resume import save_checkpoint
+
+        s = self.settings
+        if not s.save_dir:
+            return None
+        model, optimizer, scheduler = self._checkpoint_args()
+        return save_checkpoint(s.save_dir, self.step, model, optimizer, scheduler,
+                               extra=self.recipe.state_dict(), keep_last=s.keep_last,
+                               trainable_only=s.trainable_only)
+
+    # -- the loop
+    def _record(self, result: StepResult, lr: float) -> None:
+        s, m = self.settings, self.metrics
+        record = {"step": self.step, "total_steps": s.total_steps, "loss": round(result.loss, 6), "lr": lr,
+                  "grad_norm": round(result.grad_norm, 6),
+                  "tokens_per_s": round(result.tokens / result.seconds, 1),
+                  # effective: real (non-pad) tokens; padding_waste: share of positions that were pad
+                  "effective_tokens_per_s": round(result.real_tokens / result.seconds, 1),
+                  "padding_waste": round(1 - result.real_tokens / max(result.tokens, 1), 4),
+                  "trained_tokens": result.valid_tokens,
+                  "elapsed_s": round(m.elapsed(), 3)}
+        record.update({k: round(v, 6) for k, v in result.metrics.items()})
+        m.write(record)
+        log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f %.0f tok/s", self.step, s.total_steps, result.loss,
+                 lr, result.grad_norm, result.real_tokens / result.seconds)
+
+    def _first_lr(self) -> float:
+        return next(iter(self.recipe.parts.values())).optimizer.param_groups[0]["lr"]
+
+    def run(self) -> int:
+        self._watch_signals()
+        s = self.settings = self.recipe.build(self.rt)
+        self._resume()
+        self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main)
+        self.metrics.event("start", total_steps=s.total_steps, world=self.rt.world, resumed_step=self.step,
+                           **self.recipe.start_info())
+        if self._agree_to_stop():
+            return self._preempted(None)
+        while self.step < s.total_steps:
+            lr = self._first_lr()
+            result = self.recipe.step(self, self.step)
+            for part in self.recipe.parts.values():
+                if part.scheduler is not None:
+                    part.scheduler.step()
+            self.step += 1
+            if not math.isfinite(result.loss):
+                raise FloatingPointError(f"loss became {result.loss} at step {self.step}; lower the learning rate, "
+                                         "check the data, or use bf16 instead of fp16")
+            if self.step % s.log_interval == 0 or self.step == s.total_steps:
+                self._record(result, lr)
+            exiting = bool(s.exit_interval) and self.step % s.exit_interval == 0 and self.step < s.total_steps
+            saved = None
+            if (s.save_interval and self.step % s.save_interval == 0) or self.step == s.total_steps or exiting:
+                saved = self.save()
+            if self._agree_to_stop():
+                return self._preempted(saved)
+            if exiting:
+                log.info("exit interval %d: stopping after step %d; resume continues from here", s.exit_interval,
+                         self.step)
+                self.metrics.event("exit", step=self.step)
+                return 0
+        self.recipe.export(self)
+        self._finish()
+        return 0
+
+    def _preempted(self, saved: Path | None) -> int:
+        """A signal reached some rank: every rank checkpoints this step (unless it just did) and leaves."""
+        path = saved or (self.save() if self.step else None)
+        where = f"checkpoint {path} written" if path else \
+            "nothing to save yet" if self.step == 0 else "no checkpoint directory configured: progress is lost"
+        if self.rt.is_main:
+            print(f"{self.recipe.name}: {self._signalled or 'SIGTERM'} received: stopped after step {self.step}; "
+                  f"{where}. Run the same job again with resume: auto to continue from there.", flush=True)
+        log.info("preempted after step %d", self.step)
+        self.metrics.event("preempted", step=self.step, signal=self._signalled,
+                           checkpoint=str(path) if path else None)
+        return 0
+
+    def _finish(self) -> None:
+        s = self.settings
+        if self.rt.is_main and s.metrics_file and Path(s.metrics_file).exists():
+            from backends.common.plot import plot_loss
+
+            plot_loss(read_metrics(s.metrics_file), Path(s.metrics_file).parent / "training_loss.png",
+                      title=self.recipe.plot_title(s.total_steps))
+        # per-rank peak memory, as MindSpeed logs it: each rank in its log, all of them in metrics.jsonl;
+        # model_state_mib: the parameters and optimizer states this rank holds (what sharding divides)
+        held = gather_floats(sum(model_state_mib(p.model, p.optimizer) for p in self.recipe.parts.values()),
+                             self.rt.device)
+        peaks = gather_floats(peak_memory_mib(self.rt.device), self.rt.device)
+        log.info("peak memory %.0f MiB on rank %d", peaks[self.rt.rank], self.rt.rank)
+        self.metrics.event("end", step=self.step, peak_memory_mib=[round(x, 1) for x in peaks],
+                           model_state_mib=[round(x, 1) for x in held])
+
+
+def model_state_mib(model: torch.nn.Module, optimizer) -> float:
+    """MiB of parameters + optimizer states held by this rank (local shards of DTensors)."""
+    def local_bytes(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = sum(local_bytes(p) for p in model.parameters())
+    if hasattr(optimizer, "state_bytes"):
+        total += optimizer.state_bytes()
+    else:
+        total += sum(local_bytes(v) for st in optimizer.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+    return total / 2**20
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly: every rank waits for the others, then destroys it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(name: str, make_recipe: Callable[[list[str]], Recipe], argv: list[str] | None = None,
+         user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """An engine's entry point: parse (make_recipe), start the runtime, train, shut down. Bad input
+    (flags, files, data, checkpoints) ends in one message and exit code 2."""
+    from backends.common.checkpoint.resume import CheckpointError
+
+    errors = (CheckpointError, FileNotFoundError, ValueError, FloatingPointError, *user_errors)
+    try:
+        recipe = make_recipe(sys.argv[1:] if argv is None else argv)
+        rt = init_runtime(os.environ.get("AF_DEVICE", "auto"))
+        logging.basicConfig(level=logging.INFO, format=f"[rank{rt.rank}] %(asctime)s %(message)s",
+                            stream=sys.stdout)
+        code = Trainer(recipe, rt).run()
+        shutdown()
+        return code
+    except errors as err:
+        if os.environ.get("AF_DEBUG"):
+            raise
+        print(f"{name}: error: {err}", file=sys.stderr)
+        print("(set AF_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2

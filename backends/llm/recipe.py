@@ -1,0 +1,289 @@
+"""The MindSpeed-LLM-style recipe on the shared trainer: pre-training and fine-tuning (full or LoRA)
+of a native decoder. It builds the model (+ LoRA, recompute), the parallel layout, the data and the
+optimizer, says how a micro-batch's loss is computed, and exports the result to HF format; the loop
+itself is backends.common.trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from backends import kernels
+from backends.common.distributed import barrier
+from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
+from backends.llm import parallelize
+from backends.llm.config import ConfigError, LLMConfig, parse_args
+
+log = logging.getLogger("backends.llm")
+
+
+class CausalLMWithLoss(torch.nn.Module):
+    """The decoder plus its loss, as one module: under FSDP2 the root unit (embedding, final norm,
+    head) is unsharded for exactly this forward, so the chunked loss can read the head weight."""
+
+    def __init__(self, decoder: torch.nn.Module):
+        from backends.llm.models.moe import MoE
+
+        super().__init__()
+        self.decoder = decoder
+        # found once (after parallelize.setup swapped in the EP blocks), not on every forward
+        self._moe_blocks = [m for m in decoder.modules() if isinstance(m, MoE)]
+
+    def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None, aux_mask=None):
+        for block in self._moe_blocks:  # CP padding of this micro-batch stays out of the aux loss
+            block.aux_token_mask = aux_mask
+        hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True)
+        if getattr(self.decoder, "tp_info", None) is not None:  # vocab-parallel: no full-vocab logits
+            from backends.llm.parallel.tensor_parallel import tp_loss
+
+            loss_sum, count = tp_loss(self.decoder, hidden, labels)
+        else:
+            loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
+                                                          self.decoder.output_weight(), labels.reshape(-1))
+        return loss_sum, count, getattr(self.decoder, "aux_loss", None)
+
+
+def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0) -> Loss:
+    """The summed next-token loss of a micro-batch, plus the MoE aux loss (× its coefficient) when asked."""
+    loss_sum, _, aux = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"),
+                             mb.get("aux_mask"))
+    if aux is None or not aux_coeff:
+        return Loss(loss_sum)
+    return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()})
+
+
+def job_fields(cfg: LLMConfig) -> dict[str, object]:
+    """The job-file fields (dotted) these flags came from, as capabilities.UNBUILT names them."""
+    p, d = cfg.parallel, cfg.data
+    return {"parallel.tp": p.tp, "parallel.sp": p.sp, "parallel.pp": p.pp, "parallel.cp": p.cp, "parallel.ep": p.ep,
+            "parallel.fsdp": p.fsdp, "parallel.distributed_optimizer": p.distributed_optimizer,
+            "parallel.moe_dispatcher": p.moe_dispatcher, "finetuning": "lora" if cfg.lora else "full",
+            "data.packing": d.packing, "data.dynamic_seq_len": d.dynamic, "train.precision": cfg.train.precision}
+
+
+def refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
+    """The settings and combinations capabilities.LIMITS / UNBUILT say this build cannot run (the
+    orchestrator's `run` checks the same tables before launching)."""
+    from backends.llm.capabilities import LIMITS, unbuilt
+
+    p = cfg.parallel
+    asked = [f"{field}={getattr(p, field.split('.')[1])} (this build runs up to {limit})"
+             for field, limit in LIMITS["mindspeed-llm"].items() if getattr(p, field.split(".")[1]) > limit]
+    if asked:
+        raise ConfigError("this build of backends.llm does not implement: " + ", ".join(asked))
+    refused = unbuilt("mindspeed-llm", job_fields(cfg))
+    if refused:
+        raise ConfigError("this build of backends.llm does not combine " + "; ".join(refused)
+                          + ". Change one of those settings")
+
+
+def kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
+    """--use-flash-attn / --use-fused-* off means the plain-PyTorch ops, as in MindSpeed;
+    explicit --kernel-override entries win."""
+    out = {}
+    if not cfg.flash_attention:
+        out["attention"] = "reference"
+    if not cfg.fused_ops:
+        out.update(rms_norm="reference", apply_rotary="reference", swiglu="reference")
+    return {**out, **cfg.kernel_overrides}
+
+
+def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
+    from backends.llm import models
+
+    if cfg.model.load_hf:
+        model = models.from_pretrained(cfg.model.load_hf, dtype=torch.float32)
+        have = model.config
+        for key, value in cfg.model.overrides.items():
+            # the shape numbers every family spells the same way; the rest is the config's business
+            if key not in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or not hasattr(have, key):
+                continue
+            if getattr(have, key) != value:
+                raise ConfigError(f"--load-hf {cfg.model.load_hf}: config.json has {key}={getattr(have, key)!r} "
+                                  f"but the flags say {value!r}; re-render the job from this model directory")
+        return model
+    return models.from_card(cfg.model.model_id, **cfg.model.overrides)
+
+
+def _build_data(cfg: LLMConfig, rt, par):
+    from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
+
+    d = cfg.data
+    tokenizer = load_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
+    cache_root = Path(d.prefix).parent
+    source = d.input or d.prefix
+    # rank 0 tokenizes and writes the cache; the others wait, then read the same files
+    if rt.is_main:
+        dataset = preprocess(source, d.fmt, tokenizer, d.template, d.seq_len, cache_root, max_samples=d.max_samples)
+    barrier()
+    if not rt.is_main:
+        dataset = preprocess(source, d.fmt, tokenizer, d.template, d.seq_len, cache_root, max_samples=d.max_samples)
+    mode = "packed" if d.packing else "dynamic" if d.dynamic else "padded"
+    loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
+                              dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.train.seed, shuffle=d.shuffle,
+                              pad_id=pad_id(tokenizer) if tokenizer is not None else 0,
+                              pad_to_multiple_of=d.pad_to_multiple_of)
+    packing = getattr(loader, "packing", None)
+    log.info("data: %s; %s batches%s", dataset.summary(), mode,
+             f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
+    return dataset, loader
+
+
+def resume_setting(cfg: LLMConfig) -> str | None:
+    """--load is the checkpoints root (resume: auto), a step_N checkpoint (that one), or absent (never)."""
+    from backends.common.checkpoint.resume import MARKER, resolve_resume
+
+    if not cfg.load:
+        return None
+    path = Path(cfg.load)
+    if path.name.startswith("step_") or (path / MARKER).exists():
+        return str(resolve_resume(str(path), path))  # one clear error if it is not a complete checkpoint
+    return "auto"
+
+
+def _gather_stages(full: dict, par) -> dict | None:
+    """Rank 0 gets the union of the stages' full state dicts (the other ranks None)."""
+    import torch.distributed as dist
+
+    if par.dp_rank or par.cp_rank or (par.layout.tp > 1 and par.mesh["tp"].get_local_rank()):
+        return None  # rank 0's pipeline is the dp = cp = tp = 0 one
+    parts = [None] * par.layout.pp if dist.get_rank() == 0 else None
+    dist.gather_object(full, parts, dst=0, group=par.pp_group)
+    return {k: v for part in parts for k, v in part.items()} if parts else None
+
+
+class LLMRecipe(Recipe):
+    name = "backends.llm"
+
+    def __init__(self, cfg: LLMConfig):
+        self.cfg = cfg
+
+    def build(self, rt) -> Settings:
+        cfg, t = self.cfg, self.cfg.train
+        refuse_unbuilt_parallelism(cfg)
+        kernels.configure(default=cfg.kernel_backend, overrides=kernel_overrides(cfg) or None)
+        seed_everything(t.seed)
+        decoder = build_decoder(cfg)
+        if cfg.lora:
+            from backends.common.lora import inject_lora
+
+            adapted = inject_lora(decoder, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                                  targets=cfg.lora.targets)
+            log.info("LoRA r=%d on %d linear layers", cfg.lora.rank, len(adapted))
+        if cfg.parallel.recompute != "none":
+            decoder.set_recompute(cfg.parallel.recompute)
+        decoder.to(rt.device)
+        self.trainable = sum(p.numel() for p in decoder.parameters() if p.requires_grad)
+        self.total = sum(p.numel() for p in decoder.parameters())
+        log.info("model: %s, %.2f M parameters (%.2f M trainable), kernels %s", decoder.config.family,
+                 self.total / 1e6, self.trainable / 1e6, kernels.describe())
+
+        par = self.par = parallelize.setup(cfg, decoder, rt)
+        self.rt, self.decoder = rt, decoder
+        self.dataset, self.loader = _build_data(cfg, rt, par)
+        self.accum, rem = divmod(t.global_batch, t.micro_batch * par.layout.dp)
+        if rem or self.accum < 1:
+            raise ConfigError(f"--global-batch-size {t.global_batch} is not a multiple of micro-batch "
+                              f"{t.micro_batch} × data-parallel size {par.layout.dp}")
+        total_steps = t.steps or max(1, math.ceil(t.epochs * self.loader.n_units / t.global_batch))
+
+        from backends.common.optim import build_scheduler
+
+        model = parallelize.wrap_data_parallel(CausalLMWithLoss(decoder), cfg, par, rt)
+        optimizer = parallelize.build_optimizer(model, cfg, par)
+        clip, forward_backward = parallelize.grad_clip(model, cfg, par), None
+        if par.pipeline is not None:
+            from backends.llm.parallel.pipeline import pipeline_clip
+
+            clip, forward_backward = pipeline_clip(model, optimizer, par), self._pipeline_step
+        scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
+                                    style=t.schedule)
+        self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group,
+                                    grad_world=par.grad_world, precision=t.precision, grad_clip=t.grad_clip,
+                                    after_backward=parallelize.grad_sync(model, cfg, par), clip=clip,
+                                    forward_backward=forward_backward)}
+        self._batches = iter(self.loader)
+        return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
+                        exit_interval=t.exit_interval, resume=resume_setting(cfg), log_interval=t.log_interval,
+                        metrics_file=cfg.metrics_file, trainable_only=cfg.lora is not None, seed=t.seed)
+
+    def next_micro_batches(self) -> list[dict]:
+        device = self.rt.device
+        return [parallelize.shard_batch({k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
+                                         for k, v in next(self._batches).items()}, self.par)
+                for _ in range(self.accum)]
+
+    def loss(self, model, mb: dict) -> Loss:
+        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff)
+
+    def _pipeline_step(self, micro_batches, token_scale, extra_scale):
+        coeff = self.cfg.train.moe_aux_loss_coeff
+        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, token_scale, extra_scale * coeff)
+        return loss_sum, ({"aux_loss": aux} if aux is not None and coeff else {})
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+    def start_info(self) -> dict:
+        return {"grad_accum": self.accum, "samples": self.dataset.stats.get("samples"), "parameters": self.total,
+                "trainable": self.trainable}
+
+    def plot_title(self, total_steps: int) -> str:
+        return f"{self.decoder.config.family} · {total_steps} steps"
+
+    def export(self, trainer) -> None:
+        if self.cfg.export_hf:
+            self._export_hf()
+
+    def _export_hf(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from backends.common.checkpoint.hf_io import write_hf_dir
+        from backends.llm import models
+
+        cfg, par, model = self.cfg, self.par, self.parts["model"].model
+        tokenizer_dir = cfg.model.tokenizer
+        # every rank takes part in gathering the full state dict; rank 0 writes it
+        staged = par.pipeline is not None
+        # cpu_offload keeps the values on global rank 0 only; with stages every stage's first rank needs them
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not staged))
+        if staged:  # each stage holds its own layers: rank 0's pipeline collects them
+            full = _gather_stages({k: v.cpu() for k, v in full.items()}, par)
+        if not self.rt.is_main:
+            return
+        full = {k.removeprefix("decoder."): v for k, v in full.items()}
+        # a plain, unsharded copy on the CPU to hold the gathered weights (the live one may be FSDP-sharded)
+        with torch.device("meta"):
+            plain = models.build_model(self.decoder.config)
+        if cfg.lora:
+            from backends.common.lora import inject_lora
+
+            inject_lora(plain, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                        targets=cfg.lora.targets)
+        plain.load_state_dict(full, assign=True)
+        out = Path(cfg.export_hf)
+        if cfg.lora:
+            from backends.common.lora import merge_lora, save_peft_adapter
+
+            save_peft_adapter(plain, out / "adapter", base_model_name_or_path=cfg.model.load_hf or cfg.model.model_id,
+                              r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                              target_modules=cfg.lora.targets, collective=False)  # `plain` lives on rank 0 only
+            if cfg.lora.merge_on_export:
+                merge_lora(plain)
+                write_hf_dir(out / "merged", models.hf_state_dict(plain), plain.config.to_hf(),
+                             tokenizer_dir=tokenizer_dir)
+            return
+        write_hf_dir(out, models.hf_state_dict(plain), plain.config.to_hf(), tokenizer_dir=tokenizer_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from backends.common import trainer
+
+    return trainer.main("backends.llm", lambda args: LLMRecipe(parse_args(args)), argv, user_errors=(ConfigError,))
