@@ -199,12 +199,18 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
         _check_inputs(p)
     except JobError as err:
         _fail(err)
-    code = run_with_progress(rendered.argv, rendered.env, rendered.run_dir / "metrics.jsonl",
-                             rendered.run_dir / "logs" / f"launcher-node{p.job.resources.node_rank}.log",
-                             p.job.train.steps, console=_console())
-    con.print(("[green]finished[/]" if code == 0 else f"[red]engine exited with code {code}[/]")
-              + f"; logs in {_escape(str(rendered.run_dir / 'logs'))}")
-    raise typer.Exit(code)
+    outcome = run_with_progress(rendered.argv, rendered.env, rendered.run_dir / "metrics.jsonl",
+                                rendered.run_dir / "logs" / f"launcher-node{p.job.resources.node_rank}.log",
+                                p.job.train.steps, console=_console())
+    if outcome.preempted is not None:
+        ev = outcome.preempted
+        saved = f"checkpoint {_escape(str(ev['checkpoint']))}" if ev.get("checkpoint") else "no checkpoint"
+        con.print(f"[yellow]stopped by SIGTERM after step {ev.get('step')}[/]: {saved}; run the same job again "
+                  f"with resume: auto to continue")
+    else:
+        con.print(("[green]finished[/]" if outcome.code == 0 else f"[red]engine exited with code {outcome.code}[/]")
+                  + f"; logs in {_escape(str(rendered.run_dir / 'logs'))}")
+    raise typer.Exit(outcome.code)
 
 
 PREPROCESS_MODULE = {"mindspeed-llm": "backends.llm.preprocess"}

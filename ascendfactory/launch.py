@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -26,9 +27,18 @@ def read_metrics(path: Path, offset: int) -> tuple[list[dict], int]:
     return records, offset + consumed
 
 
+@dataclass
+class Outcome:
+    code: int                       # what `ascendfactory run` exits with
+    preempted: dict | None = None   # the engine's "preempted" event (step, checkpoint) after a SIGTERM
+
+
 def run_with_progress(argv: list[str], env: dict[str, str], metrics: Path, log_file: Path,
-                      total_steps: int | None, console=None, poll_s: float = 0.5) -> int:
-    """Start the launch, follow metrics.jsonl with a Rich progress bar, forward Ctrl-C to the workers."""
+                      total_steps: int | None, console=None, poll_s: float = 0.5) -> Outcome:
+    """Start the launch, follow metrics.jsonl with a Rich progress bar, forward Ctrl-C and SIGTERM to
+    the workers. A SIGTERM (what Slurm, Kubernetes and ModelArts send before they stop a job) makes the
+    workers checkpoint at the next step boundary and leave; the run then exits 0, as the job stopped
+    cleanly, whatever exit code torchrun's agent gives for having been signalled."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -41,27 +51,45 @@ def run_with_progress(argv: list[str], env: dict[str, str], metrics: Path, log_f
                             TimeRemainingColumn(), console=console, transient=False)
         task = progress.add_task("train", total=total_steps, status="starting…")
         interrupted = 0
-        with progress:
-            while True:
-                try:
-                    code = proc.wait(timeout=poll_s)
-                except subprocess.TimeoutExpired:
-                    code = None
-                except KeyboardInterrupt:
-                    interrupted += 1
-                    sig = signal.SIGINT if interrupted == 1 else signal.SIGTERM
-                    _signal_group(proc, sig)
-                    progress.update(task, status="[yellow]interrupt sent to the workers, waiting…")
-                    continue
-                records, offset = read_metrics(metrics, offset)
-                for r in records:
-                    if "step" in r and "event" not in r:
-                        status = f"loss {r.get('loss', float('nan')):.4f}  {r.get('tokens_per_s', 0):,.0f} tok/s"
-                        progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps),
-                                        status=status)
-                if code is not None:
-                    break
-    return 130 if interrupted and code in (-signal.SIGINT, -signal.SIGTERM) else code
+        terminated: list[int] = []
+        preempted = None
+
+        def forward_term(signum, _frame):
+            if not terminated:
+                _signal_group(proc, signal.SIGTERM)
+            terminated.append(signum)
+
+        previous = signal.signal(signal.SIGTERM, forward_term)
+        try:
+            with progress:
+                while True:
+                    try:
+                        code = proc.wait(timeout=poll_s)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    except KeyboardInterrupt:
+                        interrupted += 1
+                        sig = signal.SIGINT if interrupted == 1 else signal.SIGTERM
+                        _signal_group(proc, sig)
+                        progress.update(task, status="[yellow]interrupt sent to the workers, waiting…")
+                        continue
+                    if terminated:
+                        progress.update(task, status="[yellow]SIGTERM: the workers checkpoint and stop…")
+                    records, offset = read_metrics(metrics, offset)
+                    for r in records:
+                        if r.get("event") == "preempted":
+                            preempted = r
+                        if "step" in r and "event" not in r:
+                            status = f"loss {r.get('loss', float('nan')):.4f}  {r.get('tokens_per_s', 0):,.0f} tok/s"
+                            progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps),
+                                            status=status)
+                    if code is not None:
+                        break
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    if terminated and preempted is not None:
+        return Outcome(0, preempted)
+    return Outcome(130 if interrupted and code in (-signal.SIGINT, -signal.SIGTERM) else code)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

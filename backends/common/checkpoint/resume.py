@@ -453,14 +453,29 @@ def _own_files(tmp: Path, rank: int) -> list[str]:
     return sorted(names)
 
 
+def _describe(error: BaseException) -> str:
+    """One line for a failure; DCP's CheckpointException names only ranks, so show what failed there."""
+    if isinstance(error, CheckpointException):
+        inner = getattr(error, "failures", {}) or {}
+        texts = sorted({_describe(x[0] if isinstance(x, tuple) else x) for x in inner.values()})
+        if texts:
+            return "; ".join(texts)
+    return f"{type(error).__name__}: {str(error).strip()[:500]}"
+
+
 def _agree(error: BaseException | None) -> list[str]:
-    """Every rank's failure text (collective); [] when all ranks succeeded."""
-    text = None if error is None else f"{type(error).__name__}: {str(error).strip()[:500]}"
-    if not _dist_on():
-        return [text] if text else []
-    box: list[Any] = [None] * _world()
-    dist.all_gather_object(box, text)
-    return [f"rank {r}: {t}" for r, t in enumerate(box) if t]
+    """Every distinct failure over the ranks (collective), with the ranks it happened on; []: all succeeded."""
+    text = None if error is None else _describe(error)
+    box: list[Any] = [text]
+    if _dist_on():
+        box = [None] * _world()
+        dist.all_gather_object(box, text)
+    seen: dict[str, list[int]] = {}
+    for r, t in enumerate(box):
+        if t:
+            seen.setdefault(t, []).append(r)
+    return [f"{t} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" if _dist_on() else t
+            for t, rs in seen.items()]
 
 
 def _finalize(tmp: Path, final: Path, marker: dict[str, Any], digests: dict[str, dict[str, int]]) -> None:
@@ -644,12 +659,7 @@ def load_checkpoint(
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        detail = f"{type(e).__name__}: {str(e).strip()[:2000]}"
-        if isinstance(e, CheckpointException):  # its own text names only the ranks; show what failed there
-            inner = getattr(e, "failures", {}) or {}
-            # each failure is (exception, traceback frames)
-            detail = "; ".join(f"rank {r}: {(x[0] if isinstance(x, tuple) else x)!r}"
-                               for r, x in inner.items()) or detail
+        detail = _describe(e)
         raise CheckpointError(
             f"checkpoint {path}: loading failed ({detail}); the files are damaged or from another model — "
             "resume from an earlier step_N or set resume: never"
