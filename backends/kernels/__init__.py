@@ -37,6 +37,7 @@ __all__ = [
     "rotary_cos_sin",
     "rotary_inv_freq",
     "swiglu",
+    "vocab_parallel_cross_entropy",
 ]
 
 
@@ -193,6 +194,15 @@ def linear_cross_entropy(
     return _impl("linear_cross_entropy", hidden.device).linear_cross_entropy(
         hidden, weight, labels, ignore_index, chunk_size
     )
+
+
+def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
+                                 tp_group=None, ignore_index: int = -100, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_cross_entropy with the output weight sharded by vocabulary rows over tp_group (Megatron's
+    vocab-parallel loss): the full-vocabulary logits are never gathered. See loss.vocab_parallel_cross_entropy."""
+    from .loss import vocab_parallel_cross_entropy as _vpce
+
+    return _vpce(hidden, weight_shard, labels, tp_group, ignore_index, **kw)
 
 
 def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: 
 
 from backends import kernels  # noqa: E402
 from backends.llm.models import MLAConfig, ModelConfig, MoEConfig, build_model  # noqa: E402
-from backends.llm.parallel.tensor_parallel import (  # noqa: E402
-    apply_tensor_parallel, full_tensors, tp_loss, vocab_parallel_cross_entropy)
+from backends.kernels import vocab_parallel_cross_entropy  # noqa: E402
+from backends.llm.parallel.tensor_parallel import apply_tensor_parallel, full_tensors, tp_loss  # noqa: E402
 
 AUX = 0.01
 BASE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2, head_dim=16,

@@ -2,7 +2,7 @@
 
     apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
     tp_loss(model, hidden, labels)                      -> (summed CE fp32, valid-token count)
-    vocab_parallel_cross_entropy(hidden, weight_shard, labels, tp_group) -> (loss_sum, count)
+    (the vocab-parallel cross entropy it uses is backends.kernels.vocab_parallel_cross_entropy)
 
 torchtitan's rule: the model stays a plain nn.Module with HF parameter names; this module swaps
 every parameter for a DTensor on the tp mesh and hangs forward hooks on the modules, so
@@ -77,14 +77,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from backends import kernels
-from backends.kernels.loss import auto_chunk_size, chunked_ce_grads
+from backends.kernels.loss import vocab_parallel_cross_entropy
 from backends.llm.config import ConfigError
 
 __all__ = [
@@ -94,7 +93,6 @@ __all__ = [
     "check_tensor_parallel",
     "full_tensors",
     "tp_loss",
-    "vocab_parallel_cross_entropy",
 ]
 
 
@@ -605,117 +603,6 @@ def full_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str
         full = t.full_tensor() if isinstance(t, DTensor) else t
         out[name] = _from_paired(full, paired[name]) if name in paired else full
     return out
-
-
-# ---------------------------------------------------------------------- vocab-parallel cross entropy
-
-
-class _VocabParallelCE(torch.autograd.Function):
-    """CE of hidden [N,H] (identical on every rank) against a vocabulary shard weight [V_r,H].
-
-    Forward: per chunk of tokens, local logits -> local log-sum-exp and the target logit where the
-    label falls in this shard; then one MAX all-reduce (of the local lse) and one SUM all-reduce
-    (of exp(lse_r - max) and the target logits) give the global lse and target. Only [chunk, V_r]
-    logits ever exist. Backward recomputes the chunk logits; grad(hidden) is this shard's partial
-    sum (the caller reduces it), grad(weight) is this shard's complete gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_start, group, ignore_index, chunk_size):
-        n, v_local = hidden.shape[0], weight.shape[0]
-        valid = labels != ignore_index
-        here = valid & (labels >= vocab_start) & (labels < vocab_start + v_local)
-        local_ids = (labels - vocab_start).masked_fill(~here, 0)
-        lse_local = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        logits = None
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            logits = (hidden[s:e] @ weight.t()).float()
-            lse_local[s:e] = torch.logsumexp(logits, dim=-1)
-            target[s:e] = logits.gather(1, local_ids[s:e, None]).squeeze(1) * here[s:e]
-        gmax = lse_local.clone()
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
-        sums = torch.cat((torch.exp(lse_local - gmax), target))
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        lse = gmax + torch.log(sums[:n])
-        loss = ((lse - sums[n:]) * valid).sum()
-        count = valid.sum()
-        ctx.kept = None
-        if n <= chunk_size and logits is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-            ctx.kept = logits  # one chunk: keep its logits rather than recompute them
-        ctx.save_for_backward(hidden, weight, local_ids, here, valid, lse)
-        ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(count)
-        return loss, count
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_count):
-        hidden, weight, local_ids, here, valid, lse = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
-        # softmax over the whole vocabulary (global lse), this shard's columns
-        grad_h, grad_w = chunked_ce_grads(hidden, weight, lse, local_ids, here, valid, grad_loss, ctx.chunk_size,
-                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], kept)
-        return grad_h, grad_w, None, None, None, None, None
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _vocab_start(weight: torch.Tensor, group) -> tuple[torch.Tensor, int]:
-    """(local weight, first vocabulary row it holds)."""
-    if isinstance(weight, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        if len(weight.placements) != 1 or weight.placements[0] != Shard(0):
-            raise ValueError(f"the output weight must be a Shard(0) DTensor on the tp mesh, got {weight.placements}")
-        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-        return weight.to_local(), int(offset[0])
-    rows = torch.tensor([weight.shape[0]], dtype=torch.int64, device=weight.device)
-    everyone = [torch.zeros_like(rows) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, rows, group=group)
-    me = dist.get_rank(group)
-    return weight, int(sum(int(r) for r in everyone[:me]))
-
-
-def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
-                                 tp_group=None, ignore_index: int = -100, *, vocab_start: int | None = None,
-                                 chunk_size: int | None = None,
-                                 reduce_hidden_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed CE fp32, valid-token count) of hidden [N,H] @ W.T vs labels [N], where W [V,H] is
-    sharded by rows over tp_group and this rank holds weight_shard (a local [V_r,H] tensor holding
-    rows vocab_start.., or a Shard(0) DTensor). The full-vocabulary logits are never gathered.
-
-    hidden and labels must be the same on every rank of tp_group; the loss and count come back the
-    same on every rank (drop-in for kernels.linear_cross_entropy). The gradient of hidden is
-    all-reduced over tp_group (pass reduce_hidden_grad=False to get this shard's partial sum
-    instead and reduce it yourself); the gradient of the weight shard is its own rows'.
-    vocab_start defaults to the prefix sum of the shards' row counts in rank order.
-    """
-    if hidden.dim() != 2 or weight_shard.dim() != 2 or labels.dim() != 1:
-        raise ValueError("vocab_parallel_cross_entropy expects hidden [N,H], weight_shard [V_r,H], labels [N]")
-    if hidden.shape[0] != labels.shape[0] or hidden.shape[1] != weight_shard.shape[1]:
-        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight_shard.shape)}, "
-                         f"labels {tuple(labels.shape)}")
-    if isinstance(weight_shard, DTensor) and tp_group is None:
-        tp_group = weight_shard.device_mesh.get_group()
-    if vocab_start is None or isinstance(weight_shard, DTensor):
-        weight_shard, vocab_start = _vocab_start(weight_shard, tp_group)
-    if reduce_hidden_grad:
-        hidden = _AllReduceGrad.apply(hidden, tp_group)
-    chunk = chunk_size or auto_chunk_size(weight_shard.shape[0])
-    return _VocabParallelCE.apply(hidden, weight_shard, labels, int(vocab_start), tp_group, ignore_index,
-                                  int(chunk))
 
 
 def tp_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
