@@ -112,9 +112,16 @@ class ChainedOptimizer(torch.optim.Optimizer):
         return [q for g in self.param_groups for q in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
-        """The children's states, numbered as the shown groups list the parameters (collective)."""
+        """The children's states (ShardedAdamW: this rank's shards, for DCP), numbered as the shown
+        groups list the parameters."""
+        return self._combined([o.state_dict() for o in self.optimizers])
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Export: the children's full_state_dict() (gathered, collective), numbered as state_dict()."""
+        return self._combined([o.full_state_dict() for o in self.optimizers])
+
+    def _combined(self, sds: list[dict[str, Any]]) -> dict[str, Any]:
         self._sync_hyperparameters()
-        sds = [o.state_dict() for o in self.optimizers]
         state, groups, index = {}, [], 0
         for g in self.param_groups:
             ids = []

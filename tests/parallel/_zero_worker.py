@@ -41,6 +41,7 @@ from backends.common.zero import ShardedAdamW, build_sharded_optimizer  # noqa: 
 from backends.llm.models import ModelConfig, build_model  # noqa: E402
 
 TOL = 1e-6
+BUCKET = {2: 3000, 4: 5000}  # elements: the model (~110k) needs many buckets; another size at dp=4
 LOOSE_TOL = 1e-5  # vs one forward over the whole batch: the fp32 rounding of splitting a batch
 STEPS, SAVE_AT = 5, 3
 BATCH, SEQ = 8, 16
@@ -127,7 +128,7 @@ def sharded_steps(model, opt, sched, steps, rank, world, on_step=None):
     return losses, norms
 
 
-def tensor_parallel() -> dict[str, float]:
+def tensor_parallel(tp_ckpt: Path) -> dict[str, float]:
     """World 4 as dp2 × tp2: Shard(0), Shard(1) and Replicate DTensor parameters, one ShardedAdamW per
     tp rank over its dp group, vs torch.optim.AdamW on the full tensors. Checks the clipped global norm
     (shards summed over tp, the replicated one once), the parameters, state_dict() as DTensors of the
@@ -166,7 +167,7 @@ def tensor_parallel() -> dict[str, float]:
         opt.zero_grad()
     err["tp_param_err"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(params, ref))
     want = ref_opt.state_dict()["state"]
-    sd = opt.state_dict()
+    sd = opt.full_state_dict()
     assert all(isinstance(sd["state"][i][k], DTensor) and sd["state"][i][k].placements == params[i].placements
                for i in range(3) for k in ("exp_avg", "exp_avg_sq"))
 
@@ -178,8 +179,44 @@ def tensor_parallel() -> dict[str, float]:
     from_full, from_dtensor = ShardedAdamW(build(), mesh["dp"], lr=LR), ShardedAdamW(build(), mesh["dp"], lr=LR)
     from_full.load_state_dict(ref_opt.state_dict())  # plain full tensors (another layout: tp1)
     from_dtensor.load_state_dict(sd)
-    err["tp_load_err"] = max(state_err(from_full.state_dict()["state"]), state_err(from_dtensor.state_dict()["state"]))
+    err["tp_load_err"] = max(state_err(from_full.full_state_dict()["state"]),
+                             state_err(from_dtensor.full_state_dict()["state"]))
+    # DCP: saved sharded at tp2 x dp2, read into tp1 x dp4 (plain full parameters, 4 dp ranks, another
+    # bucket size): every state element bit-equal, and the parameters
+    save_checkpoint(tp_ckpt, 3, torch.nn.ParameterList(params), opt)
+    flat = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros_like(t)) for t in full])
+    tp1 = ShardedAdamW(list(flat), None, lr=LR, betas=BETAS, weight_decay=WD, bucket_elems=7)
+    load_checkpoint(tp_ckpt / "step_3", flat, tp1)
+    mine = tp1.full_state_dict()["state"]
+    err["tp1_resume_err"] = float(sum(not torch.equal(mine[i][k], sd["state"][i][k].full_tensor())
+                                           for i in range(3) for k in ("exp_avg", "exp_avg_sq")))
+    err["tp1_resume_err"] += sum(not torch.equal(q, p.full_tensor()) for q, p in zip(flat, params))
+    assert tp1._steps == [3, 3, 3], tp1._steps
     return err
+
+
+def allocations(fn) -> tuple[int, int]:
+    """(largest single allocation, total bytes allocated) by torch's CPU allocator while fn() runs,
+    from the profiler's allocation events (gloo's internal copies included). Not a live-bytes peak:
+    gloo frees some tensors on its own threads, which the profiler does not see."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
+    return max(sizes, default=0), sum(sizes)
+
+
+def plan_elements(osd) -> int:
+    """Moment elements this rank puts into its DCP save plan (before the coordinator's dedup)."""
+    import math
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"optim": osd}, is_coordinator=dist.get_rank() == 0)
+    return sum(math.prod(item.tensor_data.chunk.sizes) for item in planner.create_local_plan().items
+               if item.tensor_data is not None and item.index.fqn.endswith(("exp_avg", "exp_avg_sq")))
 
 
 def rel_err(a: list[float], b: list[float]) -> float:
@@ -206,14 +243,31 @@ def main() -> None:
     res: dict = {"world": world}
 
     model = make_model()
-    opt = build_sharded_optimizer(model, None, lr=LR, betas=BETAS, weight_decay=WD)
+    opt = build_sharded_optimizer(model, None, lr=LR, betas=BETAS, weight_decay=WD, bucket_elems=BUCKET[world])
+    assert len(opt._buckets) > 10 and any(len(p) > 1 for p in opt._pieces_of), "the layout should need buckets"
     sched = scheduler_for(opt)
     extra_checks = {}
+    peaks = []
+
+    class Measured:  # sharded_steps' view of the optimizer: clip (with the reduce-scatter) and step profiled
+        def __init__(self, inner):
+            self.inner = inner
+
+        def clip_grad_norm_(self, limit):
+            out = []
+            self.clip_largest = allocations(lambda: out.append(self.inner.clip_grad_norm_(limit)))[0]
+            return out[0]
+
+        def step(self):
+            peaks.append(max(self.clip_largest, allocations(self.inner.step)[0]))
+
+        def zero_grad(self, set_to_none=True):
+            self.inner.zero_grad(set_to_none=set_to_none)
 
     def on_step(step):
         if step + 1 != SAVE_AT:
             return
-        full = opt.state_dict()  # collective
+        full = opt.full_state_dict()  # collective (export)
         err = 0.0
         unused = next(i for i, p in enumerate(opt._params) if p is model.unused)
         assert set(full["state"]) == set(ref_state) | {unused}
@@ -222,13 +276,35 @@ def main() -> None:
             for name in ("step", "exp_avg", "exp_avg_sq"):
                 err = max(err, float((full["state"][k][name] - v[name]).abs().max()))
         extra_checks["state_dict_vs_torch"] = err
+        # saving gathers nothing: state_dict() allocates no state-sized tensor, and each rank puts
+        # exactly the moment elements it owns into DCP's plan (together: every element once)
+        extra_checks["state_dict_alloc"] = allocations(opt.state_dict)[1]
+        extra_checks["plan_elements"] = plan_elements(opt.state_dict())
         if world == 2:
             save_checkpoint(ckpt, SAVE_AT, model, opt, sched)
+            if rank == 0:
+                torch.save(full, ckpt / "full_state.pt")
         extra_checks["shard"] = opt.sharded_state_dict()
         extra_checks["shard_model"] = {k: v.clone() for k, v in model.state_dict().items()}
         extra_checks["shard_sched"] = sched.state_dict()
 
-    losses, norms = sharded_steps(model, opt, sched, range(STEPS), rank, world, on_step)
+    losses, norms = sharded_steps(model, Measured(opt), sched, range(STEPS), rank, world, on_step)
+    # a step's memory beyond the state is bounded by the bucket, not the model: no allocation (after
+    # the first step's, which makes the reused gather buffers) exceeds one bucket in fp32, and the
+    # reused buffers are about two buckets (the old full-size flat grads / gathers: 4 x numel each)
+    res["step_largest_alloc"] = max(peaks[1:])
+    res["bucket_bytes"] = 4 * opt.bucket_elems
+    res["buffer_bytes"] = opt.buffer_bytes()
+    assert res["step_largest_alloc"] <= res["bucket_bytes"], (peaks, res["bucket_bytes"], opt.numel)
+    assert res["buffer_bytes"] <= 3 * res["bucket_bytes"] < opt.numel, res["buffer_bytes"]
+    res["state_dict_alloc"] = extra_checks["state_dict_alloc"]  # the step scalars only
+    assert res["state_dict_alloc"] <= 64 * len(opt._params), res["state_dict_alloc"]
+    counts = torch.tensor([extra_checks["plan_elements"], opt.owned], dtype=torch.int64)
+    every = [torch.zeros_like(counts) for _ in range(world)]
+    dist.all_gather(every, counts)
+    res["plan_elements"] = [int(c[0]) for c in every]
+    assert all(int(c[0]) == 2 * int(c[1]) for c in every), every
+    assert sum(res["plan_elements"]) == 2 * opt.numel, (res["plan_elements"], opt.numel)
     res["loss_err"] = rel_err(losses, ref_losses)
     res["norm_err"] = max(abs(a - b) for a, b in zip(norms, ref_norms))
     res["param_err"] = max_param_err(model, ref_model)
@@ -247,14 +323,16 @@ def main() -> None:
     assert opt.numel % world, "the layout should need padding"
     assert ref_bytes == 8 * (opt.numel - 7)  # torch keeps no state for the unused parameter
     assert sum(per_rank) == 8 * opt.numel, (per_rank, opt.numel)          # exactly one copy in all
-    assert max(per_rank) - min(per_rank) <= 8 * (world - 1), per_rank     # balanced flat slices
-    assert all(abs(b - ref_bytes / world) <= 8 * (world + 7) for b in per_rank), (per_rank, ref_bytes)
+    # balanced: each piece splits to within one element
+    pieces = sum(len(p) for p in opt._pieces_of)
+    assert max(per_rank) - min(per_rank) <= 8 * pieces, (per_rank, pieces)
+    assert all(abs(b - ref_bytes / world) <= 8 * (pieces + 7) for b in per_rank), (per_rank, ref_bytes)
     assert bool((model.unused == 0.5).all())
 
     # same-dp resume from this rank's shard
     model2 = make_model(seed=7)
     model2.load_state_dict(extra_checks["shard_model"])
-    opt2 = build_sharded_optimizer(model2, None, lr=LR, betas=BETAS, weight_decay=WD)
+    opt2 = build_sharded_optimizer(model2, None, lr=LR, betas=BETAS, weight_decay=WD, bucket_elems=BUCKET[world])
     sched2 = scheduler_for(opt2)
     sched2.load_state_dict(extra_checks["shard_sched"])
     opt2.load_state_dict(extra_checks["shard"])
@@ -264,19 +342,26 @@ def main() -> None:
     if world == 4:
         # a different dp: resume the dp=2 DCP checkpoint, re-sharded over 4 ranks
         model3 = make_model(seed=11)
-        opt3 = ShardedAdamW(param_groups(model3, WD), None, lr=LR, betas=BETAS, weight_decay=WD)
+        opt3 = ShardedAdamW(param_groups(model3, WD), None, lr=LR, betas=BETAS, weight_decay=WD,
+                            bucket_elems=BUCKET[world])
         sched3 = scheduler_for(opt3)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             step, _ = load_checkpoint(ckpt / f"step_{SAVE_AT}", model3, opt3, sched3)
         assert step == SAVE_AT
         assert sorted(opt3._steps) == [0] + [SAVE_AT] * (len(opt3._steps) - 1), opt3._steps
+        # every state element as the dp=2 run held it (another dp, another bucket size)
+        saved = torch.load(ckpt / "full_state.pt")["state"]
+        mine = opt3.full_state_dict()["state"]
+        res["dcp_state_err"] = float(sum(not torch.equal(mine[k][n], v[n]) for k, v in saved.items() for n in v))
+        # and on to dp=1: test_zero.py loads this one in a single process
+        save_checkpoint(ckpt / "dp4", SAVE_AT, model3, opt3, sched3)
         resumed, _ = sharded_steps(model3, opt3, sched3, range(SAVE_AT, STEPS), rank, world)
         # reference: 2 slices for the steps run at dp=2, 4 for the resumed ones
         mixed, mixed_losses, _, _, _ = reference(lambda s: 2 if s < SAVE_AT else 4)
         res["dcp_resume_loss_err"] = rel_err(resumed, mixed_losses[SAVE_AT:])
         res["dcp_resume_param_err"] = max_param_err(model3, mixed)
-        res.update(tensor_parallel())
+        res.update(tensor_parallel(ckpt / "tp2dp2"))
 
     errs = torch.tensor([v for k, v in res.items() if k.endswith("_err") or k == "state_dict_vs_torch"],
                         dtype=torch.float64)

@@ -33,7 +33,7 @@ def _torchrun(nproc: int, *args: str) -> None:
     assert proc.returncode == 0, f"dp={nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def test_sharded_adamw_dp2_dp4_and_resume_across_dp(tmp_path):
+def test_sharded_adamw_dp2_dp4_dp1_and_resume_across_dp_and_tp(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     _torchrun(2, str(out), str(ckpt))
     assert (ckpt / "step_3" / "complete").is_file()
@@ -43,13 +43,37 @@ def test_sharded_adamw_dp2_dp4_and_resume_across_dp(tmp_path):
         for key in ("loss_err", "norm_err", "param_err", "state_dict_vs_torch", "shard_resume_param_err"):
             assert res[key] <= 1e-6, (world, key, res[key])
         assert res["one_forward_param_err"] <= 1e-5 and res["one_forward_loss_err"] <= 1e-6
-        # each rank holds ~1/world of the moments (padding: the flat size is odd)
+        # each rank holds ~1/world of the moments (pieces split to within one element)
         assert abs(res["state_ratio"] - 1 / world) < 1e-3, res["state_ratio"]
         assert sum(res["state_bytes"]) == 8 * res["numel"]
+        # bounded per-step memory; saving gathers nothing: each rank plans only its own elements
+        assert res["step_largest_alloc"] <= res["bucket_bytes"] < 4 * res["numel"] / 10, res
+        assert sum(res["plan_elements"]) == 2 * res["numel"]
+        assert max(res["plan_elements"]) <= 2 * res["numel"] / world + 64, res["plan_elements"]
     res4 = json.loads((out / "zero_4.json").read_text())
     assert res4["dcp_resume_param_err"] <= 1e-6 and res4["dcp_resume_loss_err"] <= 1e-6
+    assert res4["dcp_state_err"] == 0  # dp2 -> dp4 (another bucket size): every state element bit-equal
     for key in ("tp_norm_err", "tp_param_err", "tp_state_err", "tp_load_err"):  # DTensor params at tp2 × dp2
         assert res4[key] <= 1e-6, (key, res4[key])
+    assert res4["tp1_resume_err"] == 0  # DCP at tp2 × dp2 -> tp1 × dp4, bit-equal
+    _resume_at_dp1(ckpt)
+
+
+def _resume_at_dp1(ckpt: Path) -> None:
+    """dp2 -> dp4 -> dp1: the checkpoint the dp=4 run re-saved from the dp=2 one, loaded by one process
+    (no process group), holds every state element the dp=2 run had, bit for bit."""
+    from backends.common.checkpoint.resume import load_checkpoint
+    from tests.parallel._zero_worker import BETAS, LR, WD, make_model
+
+    model = make_model(seed=3)
+    opt = ShardedAdamW(param_groups(model, WD), None, lr=LR, betas=BETAS, weight_decay=WD, bucket_elems=1000)
+    load_checkpoint(ckpt / "dp4" / "step_3", model, opt)
+    saved = torch.load(ckpt / "full_state.pt")["state"]
+    mine = opt.full_state_dict()["state"]
+    assert sorted(mine) == sorted(saved)
+    for key, entry in saved.items():
+        for name, value in entry.items():
+            assert torch.equal(mine[key][name], value), (key, name)
 
 
 def _model(seed=0, dtype=torch.float32):
@@ -83,7 +107,7 @@ def test_single_process_matches_torch_adamw_with_groups_and_clipping():
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
     # the full state dict is torch's AdamW format: it loads into torch, and torch's into ours
-    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    sd, ref_sd = opt.full_state_dict(), ref_opt.state_dict()
     for k, v in ref_sd["state"].items():
         for name in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(sd["state"][k][name], v[name], atol=1e-7, rtol=0)
@@ -118,7 +142,7 @@ def test_bf16_params_keep_fp32_master_weights():
                                atol=1e-7, rtol=0)
     for p, q in zip(bf16.parameters(), ref.parameters()):
         assert torch.equal(p, q.detach().to(torch.bfloat16))
-    assert "master" in opt.state_dict()["state"][0]
+    assert "master" in opt.state_dict()["state"][0] and "master" in opt.full_state_dict()["state"][0]
 
 
 def test_chained_optimizers_step_and_clip_as_one_adamw():
@@ -145,12 +169,12 @@ def test_chained_optimizers_step_and_clip_as_one_adamw():
     assert chain.optimizers[1].param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
-    sd, ref_sd = chain.state_dict(), ref_opt.state_dict()
+    sd, ref_sd = chain.full_state_dict(), ref_opt.state_dict()
     assert [g["params"] for g in sd["param_groups"]] == [[0, 1], [2, 3, 4, 5]] and len(chain.state) == 6
     for k, v in ref_sd["state"].items():
         torch.testing.assert_close(sd["state"][k]["exp_avg_sq"], v["exp_avg_sq"], atol=1e-7, rtol=0)
     again = ChainedOptimizer([ShardedAdamW(ours[0].parameters()), ShardedAdamW(list(ours[1:].parameters()))])
-    again.load_state_dict(sd)
+    again.load_state_dict(chain.state_dict())  # the shards of the same pieces: copied
     assert torch.equal(again.optimizers[1].exp_avg, chain.optimizers[1].exp_avg) and len(again.state) == 6
     assert chain.state_bytes() == 8 * sum(p.numel() for p in ours.parameters())
 
@@ -181,8 +205,9 @@ def test_chained_optimizer_shows_the_one_optimizers_groups():
     single.load_state_dict(sd)
     back = chained()
     back.load_state_dict(single.state_dict())
-    for key, value in back.state_dict()["state"].items():
-        assert torch.equal(value["exp_avg"], sd["state"][key]["exp_avg"]) and float(value["step"]) == 2.0
+    full = chain.full_state_dict()["state"]
+    for key, value in back.full_state_dict()["state"].items():
+        assert torch.equal(value["exp_avg"], full[key]["exp_avg"]) and float(value["step"]) == 2.0
     back.param_groups[1]["lr"] = 0.5
     back.step()
     assert [g["lr"] for o in back.optimizers for g in o.param_groups] == [1e-2, 0.5, 1e-2, 0.5]
@@ -197,7 +222,7 @@ def test_refusals():
     with pytest.raises(TypeError, match="unexpected"):
         ShardedAdamW(model.parameters(), momentum=0.9)
     opt = ShardedAdamW(model.parameters())
-    with pytest.raises(RuntimeError, match="flat layout"):
+    with pytest.raises(RuntimeError, match="fixes its layout"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     shard = opt.sharded_state_dict()
     shard["dp_world"] = 2
