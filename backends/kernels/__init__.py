@@ -22,6 +22,7 @@ __all__ = [
     "KernelUnavailableError",
     "apply_rotary",
     "attention",
+    "attention_backward",
     "auto_chunk_size",
     "configure",
     "describe",
@@ -64,7 +65,9 @@ def attention(
     H must be a multiple of Hkv (GQA/MQA). Causal with Sq < Skv is bottom-right aligned.
     window=w: a token sees itself and the w-1 tokens before it (flash-attn window_size=(w-1, 0);
     w-1 on both sides when not causal). scale defaults to D**-0.5.
-    Returns out shaped like q (last dim of v), or (out, lse) with lse fp32 [B,H,Sq] / [H,T].
+    Returns out shaped like q (last dim of v), or (out, lse) with lse fp32 [B,H,Sq] / [H,T]; lse
+    carries no gradient on the fused backends (the reference's explicit path for dropout or Sq < Skv
+    is the exception). The reference computes the lse path in tiles (no [H, S, S] scores).
     """
     packed = cu_seqlens is not None
     want = 3 if packed else 4
@@ -92,6 +95,47 @@ def attention(
     return _impl("attention", q.device).attention(
         q, k, v, causal=causal, cu_seqlens=cu_seqlens, window=window, scale=scale, dropout=dropout,
         return_lse=return_lse,
+    )
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    cu_seqlens: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (dq, dk, dv) of packed attention from its output and log-sum-exp (FlashAttention-2's backward).
+
+    q, out, dout [T,H,D]; k, v [T,Hkv,D]; cu_seqlens as for attention (the same documents for queries
+    and keys; None: one sequence); lse fp32 [H,T] as attention(..., return_lse=True) returns it.
+    out and lse may be the *global* ones of a larger attention this call is one block of (ring
+    attention): P = exp(S·scale - lse), dS = P∘(dP - rowsum(dout∘out)) give this block's exact share
+    of the gradients, so blocks add up. No window, no dropout.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"attention_backward expects packed [T,H,D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    t, h = q.shape[:2]
+    if k.shape[:-1] != v.shape[:-1] or k.shape[0] != t:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must hold the {t} tokens of q")
+    if h % k.shape[1]:
+        raise ValueError(f"{h} query heads are not a multiple of {k.shape[1]} kv heads")
+    want_out = (t, h, v.shape[-1])
+    if tuple(out.shape) != want_out or tuple(dout.shape) != want_out:
+        raise ValueError(f"out {tuple(out.shape)} and dout {tuple(dout.shape)} must be {want_out}")
+    if tuple(lse.shape) != (h, t):
+        raise ValueError(f"lse must be [H,T] = {(h, t)}, got {tuple(lse.shape)}")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t:
+            raise ValueError(f"cu_seqlens must be 1-D and run from 0 to T={t}, got {cu_seqlens.tolist()}")
+    return _impl("attention_backward", q.device).attention_backward(
+        q, k, v, out, dout, lse, causal=causal, cu_seqlens=cu_seqlens, scale=scale
     )
 
 

@@ -18,6 +18,8 @@ from .rotary import rotate  # noqa: F401
 def impl_name(op: str) -> str:
     if op == "attention":
         return "cuda (flash-attn)" if flash_attn_available() else "cuda (sdpa flash/efficient)"
+    if op == "attention_backward":
+        return "cuda (aten._flash_attention_backward; else reference tiled)"
     if op == "grouped_mm":
         return "cuda (torch._grouped_mm)" if hasattr(torch, "_grouped_mm") else "cuda (per-expert loop)"
     return {
@@ -85,6 +87,43 @@ def _flash_attention(q, k, v, causal, cu_seqlens, window, scale, dropout, return
             lse = lse[..., : q.shape[1]]  # some flash-attn 2 releases round seqlen up
         return out, lse.float()
     return res
+
+
+def _flash_backward_ok(q, v) -> bool:
+    # PyTorch's own flash kernel (sm80+): fp16/bf16, head dim <= 256 and a multiple of 8, dv == dq.
+    d = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or d > 256 or d % 8 or v.shape[-1] != d:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] >= 8
+
+
+def flash_backward_args(q, k, v, out, dout, lse, cu_seqlens, causal: bool) -> tuple:
+    """Positional arguments of aten._flash_attention_backward for packed q [T,H,D], k/v [T,Hkv,D], lse [H,T].
+
+    As torch.nn.attention.varlen calls it: varlen (cumulative int32 lengths for queries and keys), no
+    dropout (rng_state two zeros, an empty `unused`), out and dout in the dtype of q.
+    """
+    cu = (torch.tensor([0, q.shape[0]]) if cu_seqlens is None else cu_seqlens).to(device=q.device, dtype=torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    return (dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.to(q.dtype).contiguous(), lse.float().contiguous(), cu, cu, max_len, max_len, 0.0, bool(causal),
+            rng_state, unused)
+
+
+def _aten_flash_backward():
+    return torch.ops.aten._flash_attention_backward
+
+
+def attention_backward(q, k, v, out, dout, lse, *, causal, cu_seqlens=None, scale=None):
+    if not _flash_backward_ok(q, v):
+        log_once(f"cuda-bwd-{q.dtype}-{q.shape[-1]}", "attention_backward: flash kernel does not take %s / head dim "
+                 "%d -> reference tiled backward", q.dtype, q.shape[-1])
+        return reference.attention_backward(q, k, v, out, dout, lse, causal=causal, cu_seqlens=cu_seqlens, scale=scale)
+    args = flash_backward_args(q, k, v, out, dout, lse, cu_seqlens, causal)
+    dq, dk, dv = _aten_flash_backward()(*args, scale=scale)
+    return dq.float(), dk.float(), dv.float()
 
 
 def _grouped_mm_ok(x, w) -> bool:

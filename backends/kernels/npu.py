@@ -15,6 +15,7 @@ from .moe import moe_route  # noqa: F401
 
 IMPL_NAMES = {
     "attention": "npu (npu_fusion_attention)",
+    "attention_backward": "npu (npu_fusion_attention_grad)",
     "rms_norm": "npu (npu_rms_norm)",
     "apply_rotary": "npu (npu_rotary_mul)",
     "swiglu": "npu (npu_swiglu)",
@@ -55,6 +56,18 @@ def attention(q, k, v, *, causal, cu_seqlens=None, window=None, scale=None, drop
     # No gradient flows through lse here: the fused backward only takes grad(out).
     lse = npu_args.lse_from_softmax_stats(res[1], res[2], kwargs["input_layout"]).detach()
     return res[0], lse
+
+
+def attention_backward(q, k, v, out, dout, lse, *, causal, cu_seqlens=None, scale=None):
+    cu = None if cu_seqlens is None else cu_seqlens.tolist()
+    kwargs, mask = npu_args.fusion_attention_grad_kwargs(q_shape=q.shape, causal=causal, scale=scale, cu_seqlens=cu)
+    if mask is not None:
+        kwargs["atten_mask"] = _compressed_causal_mask(str(q.device))
+    softmax_max, softmax_sum = npu_args.softmax_stats_from_lse(lse, kwargs["input_layout"])
+    res = _torch_npu().npu_fusion_attention_grad(
+        q, k, v, dout.to(q.dtype), softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out.to(q.dtype),
+        **kwargs)
+    return res[0].float(), res[1].float(), res[2].float()
 
 
 def rms_norm(x, weight, eps):

@@ -82,6 +82,34 @@ def lse_from_softmax_stats(softmax_max, softmax_sum, input_layout: str):
     raise ValueError(f"unsupported layout {input_layout!r}")
 
 
+def fusion_attention_grad_kwargs(*, q_shape: Sequence[int], causal: bool, scale: float | None = None,
+                                 cu_seqlens: Sequence[int] | None = None) -> tuple[dict[str, Any], str | None]:
+    """(kwargs for torch_npu.npu_fusion_attention_grad after q, k, v, dy; mask kind or None).
+
+    The forward's mapping with the grad op's own name for the scale (scale_value); no dropout. Packed
+    [T,N,D] inputs with cu_seqlens use TND, [T,N,D] without them one sequence (TND, one document).
+    """
+    if cu_seqlens is None and len(q_shape) == 3:
+        cu_seqlens = [0, int(q_shape[0])]
+    kwargs, mask = fusion_attention_kwargs(q_shape=q_shape, causal=causal, scale=scale, cu_seqlens=cu_seqlens)
+    kwargs["scale_value"] = kwargs.pop("scale")
+    return kwargs, mask
+
+
+def softmax_stats_from_lse(lse, input_layout: str):
+    """lse -> (softmax_max, softmax_sum) for npu_fusion_attention_grad: max = lse, sum = 1 makes the
+    kernel's P = exp(S - max) / sum equal exp(S - lse), so a given (e.g. global, ring) lse is used as is.
+
+    TND: lse [N, T] -> stats [T, N, 8]; BSND: lse [B, N, S] -> stats [B, N, S, 8] (8 repeated values).
+    """
+    if input_layout == "TND":
+        lse = lse.transpose(0, 1)
+    elif input_layout != "BSND":
+        raise ValueError(f"unsupported layout {input_layout!r}")
+    mx = lse.float().unsqueeze(-1).expand(*lse.shape, 8).contiguous()
+    return mx, mx.new_ones(mx.shape)
+
+
 def rotary_mode(interleaved: bool) -> str:
     """npu_rotary_mul's rotary_mode: 'half' (rotate_half) or 'interleave' (adjacent pairs)."""
     return "interleave" if interleaved else "half"

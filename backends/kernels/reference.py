@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import masks, rotary
+from . import masks, rotary, tiled_attention
 from .loss import linear_cross_entropy  # noqa: F401  (portable: same code on every backend)
 from .moe import grouped_mm, moe_permute, moe_route, moe_unpermute, swiglu  # noqa: F401
 
 IMPL_NAMES = {
-    "attention": "reference (sdpa+mask; packed: per document)",
+    "attention": "reference (sdpa+mask; packed: per document; with lse: tiled)",
+    "attention_backward": f"reference (tiled, {tiled_attention.BLOCK}-row blocks)",
     "rms_norm": "reference (torch fp32)",
     "apply_rotary": "reference (torch)",
     "swiglu": "reference (torch)",
@@ -86,14 +87,37 @@ def _per_document(fn, q, k, v, cu_seqlens, **kw):
     return out
 
 
+def _tiled_with_lse(q, k, v, cu, *, causal, window, scale):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return tiled_attention.TiledAttention.apply(q, k, v, cu, causal, window, scale, tiled_attention.BLOCK)
+
+
 def attention(q, k, v, *, causal, cu_seqlens=None, window=None, scale=None, dropout=0.0, return_lse=False):
     kw = dict(causal=causal, window=window, scale=scale, dropout=dropout)
+    # With lse (the ring's forward): flash-style tiles, so no [H, n, n] scores; dropout and
+    # more keys than queries keep the explicit path.
+    tiled = return_lse and not dropout
     if cu_seqlens is None:
+        if tiled and q.shape[1] == k.shape[1]:
+            b, s = q.shape[:2]
+            out, lse = _tiled_with_lse(*(x.reshape(b * s, *x.shape[2:]) for x in (q, k, v)),
+                                       [i * s for i in range(b + 1)], causal=causal, window=window, scale=scale)
+            return out.reshape(b, s, *out.shape[1:]), lse.reshape(lse.shape[0], b, s).transpose(0, 1)
         if return_lse:
             return explicit_attention(q, k, v, **kw)
         return sdpa_batched(q, k, v, **kw)
+    if tiled:
+        return _tiled_with_lse(q, k, v, [int(x) for x in cu_seqlens.tolist()], causal=causal, window=window,
+                               scale=scale)
     fn = explicit_attention if return_lse else sdpa_batched
     return _per_document(fn, q, k, v, cu_seqlens, **kw)
+
+
+def attention_backward(q, k, v, out, dout, lse, *, causal, cu_seqlens=None, scale=None,
+                       block=tiled_attention.BLOCK):
+    cu = [0, q.shape[0]] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return tiled_attention.backward(q, k, v, out, dout, lse, cu, causal=causal, window=None, scale=scale, block=block)
 
 
 # ---------------------------------------------------------------- norms, rotary

@@ -23,6 +23,7 @@ logger = logging.getLogger("backends.kernels")
 
 OPS = (
     "attention",
+    "attention_backward",
     "rms_norm",
     "apply_rotary",
     "swiglu",
