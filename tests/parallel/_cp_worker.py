@@ -9,11 +9,14 @@ the local output shard and of the gathered output / dq / dk / dv against the ref
 exception a case raised ({"error": type, "message": text}).
 
 Spec keys: algo (ring|ulysses|hybrid|...), u (ulysses degree, hybrid), B, S (batched) or docs
-(packed document lengths), H, KV, D, causal, load_balance, window, seed.
+(packed document lengths), H, KV, D, causal, load_balance, window, seed; trace: also report the
+largest tensor the CP forward and backward allocate ("fwd_largest", "bwd_largest", bytes) and the size
+of one fp32 [H, n, n] matrix of the longest local document ("dense").
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -24,6 +27,8 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from tests.helpers.dist_exit import leave  # noqa: E402
 
@@ -37,6 +42,19 @@ from backends.llm.parallel.context_parallel import (  # noqa: E402
 )
 
 _GROUPS: dict[int, object] = {}
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor storage any op produces inside the mode (bytes)."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
 
 
 def groups_for(u: int):
@@ -78,9 +96,13 @@ def run_case(spec: dict) -> dict:
     info = shard(q)
     ql, kl, vl = (shard(x).data.clone().requires_grad_() for x in (q, k, v))
     wl = shard(w).data
-    out = cp_attention(ql, kl, vl, algo=spec["algo"], groups=groups, causal=causal, cu_seqlens=info.cu_seqlens,
-                       load_balance=lb, window=spec.get("window"))
-    (out * wl).sum().backward()
+    fwd, bwd = LargestTensor(), LargestTensor()
+    with fwd if spec.get("trace") else contextlib.nullcontext():
+        out = cp_attention(ql, kl, vl, algo=spec["algo"], groups=groups, causal=causal, cu_seqlens=info.cu_seqlens,
+                           load_balance=lb, window=spec.get("window"))
+    loss = (out * wl).sum()
+    with bwd if spec.get("trace") else contextlib.nullcontext():
+        loss.backward()
 
     valid = info.valid
     ref_local = shard(out_ref.detach()).data
@@ -100,7 +122,11 @@ def run_case(spec: dict) -> dict:
     else:
         want = torch.arange(spec["S"]).index_select(0, info.index)
     errs["positions"] = (info.positions[valid] - want[valid]).abs().max().float()
-    vec = torch.stack([e.detach().float() for e in errs.values()])
+    if spec.get("trace"):
+        longest = max(b - a for a, b in zip(info.cu_seqlens.tolist()[:-1], info.cu_seqlens.tolist()[1:]))
+        errs.update(fwd_largest=torch.tensor(fwd.largest), bwd_largest=torch.tensor(bwd.largest),
+                    dense=torch.tensor(h * longest * longest * 4))
+    vec = torch.stack([e.detach().double() for e in errs.values()])
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=groups.cp)
     return dict(zip(errs, (float(x) for x in vec)))
 

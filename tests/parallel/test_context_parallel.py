@@ -2,7 +2,8 @@
 
 The layout helpers are tested in process; the algorithms under torchrun on gloo (tests/parallel/
 _cp_worker.py), one launch per CP size, against the single-process `kernels.attention` forward and
-its gradients (fp32, atol 1e-5).
+its gradients (fp32, atol 1e-5); one long-document ring case also traces the largest tensor its
+forward and backward allocate.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ WORKER = Path(__file__).with_name("_cp_worker.py")
 ATOL = 1e-5
 DOCS3 = [13, 7, 12]  # cp=2: padded to 16, 8, 12
 DOCS3_CP4 = [20, 9, 30]  # cp=4: padded to 24, 16, 32
+LONG_DOCS = [4096, 37, 1]  # cp=2: the long one is 2048 local tokens, 1024 per head/tail chunk
+SHORT_DOCS = [1, 5, 12, 3, 8, 1, 16, 7, 2, 9] * 6
 
 CASES = {
     2: {
@@ -40,6 +43,11 @@ CASES = {
         "ring_no_load_balance": {"algo": "ring", "S": 32, "load_balance": False},
         "ring_non_causal": {"algo": "ring", "S": 32, "causal": False},
         "ulysses_mqa": {"algo": "ulysses_cp_algo", "S": 32, "KV": 1},
+        # Local documents longer than the kernel's 256-row tiles, and many short ones in one tile.
+        # fp32 sums over 4096 keys: 5e-5 absolute is ~1e-6 of the gradients' size
+        "ring_long_document": {"algo": "ring", "docs": LONG_DOCS, "trace": True, "seed": 4, "atol": 5e-5},
+        "ring_many_short_documents": {"algo": "ring", "docs": SHORT_DOCS, "KV": 1, "seed": 5},
+        "ring_long_non_causal": {"algo": "ring", "docs": [1100, 300], "causal": False, "seed": 6},
     },
     4: {
         "ring": {"algo": "ring", "S": 64},
@@ -93,8 +101,19 @@ def test_cp_matches_single_process_reference(results, cp, name):
     res = results(cp)[name]
     assert "error" not in res, res
     assert res["positions"] == 0, res
+    atol = CASES[cp][name].get("atol", ATOL)
     for key in ("out_local", "out", "dq", "dk", "dv"):
-        assert res[key] <= ATOL, f"{name} cp={cp}: {key} differs by {res[key]:.3g} ({res})"
+        assert res[key] <= atol, f"{name} cp={cp}: {key} differs by {res[key]:.3g} ({res})"
+
+
+def test_ring_never_allocates_a_dense_score_matrix(results):
+    # One fp32 [H, n, n] matrix of the long local document is 64 MiB; the tiled kernels stay at
+    # H·256² tiles and [n, H, D] copies (1 MiB), whatever the document's length.
+    res = results(2)["ring_long_document"]
+    assert "error" not in res, res
+    assert res["dense"] == 4 * 2048 * 2048 * 4
+    for key in ("fwd_largest", "bwd_largest"):
+        assert 0 < res[key] <= res["dense"] / 32, (key, res)
 
 
 @pytest.mark.parametrize("name", list(ERRORS))

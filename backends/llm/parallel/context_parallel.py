@@ -35,10 +35,10 @@ Backward: the ring is one autograd.Function with a hand-written ring backward (F
 formulas per block with the *global* log-sum-exp: P = exp(S - lse), dS = P∘(dP - rowsum(dO∘O))); KV
 travels the ring again together with its fp32 dK/dV accumulators, which arrive back at their owner
 after the last hop. It never differentiates through the lse, so it is exact whatever backend ran
-the forward (npu_fusion_attention and flash-attn return an lse without gradient). The block backward
-is plain PyTorch math in fp32 (O(block_q·block_kv) scores per document and block, like the
-reference kernel), not a fused kernel: `backends.kernels` has no attention-backward op that takes a
-given lse yet; `_block_grads` is the one place to swap one in. Ulysses' all-to-all is an
+the forward (npu_fusion_attention and flash-attn return an lse without gradient). Each block's
+backward is `kernels.attention_backward` with the global out and lse (npu_fusion_attention_grad,
+PyTorch's flash backward, or the reference's flash-style tiles: no [H, n, n] scores of a document in
+either direction). Ulysses' all-to-all is an
 autograd.Function (its backward is the inverse all-to-all), so Ulysses differentiates through the
 kernel's own attention backward.
 
@@ -472,10 +472,8 @@ class _Layout:
     def take_lse(self, lse: torch.Tensor, part: str) -> torch.Tensor:
         return lse if part == "all" else lse.index_select(1, self.idx[part])
 
-    def cu_of(self, part: str, as_tensor: bool = True):
-        if part == "all":
-            return self.cu_t if as_tensor else self.cu
-        return self.cu_half_t if as_tensor else self.cu_half
+    def cu_of(self, part: str) -> torch.Tensor:
+        return self.cu_t if part == "all" else self.cu_half_t
 
 
 def _merge(out, lse, rows, part_out, part_lse):
@@ -496,35 +494,9 @@ def _merge(out, lse, rows, part_out, part_lse):
         lse.index_copy_(1, rows, new_l)
 
 
-def _block_grads(q, k, v, dout, lse, delta, cu: list[int], causal: bool, scale: float):
-    """Exact gradients of one attention block given the *global* lse [H,Tq] and delta = rowsum(dO∘O) [Tq,H].
-
-    q [T,H,D], k/v [T,Hkv,D] packed with the same per-document lengths (cu). Plain fp32 math, one
-    document at a time; returns fp32 dq, dk, dv. (Swap in a fused attention backward here.)
-    """
-    h, hkv = q.shape[1], k.shape[1]
-    g = h // hkv
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for s, e in zip(cu[:-1], cu[1:]):
-        n = e - s
-        if n == 0:
-            continue
-        qd = q[s:e].float().reshape(n, hkv, g, q.shape[-1])
-        kd, vd = k[s:e].float(), v[s:e].float()
-        od = dout[s:e].float().reshape(n, hkv, g, dout.shape[-1])
-        scores = torch.einsum("qhgd,khd->hgqk", qd, kd) * scale
-        if causal:
-            keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~keep, float("-inf"))
-        p = torch.exp(scores - lse[:, s:e].reshape(hkv, g, n, 1))
-        dv[s:e] = torch.einsum("hgqk,qhgd->khd", p, od)
-        dp = torch.einsum("qhgd,khd->hgqk", od, vd)
-        ds = p * (dp - delta[s:e].reshape(n, hkv, g).permute(1, 2, 0).unsqueeze(-1))
-        dq[s:e] = (torch.einsum("hgqk,khd->qhgd", ds, kd) * scale).reshape(n, h, q.shape[-1])
-        dk[s:e] = torch.einsum("hgqk,qhgd->khd", ds, qd) * scale
-    return dq, dk, dv
+def _block_grads(q, k, v, out, dout, lse, cu: torch.Tensor, causal: bool, scale: float):
+    """fp32 gradients of one ring block from the *global* out [Tq,H,D] and lse [H,Tq] (kernels.attention_backward)."""
+    return kernels.attention_backward(q, k, v, out, dout, lse, causal=causal, cu_seqlens=cu, scale=scale)
 
 
 def _rows(layout: _Layout, part: str):
@@ -564,8 +536,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, scale = ctx.layout, ctx.group, ctx.scale
         rank, size = layout.rank, layout.size
-        dout = dout.float()
-        delta = (dout * out).sum(-1)  # [T,H]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = [k.contiguous(), v.contiguous()]
         dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
@@ -576,8 +546,8 @@ class _RingAttention(torch.autograd.Function):
             for qp, kp, blk_causal in layout.blocks(src):
                 qr, kr = _rows(layout, qp), _rows(layout, kp)
                 gq, gk, gv = _block_grads(
-                    layout.take(q, qp), layout.take(kv[0], kp), layout.take(kv[1], kp), layout.take(dout, qp),
-                    layout.take_lse(lse, qp), layout.take(delta, qp), layout.cu_of(kp, as_tensor=False),
+                    layout.take(q, qp), layout.take(kv[0], kp), layout.take(kv[1], kp), layout.take(out, qp),
+                    layout.take(dout, qp), layout.take_lse(lse, qp), layout.cu_of(kp),
                     blk_causal, scale,
                 )
                 _add_rows(dq, qr, gq)
