@@ -31,7 +31,9 @@ from torch import nn
 
 __all__ = [
     "LoRALinear",
+    "init_lora_weight",
     "inject_lora",
+    "lora_delta",
     "lora_modules",
     "lora_state_dict",
     "base_state_dict",
@@ -51,6 +53,23 @@ _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped
 _OUTPUT_LEAVES = {"lm_head", "output", "output_layer", "embed_out"}
 _GATE_RE = re.compile(r"(^|_)(gate|router)$")  # MoE router gates (not gate_proj)
 _LAYER_RE = re.compile(r"(^|\.)(layers|layer|h|blocks)\.\d+\.")
+
+
+@torch.no_grad()
+def init_lora_weight(which: str, weight: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """PEFT's init of an adapter weight: lora_A kaiming-uniform(a=sqrt(5)), lora_B zeros. A generator
+    seeded per parameter (instead of the global RNG) makes the draw independent of the layout."""
+    if which == "lora_A":
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+    elif which == "lora_B":
+        nn.init.zeros_(weight)
+    else:
+        raise ValueError(f"init_lora_weight: {which!r} is neither lora_A nor lora_B")
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``scaling * B @ A`` in fp32: what merging adds to the base weight."""
+    return (b.float() @ a.float()) * scaling
 
 
 class LoRALinear(nn.Module):
@@ -82,8 +101,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def reset_lora_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
+        init_lora_weight("lora_A", self.lora_A.weight)
+        init_lora_weight("lora_B", self.lora_B.weight)
 
     # the base layer's attributes, for code that inspects q_proj.weight / .bias
     @property
@@ -103,8 +122,7 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """``scaling * B @ A`` in fp32 (full tensors; not for sharded DTensor parameters)."""
-        a, b = self.lora_A.weight, self.lora_B.weight
-        return (b.float() @ a.float()) * self.scaling
+        return lora_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, lora_alpha={self.lora_alpha}, scaling={self.scaling:g}"

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,11 @@ class SafetensorsDir(Mapping):
         return len(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._where[name]).get_slice(name).get_shape())
+        return tuple(self.get_slice(name).get_shape())
+
+    def get_slice(self, name: str):
+        """safetensors' lazy slice of one tensor: indexing it reads only that region from the file."""
+        return self._handle(self._where[name]).get_slice(name)
 
     def file_of(self, name: str) -> Path:
         return self._where[name]
@@ -139,30 +143,22 @@ def read_safetensors(path: str | os.PathLike) -> SafetensorsDir:
 # ---------------------------------------------------------------------- writing
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    return shards
-
-
-def _prepare(state_dict: Mapping[str, torch.Tensor], config: dict, dtype: torch.dtype | None):
+def _prepared(items: Iterable[tuple[str, torch.Tensor]], config: dict, dtype: torch.dtype | None):
+    """(name, CPU tensor ready to write) for each item: the tied head dropped, the dtype applied."""
     tied = bool(config.get("tie_word_embeddings"))
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in state_dict.items():
+    for name, t in items:
         if tied and name == "lm_head.weight":
             continue  # HF writes the tied head once, as the embedding
         t = t.detach().to("cpu")
         if dtype is not None and t.is_floating_point() and not name.endswith("e_score_correction_bias"):
             t = t.to(dtype)  # the routing bias stays fp32, as in DeepSeek's own checkpoints
-        t = t.contiguous()
+        yield name, t.contiguous()
+
+
+def _unshared(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen: set[int] = set()
+    out = {}
+    for name, t in shard.items():
         if t.untyped_storage().data_ptr() in seen:
             t = t.clone()  # safetensors refuses tensors that share memory
         seen.add(t.untyped_storage().data_ptr())
@@ -170,12 +166,40 @@ def _prepare(state_dict: Mapping[str, torch.Tensor], config: dict, dtype: torch.
     return out
 
 
-def _main_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype | None:
+def _write_shards(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> dict[str, Any]:
+    """Write the tensors as they come, one shard file at a time (at most one shard in memory):
+    -> {"files": [shard names in order], "weight_map", "total", "sizes" (bytes per float dtype)}."""
+    from safetensors.torch import save_file
+
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
     sizes: dict[torch.dtype, int] = {}
-    for t in tensors.values():
+    total = 0
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        fname = f".part-{len(files) + 1:05d}.safetensors"
+        save_file(_unshared(shard), str(tmp / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({name: fname for name in shard})
+        shard.clear()
+
+    for name, t in tensors:
+        if name in weight_map or name in shard:
+            raise ValueError(f"tensor {name!r} is given twice for the export")
+        n = t.numel() * t.element_size()
+        if shard and size + n > max_bytes:
+            flush()
+            size = 0
+        shard[name] = t
+        size += n
+        total += n
         if t.is_floating_point():
             sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
-    return max(sizes, key=sizes.get) if sizes else None
+    if shard or not files:
+        flush()
+    return {"files": files, "weight_map": weight_map, "total": total, "sizes": sizes}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -193,37 +217,37 @@ def _fsync_dir(path: Path) -> None:
 
 def write_hf_dir(
     out_dir: str | os.PathLike,
-    state_dict: Mapping[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     config: dict,
     tokenizer_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 5 * 2**30,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write a Hugging Face model directory atomically; replaces an existing one only once complete."""
-    from safetensors.torch import save_file
+    """Write a Hugging Face model directory atomically; replaces an existing one only once complete.
 
+    state_dict: a mapping, or an iterable of (name, tensor) consumed lazily: each shard file is
+    written as soon as it is full, so at most one shard (max_shard_bytes) is held at a time."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = _prepare(state_dict, config, dtype)
+    items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict
     config = dict(config)
-    written = dtype or _main_dtype(tensors)
-    if written is not None:  # config.json states the dtype the weights really have
-        config["torch_dtype"] = config["dtype"] = str(written).removeprefix("torch.")
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
+        written = _write_shards(tmp, _prepared(items, config, dtype), max_shard_bytes)
+        main = dtype or (max(written["sizes"], key=written["sizes"].get) if written["sizes"] else None)
+        if main is not None:  # config.json states the dtype the weights really have
+            config["torch_dtype"] = config["dtype"] = str(main).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        shards = _shards(tensors, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / SINGLE), metadata={"format": "pt"})
+        files = written["files"]
+        if len(files) == 1:
+            os.replace(tmp / files[0], tmp / SINGLE)
         else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({name: fname for name in shard})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            final = {f: f"model-{i:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files, 1)}
+            for f, name in final.items():
+                os.replace(tmp / f, tmp / name)
+            index = {"metadata": {"total_size": written["total"]},
+                     "weight_map": {k: final[f] for k, f in written["weight_map"].items()}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         if tokenizer_dir is not None:
             src = Path(tokenizer_dir)

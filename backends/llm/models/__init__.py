@@ -27,25 +27,37 @@ from .moe import Experts, Router
 __all__ = [
     "FAMILIES", "CausalLM", "ConfigError", "DecoderLayer", "MLAConfig", "ModelConfig", "MoEConfig",
     "build_model", "card_config", "find_card", "from_card", "from_pretrained", "hf_state_dict",
-    "init_weights", "load_hf_state_dict",
+    "init_rule", "init_weights", "load_hf_state_dict",
 ]
 
 
+def init_rule(module: nn.Module, name: str, std: float = 0.02):
+    """How HF's _init_weights fills `module`'s own parameter or buffer `name`: a function
+    fill(tensor, generator=None), or None where it leaves it (linear / embedding / router / expert
+    weights ~ N(0, std), biases and the routing correction bias 0, norms 1)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        if name == "weight":
+            return lambda t, generator=None: t.normal_(0.0, std, generator=generator)
+        if name in ("bias", "e_score_correction_bias"):
+            return lambda t, generator=None: t.zero_()
+    elif isinstance(module, Experts) and name in ("gate_up_proj", "down_proj"):
+        return lambda t, generator=None: t.normal_(0.0, std, generator=generator)
+    elif isinstance(module, RMSNorm) and name == "weight":
+        return lambda t, generator=None: t.fill_(1.0)
+    return None
+
+
 def init_weights(model: nn.Module, std: float = 0.02) -> None:
-    """HF's _init_weights: linear / embedding / router / expert weights ~ N(0, std), biases 0, norms 1."""
+    """HF's _init_weights on every module, drawing from the global RNG in module order."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-                if isinstance(module, Router) and module.e_score_correction_bias is not None:
-                    module.e_score_correction_bias.zero_()
-            elif isinstance(module, Experts):
-                module.gate_up_proj.normal_(0.0, std)
-                module.down_proj.normal_(0.0, std)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            for name, t in own:
+                if t is None:
+                    continue
+                fill = init_rule(module, name, std)
+                if fill is not None:
+                    fill(t)
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
