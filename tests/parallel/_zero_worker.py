@@ -9,12 +9,18 @@ single-process torch.optim.AdamW on the whole batch, accumulated over the same N
 fp32 partial sums match the ranks'). Checked (max abs error <= 1e-6):
   * the 5 step losses, grad norms and the final parameters (and <= 1e-5 against one forward over
     the whole batch: the rounding any data-parallel split of a batch brings, DDP's too);
-  * after 3 steps, the gathered state_dict() equals torch's AdamW state;
+  * after 3 steps, the exported full_state_dict() equals torch's AdamW state;
   * per-rank optimizer state bytes ≈ 1/N of the unsharded AdamW's moments;
-  * N == 2: a DCP checkpoint (backends.common.checkpoint.save_checkpoint) at step 3 into CKPT;
-  * N == 4: resuming that dp=2 checkpoint (load_checkpoint: DCP + re-shard) and training steps 4-5
-    gives the reference's parameters; a sharded_state_dict() round trip at the same dp does too;
-    and tensor_parallel(): DTensor parameters on a tp2 × dp2 mesh against torch's AdamW on the full ones.
+  * memory: no allocation during clip + step exceeds one bucket in fp32 (profiler allocator events),
+    the reused buffers are a few buckets; state_dict() allocates only the step scalars, and each rank's
+    DCP save plan holds exactly its own moment elements (all ranks together: each element once);
+  * N == 2: a DCP checkpoint (backends.common.checkpoint.save_checkpoint) at step 3 into CKPT, and the
+    full export beside it;
+  * N == 4: resuming that dp=2 checkpoint (load_checkpoint: DCP + re-shard, another bucket size)
+    gives every state element bit-equal and, training steps 4-5, the reference's parameters; it is
+    re-saved to CKPT/dp4 (test_zero.py loads it at dp=1); a sharded_state_dict() round trip at the
+    same dp works too; and tensor_parallel(): DTensor parameters on a tp2 × dp2 mesh against torch's
+    AdamW on the full ones, saved by DCP and resumed bit-equal at tp1 × dp4.
 Rank 0 writes OUT/zero_N.json.
 """
 

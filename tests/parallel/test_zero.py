@@ -1,9 +1,12 @@
 """The distributed optimizer (backends.common.zero.ShardedAdamW).
 
 Multi-process: tests/parallel/_zero_worker.py under torchrun (gloo) at dp=2 (which also writes a
-DCP checkpoint) and then dp=4 (which also resumes that dp=2 checkpoint); see the worker for the
-checks. In-process (no process group, dp=1): bit-level parity with torch.optim.AdamW, bf16 params
-with fp32 master weights, state-dict interchange with torch's AdamW, refusals.
+DCP checkpoint) and then dp=4 (which resumes it, re-saves it, and saves / reloads tp2 × dp2 -> tp1 ×
+dp4); this process then loads the dp=4 one at dp=1; see the worker for the checks (bounded step
+allocations, a save plan of each rank's own elements). In-process (no process group, dp=1):
+bit-level parity with torch.optim.AdamW (also with parameters cut over many small buckets), bf16
+params with fp32 master weights, a DCP round trip across bucket sizes, state-dict interchange with
+torch's AdamW (full_state_dict), refusals.
 """
 
 from __future__ import annotations
@@ -143,6 +146,43 @@ def test_bf16_params_keep_fp32_master_weights():
     for p, q in zip(bf16.parameters(), ref.parameters()):
         assert torch.equal(p, q.detach().to(torch.bfloat16))
     assert "master" in opt.state_dict()["state"][0] and "master" in opt.full_state_dict()["state"][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_buckets_split_parameters_and_keep_torch_adamw(dtype, tmp_path):
+    """Buckets of 40 elements: every matrix is cut into pieces over several buckets; the update still
+    follows torch's AdamW (fp32: bit for bit on the parameters; bf16: on the fp32 master), and a DCP
+    save / load (one process) round-trips every state element into an optimizer of another bucket size."""
+    from backends.common.checkpoint.resume import load_checkpoint, save_checkpoint
+
+    ours = _model(dtype=dtype)
+    ref = copy.deepcopy(ours).float()
+    opt = ShardedAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, bucket_elems=40)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    assert len(opt._buckets) > 6 and max(len(p) for p in opt._pieces_of) > 1
+    assert opt.buffer_bytes() == 0  # one process: no staging or gather buffers
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _loss(ours, step).backward()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    got = opt.master if opt.master is not None else torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    assert torch.equal(got, torch.cat([q.detach().reshape(-1) for q in ref.parameters()]))
+    assert all(torch.equal(p, q.detach().to(dtype)) for p, q in zip(ours.parameters(), ref.parameters()))
+    full = opt.full_state_dict()["state"]
+    for k, v in ref_opt.state_dict()["state"].items():
+        assert torch.equal(full[k]["exp_avg_sq"], v["exp_avg_sq"])
+    save_checkpoint(tmp_path, 3, ours, opt)
+    again_model = _model(seed=1, dtype=dtype)
+    again = ShardedAdamW(again_model.parameters(), lr=1e-2, bucket_elems=7)
+    load_checkpoint(tmp_path / "step_3", again_model, again)
+    back = again.full_state_dict()["state"]
+    assert all(torch.equal(back[k][n], v[n]) for k, v in full.items() for n in v)
+    assert ("master" in back[0]) == (dtype == torch.bfloat16)
+    assert all(torch.equal(p, q) for p, q in zip(again_model.parameters(), ours.parameters()))
 
 
 def test_chained_optimizers_step_and_clip_as_one_adamw():
