@@ -9,18 +9,18 @@ from typing import Any
 import yaml
 
 from ascendfactory.errors import JobError, Problem
+from ascendfactory.frameworks import FRAMEWORKS as _FRAMEWORKS
 from ascendfactory.resources import matrix_dir
 
-FRAMEWORKS = ("mindspeed-llm", "llamafactory", "mindspeed-mm", "verl", "mindspeed-rl")
+FRAMEWORKS = _FRAMEWORKS  # the registry's names, in table order
 
-FEATURES = {
-    "mindspeed-llm": ("pretrain_full", "lora", "packing", "flash_attention", "sptd", "long_seq",
-                      "moe_parallel", "dynamic_seq_len"),
-    "llamafactory": ("stages", "zero", "flash_attention"),
-    "mindspeed-mm": ("pretrain_full", "sptd", "distributed_optimizer", "recompute"),
-    "verl": ("methods", "sglang", "vllm", "train_backend"),
-    "mindspeed-rl": ("methods", "vllm", "megatron_backend", "long_seq"),
-}
+
+def features(framework: str) -> tuple[str, ...]:
+    """A framework table's column keys, as its adapter declares them."""
+    from ascendfactory.frameworks import adapter
+
+    return tuple(adapter(framework).columns)
+
 
 SUPPORTED, UNSUPPORTED, NOT_PLANNED, UNLISTED = "supported", "unsupported", "not_planned", "unlisted"
 CELL_SYMBOL = {SUPPORTED: "✅", UNSUPPORTED: "❌", NOT_PLANNED: "NA", UNLISTED: "—"}

@@ -11,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from ascendfactory.errors import JobError
+from ascendfactory.frameworks import FRAMEWORKS
 
 # pydantic looks up plugins through every installed package's entry points on first model build
 # (~40 ms); the CLI uses none, so skip the scan unless the user asked for plugins explicitly.
@@ -111,7 +112,9 @@ def plan(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES, allow
     con.print(f"architecture from {_escape(p.arch_source)}")
     lay = p.layout
     con.print(f"layout: {lay.describe()}; micro-batch {lay.micro_batch} × accumulation {lay.grad_accum} × dp "
-              f"{lay.dp} = global batch {lay.global_batch}; layers per stage {lay.pp_layers}")
+              f"{lay.dp} = global batch {lay.global_batch}; layers per stage {list(lay.pp_layers)}")
+    for role, role_layout in p.roles.items():
+        con.print(f"  {role}: {role_layout.describe()}")
     t = Table(title="memory per device (estimate)")
     t.add_column("part")
     t.add_column("GiB", justify="right")
@@ -163,7 +166,7 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
         dry_run: bool = typer.Option(False, "--dry-run", help="stop after rendering"),
         allow_unsupported: bool = ALLOW) -> None:
     """Validate, plan, render into the run directory and launch; returns the engine's exit code."""
-    from ascendfactory.engines import engine_info
+    from ascendfactory.engines import require_ready
     from ascendfactory.errors import Problem
     from ascendfactory.launch import run_with_progress
 
@@ -181,21 +184,7 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
                            [Problem("launcher", f"{rendered.run_dir / ('launch.yaml' if p.job.launcher == 'k8s' else 'launch.sh')} "
                                                 "is ready", hint={"slurm": "sbatch it", "k8s": "kubectl apply -f it",
                                                                   "modelarts": "use it as the ModelArts job's boot command"}[p.job.launcher])])
-        info = engine_info(p.job.framework)
-        if not info.present:
-            raise JobError(f"The {p.job.framework} engine is not in this build yet",
-                           [Problem("framework", f"{info.module} is not installed in this build, so the job cannot run",
-                                    hint="`ascendfactory render` and `run --dry-run` still write the launch files")])
-        from ascendfactory.engines import over_limits, unbuilt_combinations
-
-        pending = [Problem(field, f"{info.module} in this build runs {field} up to {limit!r}, the job asks for {value!r}",
-                           hint=f"set {field}: {str(limit).lower()}, or render the job and run it with another build")
-                   for field, value, limit in over_limits(info, p.job)]
-        pending += [Problem("parallel", f"{info.module} in this build does not combine {why}",
-                            hint="change one of those settings, or render the job and run it with another build")
-                    for why in unbuilt_combinations(info, p.job)]
-        if pending:
-            raise JobError(f"The {p.job.framework} engine in this build cannot run this job yet", pending)
+        require_ready(p.job)
         _check_inputs(p)
     except JobError as err:
         _fail(err)
@@ -213,34 +202,33 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
     raise typer.Exit(outcome.code)
 
 
-PREPROCESS_MODULE = {"mindspeed-llm": "backends.llm.preprocess"}
-
-
 @app.command()
 def preprocess(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
                allow_unsupported: bool = ALLOW) -> None:
     """Tokenize the job's data into the run's cache (Megatron .bin/.idx) without training."""
     from ascendfactory.engines import engine_info
     from ascendfactory.errors import Problem
+    from ascendfactory.frameworks import adapter, adapters
     from ascendfactory.launch import run_preprocess
-    from ascendfactory.render import ENGINE_MODULE
 
     try:
         p, rendered, _ = _render_to(job_file, overrides, None, allow_unsupported)
         fw = p.job.framework
-        if fw not in PREPROCESS_MODULE:
+        entry = adapter(fw).preprocess_module
+        if entry is None:
+            having = [a.name for a in adapters() if a.preprocess_module]
             raise JobError(f"{fw} jobs have no separate preprocessing step",
-                           [Problem("framework", f"preprocess runs for {', '.join(PREPROCESS_MODULE)} jobs",
+                           [Problem("framework", f"preprocess runs for {', '.join(having)} jobs",
                                     hint="`ascendfactory run` tokenizes on the fly for this framework")])
         if not engine_info(fw).present:
             raise JobError(f"The {fw} engine is not in this build yet",
-                           [Problem("framework", f"{ENGINE_MODULE[fw]} is not installed in this build")])
+                           [Problem("framework", f"{rendered.engine_module} is not installed in this build")])
         _check_inputs(p)
     except JobError as err:
         _fail(err)
     argv = rendered.argv
-    engine_args = argv[argv.index(ENGINE_MODULE[fw]) + 1:]
-    code, summary, err = run_preprocess([sys.executable, "-m", PREPROCESS_MODULE[fw], *engine_args],
+    engine_args = argv[argv.index(rendered.engine_module) + 1:]
+    code, summary, err = run_preprocess([sys.executable, "-m", entry, *engine_args],
                                         rendered.env, console=_console())
     if code != 0:
         _console(stderr=True).print(f"[bold red]error:[/] preprocessing failed (exit {code})\n{_escape(err.strip())}")
@@ -306,7 +294,6 @@ def capabilities(model: str = typer.Option(..., "--model", "-m", help="model id,
 
 
 def _frameworks(framework: Optional[str]) -> list[str]:
-    from ascendfactory.catalog import FRAMEWORKS
     from ascendfactory.errors import Problem, did_you_mean
 
     if framework is None:
@@ -398,7 +385,7 @@ def schema() -> None:
 
 @app.command()
 def init(model: str = typer.Option(..., "--model", "-m"),
-         framework: str = typer.Option("mindspeed-llm", "--framework", "-f"),
+         framework: str = typer.Option(FRAMEWORKS[0], "--framework", "-f"),
          stage: str = typer.Option("sft", "--stage", "-s"),
          out: Path = typer.Option(Path("job.yaml"), "-o", "--out"),
          force: bool = typer.Option(False, "--force", help="overwrite an existing file")) -> None:

@@ -12,7 +12,8 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 
-from ascendfactory.render import ENGINE_MODULE
+from ascendfactory.errors import JobError, Problem
+from ascendfactory.frameworks import adapter
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class EngineInfo:
 
 
 def engine_info(framework: str) -> EngineInfo:
-    module = ENGINE_MODULE[framework]
+    module = adapter(framework).engine_module
     try:
         present = importlib.util.find_spec(module) is not None and \
             importlib.util.find_spec(module + ".capabilities") is not None
@@ -71,3 +72,22 @@ def unbuilt_combinations(info: EngineInfo, job) -> list[str]:
         return []
     fields = {field: _field(job, field) for conditions, _ in info.unbuilt for field in conditions}
     return importlib.import_module(info.module + ".capabilities").unbuilt(info.framework, fields)
+
+
+def require_ready(job) -> EngineInfo:
+    """The engine of the job's framework is in this build and runs every setting of the job;
+    otherwise one JobError naming each field (render and run --dry-run still work without it)."""
+    info = engine_info(job.framework)
+    if not info.present:
+        raise JobError(f"The {job.framework} engine is not in this build yet",
+                       [Problem("framework", f"{info.module} is not installed in this build, so the job cannot run",
+                                hint="`ascendfactory render` and `run --dry-run` still write the launch files")])
+    pending = [Problem(field, f"{info.module} in this build runs {field} up to {limit!r}, the job asks for {value!r}",
+                       hint=f"set {field}: {str(limit).lower()}, or render the job and run it with another build")
+               for field, value, limit in over_limits(info, job)]
+    pending += [Problem("parallel", f"{info.module} in this build does not combine {why}",
+                        hint="change one of those settings, or render the job and run it with another build")
+                for why in unbuilt_combinations(info, job)]
+    if pending:
+        raise JobError(f"The {job.framework} engine in this build cannot run this job yet", pending)
+    return info

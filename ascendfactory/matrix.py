@@ -10,16 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ascendfactory import catalog
-from ascendfactory.catalog import FRAMEWORKS, NOT_PLANNED, SUPPORTED, UNLISTED, UNSUPPORTED
+from ascendfactory.catalog import NOT_PLANNED, SUPPORTED, UNSUPPORTED
 from ascendfactory.errors import JobError, Problem
-from ascendfactory.spec import RL_STAGES, JobSpec
-
-
-@dataclass(frozen=True)
-class FeatureUse:
-    feature: str            # the column key in the framework table
-    because: str            # the job setting that uses it, e.g. "finetuning: lora"
-    needs: Any = None       # for list cells: the entry that must be present (a stage / method)
+from ascendfactory.frameworks import FRAMEWORKS, adapter, adapters
+from ascendfactory.frameworks.base import FeatureUse
+from ascendfactory.spec import JobSpec
 
 
 @dataclass
@@ -35,53 +30,9 @@ def _dp(job: JobSpec) -> int:
     return world // denom if denom and world % denom == 0 else max(world // max(denom, 1), 1)
 
 
-def _engine_limits(job: JobSpec) -> list[Problem]:
-    """Settings a framework does not offer at all (no table column exists for them)."""
-    p, fw, out = job.parallel, job.framework, []
-
-    def refuse(where, msg, hint):
-        out.append(Problem(where, f"{fw} {msg}", hint=hint))
-
-    if fw == "mindspeed-llm":
-        if p.zero:
-            refuse("parallel.zero", "has no ZeRO stages", "use parallel.distributed_optimizer: true (ZeRO-1 style) or fsdp: true")
-    elif fw == "llamafactory":
-        for name in ("tp", "pp", "cp", "ep"):
-            if getattr(p, name) > 1:
-                refuse(f"parallel.{name}", f"parallelises with data parallel + ZeRO only, not {name}={getattr(p, name)}",
-                       f"set parallel.{name}: 1 and use parallel.zero, or framework: mindspeed-llm")
-        if p.sp or p.distributed_optimizer:
-            refuse("parallel", "has no sequence parallel or distributed optimizer", "use parallel.zero: 1–3 instead")
-    elif fw == "mindspeed-mm":
-        if job.finetuning == "lora":
-            refuse("finetuning", "is in the matrix for full training only (no LoRA column)", "use finetuning: full, or framework: llamafactory")
-        if p.zero:
-            refuse("parallel.zero", "has no ZeRO stages", "use parallel.fsdp: true or distributed_optimizer: true")
-        if p.ep > 1:
-            refuse("parallel.ep", "has no expert parallel for its models", "set parallel.ep: 1")
-        if p.cp > 1 and p.cp_algo != "ulysses":
-            refuse("parallel.cp_algo", "offers Ulysses context parallel only", "set parallel.cp_algo: ulysses")
-    elif fw in ("verl", "mindspeed-rl"):
-        if job.stage not in RL_STAGES:
-            refuse("stage", f"trains the RL stages {', '.join(RL_STAGES)} only, not {job.stage}",
-                   "use framework: mindspeed-llm or llamafactory for pt/sft/dpo")
-        if fw == "verl" and (p.tp > 1 or p.pp > 1 or p.ep > 1):
-            refuse("parallel", "trains with its FSDP backend: tp, pp and ep must be 1",
-                   "set parallel.tp/pp/ep: 1 and parallel.fsdp: true, or framework: mindspeed-rl")
-        if fw == "verl" and p.cp > 1 and p.cp_algo != "ulysses":
-            refuse("parallel.cp_algo", "has Ulysses sequence parallel only", "set parallel.cp_algo: ulysses")
-        if fw == "mindspeed-rl" and job.rl is not None and job.rl.engine == "sglang":
-            refuse("rl.engine", "rolls out with vLLM (or hf), not sglang", "set rl.engine: vllm or hf")
-    if fw in ("mindspeed-llm", "llamafactory", "mindspeed-mm") and job.stage in RL_STAGES:
-        refuse("stage", f"does not train RL stage {job.stage}", "use framework: verl or mindspeed-rl")
-    if fw in ("mindspeed-llm", "mindspeed-mm") and job.stage == "dpo":
-        refuse("stage", "has no DPO column in the matrix", "use framework: llamafactory (stages list dpo where ✅)")
-    return out
-
-
 def features_used(job: JobSpec) -> list[FeatureUse]:
-    p, fw, uses = job.parallel, job.framework, []
-    dp = _dp(job)
+    """The matrix cells the job touches, as the framework's adapter maps its columns."""
+    p = job.parallel
     distributed = []
     if p.tp > 1:
         distributed.append(f"parallel.tp={p.tp}")
@@ -89,60 +40,16 @@ def features_used(job: JobSpec) -> list[FeatureUse]:
         distributed.append(f"parallel.pp={p.pp}")
     if p.sp:
         distributed.append("parallel.sp")
-    if dp > 1:
-        distributed.append(f"data parallel dp={dp}")
+    if _dp(job) > 1:
+        distributed.append(f"data parallel dp={_dp(job)}")
     if p.fsdp:
         distributed.append("parallel.fsdp")
+    return adapter(job.framework).features_used(job, distributed)
 
-    if fw == "mindspeed-llm":
-        if job.stage in ("pt", "sft"):
-            uses.append(FeatureUse("pretrain_full" if job.finetuning == "full" else "lora",
-                                   f"stage: {job.stage}, finetuning: {job.finetuning}"))
-        if job.data.packing:
-            uses.append(FeatureUse("packing", "data.packing"))
-        if job.kernels.flash_attention:
-            uses.append(FeatureUse("flash_attention", "kernels.flash_attention"))
-        if p.distributed_optimizer:
-            distributed.append("parallel.distributed_optimizer")
-        if distributed:
-            uses.append(FeatureUse("sptd", ", ".join(distributed)))
-        if p.cp > 1:
-            uses.append(FeatureUse("long_seq", f"parallel.cp={p.cp} ({p.cp_algo})"))
-        if p.ep > 1:
-            uses.append(FeatureUse("moe_parallel", f"parallel.ep={p.ep}"))
-        if job.data.dynamic_seq_len:
-            uses.append(FeatureUse("dynamic_seq_len", "data.dynamic_seq_len"))
-    elif fw == "llamafactory":
-        if job.stage not in RL_STAGES:
-            uses.append(FeatureUse("stages", f"stage: {job.stage}", needs=job.stage))
-        if p.zero or p.fsdp:
-            uses.append(FeatureUse("zero", f"parallel.zero={p.zero}" if p.zero else "parallel.fsdp"))
-        if job.kernels.flash_attention:
-            uses.append(FeatureUse("flash_attention", "kernels.flash_attention"))
-    elif fw == "mindspeed-mm":
-        if job.stage in ("pt", "sft"):
-            uses.append(FeatureUse("pretrain_full", f"stage: {job.stage}, finetuning: {job.finetuning}"))
-        if p.cp > 1:
-            distributed.append(f"parallel.cp={p.cp}")
-        if distributed:
-            uses.append(FeatureUse("sptd", ", ".join(distributed)))
-        if p.distributed_optimizer:
-            uses.append(FeatureUse("distributed_optimizer", "parallel.distributed_optimizer"))
-        if p.recompute != "none":
-            uses.append(FeatureUse("recompute", f"parallel.recompute={p.recompute}"))
-    elif fw in ("verl", "mindspeed-rl"):
-        if job.stage in RL_STAGES:
-            uses.append(FeatureUse("methods", f"stage: {job.stage}", needs=job.stage))
-        engine = job.rl.engine if job.rl else "vllm"
-        if engine in ("vllm", "sglang"):
-            uses.append(FeatureUse(engine, f"rl.engine: {engine}"))
-        if fw == "verl":
-            uses.append(FeatureUse("train_backend", "the actor trains with FSDP"))
-        else:
-            uses.append(FeatureUse("megatron_backend", "the actor trains with the Megatron-style backend"))
-            if p.cp > 1:
-                uses.append(FeatureUse("long_seq", f"parallel.cp={p.cp}"))
-    return uses
+
+def _stage_servers(stage: str) -> list[str]:
+    """Frameworks that train a stage at all (whatever the model)."""
+    return [a.name for a in adapters() if stage in a.stages]
 
 
 def cell_state(value: Any, needs: Any = None) -> str:
@@ -160,14 +67,8 @@ def frameworks_serving(model_id: str, stage: str) -> list[str]:
     """Frameworks whose table lets this model train this stage."""
     out = []
     for fw in FRAMEWORKS:
-        r = catalog.table(fw).rows.get(model_id)
-        if r is None:
-            continue
-        if fw in ("mindspeed-llm", "mindspeed-mm") and stage in ("pt", "sft") and r["pretrain_full"] == SUPPORTED:
-            out.append(fw)
-        elif fw == "llamafactory" and stage in (r["stages"] if isinstance(r["stages"], list) else []):
-            out.append(fw)
-        elif fw in ("verl", "mindspeed-rl") and stage in (r["methods"] if isinstance(r["methods"], list) else []):
+        row = catalog.table(fw).rows.get(model_id)
+        if row is not None and adapter(fw).serves(row, stage):
             out.append(fw)
     return out
 
@@ -193,8 +94,11 @@ def check(job: JobSpec, allow_unsupported: bool = False) -> CapabilityReport:
     fw, model_id = job.framework, job.model
     show = f"ascendfactory capabilities --model {model_id} --framework {fw}"
     uses = features_used(job)
-    report = CapabilityReport(uses=uses, refusals=_engine_limits(job))
-    alternatives = [f for f in frameworks_serving(model_id, job.stage) if f != fw]
+    serving = frameworks_serving(model_id, job.stage)
+    fw_adapter = adapter(fw)
+    report = CapabilityReport(uses=uses, refusals=fw_adapter.common_limits(job, _stage_servers(job.stage))
+                              + fw_adapter.limits(job))
+    alternatives = [f for f in serving if f != fw]
     alt = f"frameworks that serve {model_id} for stage {job.stage}: {', '.join(alternatives)}" if alternatives \
         else f"no framework's table lists {model_id} for stage {job.stage}"
 

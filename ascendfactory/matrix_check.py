@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 import yaml
 
 from ascendfactory import catalog
-from ascendfactory.catalog import FEATURES, NOT_PLANNED, SUPPORTED, UNSUPPORTED
+from ascendfactory.catalog import NOT_PLANNED, SUPPORTED, UNSUPPORTED
 from ascendfactory.errors import JobError
+from ascendfactory.frameworks import adapter
 
-LIST_FEATURES = {"llamafactory": {"stages"}, "verl": {"methods"}, "mindspeed-rl": {"methods"}}
-VERSION_FEATURES = {"verl": {"sglang", "vllm", "train_backend"}, "mindspeed-rl": {"vllm"}}
 STAGE_NAMES = {"pt", "sft", "dpo", "grpo", "dapo", "ppo"}
 
 
@@ -29,9 +28,10 @@ class CheckResult:
 def _legal(fw: str, feature: str, value) -> bool:
     if value == NOT_PLANNED:
         return True
-    if feature in LIST_FEATURES.get(fw, ()):
+    kind = adapter(fw).columns[feature]
+    if kind == "list":
         return isinstance(value, list) and all(v in STAGE_NAMES for v in value) and len(set(value)) == len(value)
-    if feature in VERSION_FEATURES.get(fw, ()):
+    if kind == "version":
         return value == UNSUPPORTED or (isinstance(value, str) and value == value.lower() and value != SUPPORTED)
     return value in (SUPPORTED, UNSUPPORTED)
 
@@ -48,13 +48,14 @@ def verify_files(frameworks) -> list[str]:
         except (yaml.YAMLError, OSError, KeyError) as exc:
             problems.append(f"{fw}.yaml: {exc}")
             continue
-        if tuple(tab.features) != FEATURES[fw]:
-            problems.append(f"{fw}.yaml: feature keys {list(tab.features)} differ from {list(FEATURES[fw])}")
+        columns = catalog.features(fw)
+        if tuple(tab.features) != columns:
+            problems.append(f"{fw}.yaml: feature keys {list(tab.features)} differ from {list(columns)}")
         for model_id, row in tab.rows.items():
             if model_id not in known:
                 problems.append(f"{fw}.yaml: model '{model_id}' has no card in models.yaml")
-            if set(row) != set(FEATURES[fw]):
-                problems.append(f"{fw}.yaml: {model_id} has cells {sorted(row)}, expected {list(FEATURES[fw])}")
+            if set(row) != set(columns):
+                problems.append(f"{fw}.yaml: {model_id} has cells {sorted(row)}, expected {list(columns)}")
                 continue
             for feature, value in row.items():
                 if not _legal(fw, feature, value):
@@ -77,19 +78,12 @@ def promises(fw: str, model_id: str) -> list[tuple[str, str | None]]:
 def probe_job(fw: str, model_id: str, feature: str, stage: str | None) -> dict:
     """A representative job that exercises one ✅ cell (8 devices, so parallel cells have room)."""
     arch = catalog.models()[model_id]["arch"]
-    job: dict = {"model": model_id, "framework": fw, "stage": "sft",
+    fw_adapter = adapter(fw)
+    job: dict = {"model": model_id, "framework": fw, "stage": stage or "sft",
                  "data": {"path": "data/train.json", "seq_len": 4096},
                  "resources": {"device": "npu", "devices_per_node": 8},
                  "parallel": {}, "train": {"global_batch": 16}}
     par, data = job["parallel"], job["data"]
-    if fw in ("verl", "mindspeed-rl"):
-        job["stage"] = stage or catalog.table(fw).rows[model_id]["methods"][0]
-        job["data"]["format"] = "prompt"
-        job["rl"] = {"engine": "vllm"}
-    if fw == "verl":
-        par["fsdp"] = True
-    if stage:
-        job["stage"] = stage
     if feature == "pretrain_full":
         job["stage"] = "pt"
         data["format"] = "text"
@@ -107,7 +101,7 @@ def probe_job(fw: str, model_id: str, feature: str, stage: str | None) -> dict:
             half = arch["num_layers"] // 2
             par["pp_layers"] = [half, arch["num_layers"] - half]
     elif feature == "long_seq":
-        par.update(cp=2, cp_algo="ulysses" if fw == "mindspeed-mm" else "ring")
+        par.update(cp=2, cp_algo=fw_adapter.cp_algos[0])
         data["seq_len"] = 8192
     elif feature == "moe_parallel" and arch.get("moe"):
         par["ep"] = 2
@@ -117,8 +111,7 @@ def probe_job(fw: str, model_id: str, feature: str, stage: str | None) -> dict:
         par["distributed_optimizer"] = True
     elif feature == "recompute":
         par["recompute"] = "full"
-    elif feature in ("sglang", "vllm"):
-        job["rl"] = {"engine": feature}
+    fw_adapter.probe(job, catalog.table(fw).rows[model_id], feature, stage)
     if job["stage"] == "dpo":
         data["format"] = "pairwise"
     return job
@@ -136,7 +129,7 @@ def run_check(frameworks) -> CheckResult:
         info = engine_info(fw)
         result.engines[fw] = info.present
         for feature in info.pending:
-            if feature not in catalog.FEATURES[fw]:
+            if feature not in catalog.features(fw):
                 result.problems.append(f"{info.module}.capabilities: PENDING names {feature!r}, not a {fw} feature")
         if not info.present:
             result.notes.append(f"{fw}: engine {info.module} is not in this build; its ✅ cells are promised, not backed")

@@ -81,7 +81,9 @@ def activation_elements_per_token(arch: dict[str, Any], recompute: str, fused: b
 def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_memory_gib=None) -> MemoryEstimate:
     from ascendfactory.params import describe_params
 
-    p, t, fw = job.parallel, job.train, job.framework
+    from ascendfactory.frameworks import adapter
+
+    p, t = job.parallel, job.train
     est = MemoryEstimate(device_memory_gib=device_memory_gib)
     c = 4 if t.precision == "fp32" else 2
     parts = describe_params({"arch": arch, "vision": card.get("vision") if card.get("type") == "multimodal" else None})
@@ -106,25 +108,11 @@ def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_mem
         trainable = per_layer * stage_layers / layout.tp
         est.notes.append(f"LoRA r={r}: {trainable / 1e6:.1f} M trainable parameters on this device")
 
-    dp = layout.dp
-    master = 4 if c == 2 else 0
-    if fw == "llamafactory":
-        z = p.zero if not p.fsdp else 3
-        weights = c * on_device / (dp if z >= 3 else 1)
-        grads = c * trainable / (dp if z >= 2 else 1)
-        opt = (master + 8) * trainable / (dp if z >= 1 else 1)
-        extra = 2 * c * layer_only if z >= 3 else 0
-    elif p.fsdp or fw == "verl":
-        weights = 4 * on_device / dp if job.finetuning == "full" else c * on_device / dp
-        grads = 4 * trainable / dp
-        opt = 8 * trainable / dp
-        extra = 2 * c * layer_only + 4 * layer_only  # unsharded layer (+ prefetch) and its full gradient
-        est.notes.append("FSDP2: fp32 sharded parameters, one unsharded layer plus prefetch during compute")
-    else:  # Megatron style: compute-dtype weights, fp32 main grads, fp32 master + Adam moments
-        weights = c * on_device
-        grads = 4 * trainable
-        opt = (master + 8) * trainable / (dp if p.distributed_optimizer else 1)
-        extra = 0
+    fw = adapter(job.framework)
+    states = fw.states(job, on_device, trainable, layer_only, c, layout.dp)
+    weights, grads, opt, extra = states.weights, states.gradients, states.optimizer, states.buffers
+    if states.note:
+        est.notes.append(states.note)
     est.parts["weights"] = weights
     est.parts["gradients"] = grads
     est.parts["optimizer_states"] = opt
@@ -155,15 +143,15 @@ def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_mem
         est.notes.append("chunked linear cross entropy: logits live one chunk at a time")
     else:
         est.parts["loss_logits"] = tokens * vocab * (c + (4 if c != 4 else 0) + 4 + 4)
-    if job.stage in ("grpo", "dapo", "ppo") and job.rl is not None:
+    dp = layout.dp
+    if job.rl is not None:
         if job.rl.kl_coef > 0 and job.stage != "dapo":
-            est.parts["reference_model"] = c * on_device / (dp if (p.fsdp or fw == "verl") else 1)
+            est.parts["reference_model"] = c * on_device / (dp if fw.shards_frozen_copies(job) else 1)
         if job.stage == "ppo":
             est.parts["critic"] = weights + grads + opt
     if job.stage == "dpo":
         # ZeRO-3 / FSDP shard the frozen reference copy like the policy weights
-        sharded_ref = p.fsdp or (fw == "llamafactory" and p.zero >= 3)
-        est.parts["reference_model"] = c * on_device / (dp if sharded_ref else 1)
+        est.parts["reference_model"] = c * on_device / (dp if fw.shards_frozen_copies(job) else 1)
         est.parts["activations"] *= 2  # chosen and rejected sequences
     if parts.get("vision"):
         est.notes.append("vision-tower activations depend on the images and are not counted")

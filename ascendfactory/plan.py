@@ -10,36 +10,13 @@ from typing import Any
 
 from ascendfactory import catalog
 from ascendfactory.errors import JobError, Problem
+from ascendfactory.frameworks import adapter
+from ascendfactory.layout import Layout
+from ascendfactory.layout import solve as solve_layout
 from ascendfactory.matrix import CapabilityReport, require_supported
-from ascendfactory.spec import RL_STAGES, JobSpec
+from ascendfactory.spec import RL_STAGES, TRAINED_ROLES, JobSpec
 
 DEFAULT_DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}
-
-
-@dataclass
-class Layout:
-    world: int
-    nnodes: int
-    devices_per_node: int
-    tp: int
-    pp: int
-    vpp: int
-    cp: int
-    dp: int
-    ep: int
-    sp: bool
-    ulysses_degree: int
-    ring_degree: int
-    micro_batch: int
-    global_batch: int
-    grad_accum: int
-    pp_layers: list[int]
-
-    def describe(self) -> str:
-        parts = [f"world {self.world} = {self.nnodes} node(s) × {self.devices_per_node} device(s)",
-                 f"tp {self.tp}", f"pp {self.pp}" + (f" (vpp {self.vpp})" if self.vpp > 1 else ""),
-                 f"cp {self.cp}", f"dp {self.dp}", f"ep {self.ep}"]
-        return " · ".join(parts)
 
 
 @dataclass
@@ -54,6 +31,7 @@ class Plan:
     memory: Any  # memory.MemoryEstimate
     capability: CapabilityReport
     warnings: list[str] = field(default_factory=list)
+    roles: dict[str, Layout] = field(default_factory=dict)  # RL roles: each one's layout on the same devices
 
     def effective_config(self) -> dict[str, Any]:
         """The job with every default made explicit, plus what the planner derived."""
@@ -64,6 +42,7 @@ class Plan:
             "architecture_from": self.arch_source,
             "architecture": self.arch,
             "layout": asdict(self.layout),
+            **({"role_layouts": {role: asdict(lay) for role, lay in self.roles.items()}} if self.roles else {}),
             "device_memory_gib": self.memory.device_memory_gib,
             "estimated_peak_gib": round(self.memory.total_gib, 2),
             "capability_cells": [f"{u.feature} ← {u.because}" for u in self.capability.uses],
@@ -118,130 +97,28 @@ def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, li
 
 
 def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, list[Problem], list[str]]:
+    """The layout rules of ascendfactory.layout on the job's numbers, plus the job-level rules around them."""
     p, r, t, d = job.parallel, job.resources, job.train, job.data
-    problems: list[Problem] = []
+    moe = arch.get("moe")
+    layout, broken = solve_layout(
+        world=r.nnodes * r.devices_per_node, nnodes=r.nnodes, heads=arch["num_attention_heads"],
+        kv_heads=arch["num_kv_heads"], layers=arch["num_layers"], experts=moe["num_experts"] if moe else 0,
+        tp=p.tp, pp=p.pp, vpp=p.vpp, pp_layers=p.pp_layers, cp=p.cp, cp_algo=p.cp_algo,
+        ulysses_degree=p.ulysses_degree, ep=p.ep, sp=p.sp, seq_len=d.seq_len, micro_batch=t.micro_batch,
+        global_batch=t.global_batch)
+    problems = [Problem(b.field, b.message, hint=b.hint) for b in broken]
     warnings: list[str] = []
 
     def bad(where, msg, hint):
         problems.append(Problem(where, msg, hint=hint))
 
-    world = r.nnodes * r.devices_per_node
-    model_par = p.tp * p.pp * p.cp
-    if world % model_par:
-        bad("parallel", f"data parallel size = world / (tp·pp·cp) = {world} / {model_par} is not a whole number "
-                        f"(world {world} = {r.nnodes} node(s) × {r.devices_per_node} device(s))",
-            f"pick tp·pp·cp dividing {world}, or change resources.nnodes / devices_per_node")
-        dp = 0
-    else:
-        dp = world // model_par
-
-    heads, kv = arch["num_attention_heads"], arch["num_kv_heads"]
-    layers = arch["num_layers"]
-    if heads % p.tp:
-        bad("parallel.tp", f"{heads} attention heads do not split over tp={p.tp}",
-            f"use a tp that divides {heads}: {', '.join(str(x) for x in _divisors(heads) if x <= 64)}")
-    if kv >= p.tp and kv % p.tp:
-        bad("parallel.tp", f"{kv} KV heads do not split evenly over tp={p.tp}", f"use a tp that divides {kv}")
-    if kv < p.tp and p.tp % kv:
-        bad("parallel.tp", f"tp={p.tp} above the {kv} KV heads must be a multiple of them (KV heads are replicated)",
-            f"use tp = {kv}·k")
-    if p.sp and p.tp == 1:
-        bad("parallel.sp", "sequence parallel shards activations over the tensor-parallel group, which is 1",
-            "set parallel.tp > 1, or sp: false")
-
-    # pipeline
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != p.pp or sum(p.pp_layers) != layers or min(p.pp_layers) < 1:
-            bad("parallel.pp_layers", f"needs {p.pp} positive entries summing to {layers} layers, got {p.pp_layers}",
-                f"e.g. {_even_split(layers, p.pp)}")
-        pp_layers = list(p.pp_layers)
-    else:
-        if layers % p.pp:
-            bad("parallel.pp", f"{layers} layers do not split evenly over pp={p.pp}",
-                f"use a pp that divides {layers}, or give parallel.pp_layers, e.g. {_even_split(layers, p.pp)}")
-        pp_layers = _even_split(layers, p.pp)
-    if p.vpp > 1:
-        if p.pp == 1:
-            bad("parallel.vpp", "virtual pipeline stages need pipeline parallel", "set parallel.pp > 1, or vpp: 1")
-        elif any(n % p.vpp for n in pp_layers):
-            bad("parallel.vpp", f"each pipeline stage's layers {pp_layers} must split into vpp={p.vpp} chunks",
-                "choose vpp dividing every stage's layer count")
-    if p.pp > 1 and layers < p.pp:
-        bad("parallel.pp", f"pp={p.pp} exceeds the {layers} layers", f"use pp ≤ {layers}")
-
-    # experts
-    moe = arch.get("moe")
-    if p.ep > 1:
-        if not moe:
-            bad("parallel.ep", f"{job.model} has no experts", "set parallel.ep: 1")
-        else:
-            if moe["num_experts"] % p.ep:
-                bad("parallel.ep", f"{moe['num_experts']} experts do not split over ep={p.ep}",
-                    f"use an ep that divides {moe['num_experts']}")
-            if dp and (dp * p.cp * p.tp) % p.ep:
-                bad("parallel.ep", f"ep={p.ep} must divide dp·cp·tp = {dp}·{p.cp}·{p.tp} = {dp * p.cp * p.tp} "
-                                   "(the expert group is carved from those ranks)",
-                    "change ep or the data/context/tensor parallel sizes")
-    if moe and job.finetuning == "lora" and job.framework == "mindspeed-llm" and p.moe_dispatcher != "alltoall_seq":
-        bad("parallel.moe_dispatcher", "LoRA on MoE models needs the alltoall_seq token dispatcher",
-            "set parallel.moe_dispatcher: alltoall_seq")
-
-    # context parallel
-    s = d.seq_len
-    ulysses, ring = 1, 1
     if p.cp > 1:
         if not job.kernels.flash_attention:
             bad("kernels.flash_attention", "every context-parallel algorithm needs flash attention",
                 "set kernels.flash_attention: true (it is reported, never switched on silently)")
         if arch.get("sliding_window"):
             bad("parallel.cp", "context parallel does not support sliding-window attention", "set parallel.cp: 1")
-        if p.cp_algo == "ring":
-            ring = p.cp
-            if s % (2 * p.cp):
-                bad("data.seq_len", f"ring attention needs seq_len divisible by 2·cp = {2 * p.cp}, got {s}",
-                    f"use seq_len {_round_up(s, 2 * p.cp)}")
-        elif p.cp_algo == "ulysses":
-            ulysses = p.cp
-            if s % p.cp:
-                bad("data.seq_len", f"Ulysses needs seq_len divisible by cp = {p.cp}, got {s}",
-                    f"use seq_len {_round_up(s, p.cp)}")
-            if heads % (p.cp * p.tp):
-                bad("parallel.cp", f"Ulysses needs heads ({heads}) divisible by cp·tp = {p.cp * p.tp}",
-                    "lower cp or tp, or use cp_algo: ring")
-        else:
-            u = p.ulysses_degree
-            if u is None:
-                bad("parallel.ulysses_degree", "hybrid context parallel needs the Ulysses degree",
-                    "set parallel.ulysses_degree (Ulysses inside groups of that size, ring across)")
-            else:
-                ulysses, ring = u, p.cp // u if p.cp % u == 0 else 0
-                if p.cp % u or p.cp // u <= 1:
-                    bad("parallel.ulysses_degree", f"hybrid needs cp / ulysses_degree to be a whole number above 1 "
-                                                   f"(cp {p.cp}, ulysses_degree {u})",
-                        "pick ulysses_degree dividing cp with at least two ring groups, or use ulysses/ring")
-                if heads % (u * p.tp):
-                    bad("parallel.ulysses_degree", f"heads ({heads}) must divide by ulysses_degree·tp = {u * p.tp}",
-                        "lower ulysses_degree or tp")
-            if s % (2 * p.cp):
-                bad("data.seq_len", f"hybrid context parallel needs seq_len divisible by 2·cp = {2 * p.cp}, got {s}",
-                    f"use seq_len {_round_up(s, 2 * p.cp)}")
-    if p.ulysses_degree is not None and p.cp_algo != "hybrid":
-        bad("parallel.ulysses_degree", f"only used with cp_algo: hybrid (cp_algo is {p.cp_algo})",
-            "remove it, or set cp_algo: hybrid")
-
-    # batches
-    grad_accum = 0
-    if dp:
-        per_step = t.micro_batch * dp
-        if t.global_batch % per_step:
-            bad("train.global_batch", f"global batch {t.global_batch} is not a multiple of micro_batch × dp = "
-                                      f"{t.micro_batch} × {dp} = {per_step}",
-                f"use a global batch of {_round_up(t.global_batch, per_step)}, or change train.micro_batch")
-        else:
-            grad_accum = t.global_batch // per_step
-            if p.pp > 1 and p.vpp > 1 and grad_accum % p.pp:
-                bad("train.global_batch", f"interleaved pipelining needs the micro-batch count ({grad_accum}) to be a "
-                                          f"multiple of pp={p.pp}", "raise global_batch or lower micro_batch")
+    problems += adapter(job.framework).plan_problems(job, arch)
     if job.stage in RL_STAGES and job.rl and job.rl.mini_batch and t.global_batch % job.rl.mini_batch:
         bad("rl.mini_batch", f"train.global_batch {t.global_batch} (prompts) is not a multiple of rl.mini_batch "
                              f"{job.rl.mini_batch}", "pick a mini-batch that divides the global batch")
@@ -256,33 +133,57 @@ def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, li
     if sum([p.zero > 0, p.fsdp, p.distributed_optimizer]) > 1:
         bad("parallel", "zero, fsdp and distributed_optimizer are three ways to shard the same states",
             "keep one of them")
+    world = r.nnodes * r.devices_per_node
     if job.launcher == "local" and world > 1:
         bad("launcher", f"the local launcher runs one process, but the layout needs {world}",
             "use launcher: torchrun (or slurm / k8s / modelarts)")
+    s = d.seq_len
     if arch.get("max_position_embeddings") and s > arch["max_position_embeddings"]:
         warnings.append(f"data.seq_len {s} exceeds the model's max_position_embeddings {arch['max_position_embeddings']}")
     if r.device == "cpu" and t.precision == "fp16":
         warnings.append("fp16 on the CPU is slow and loss scaling is not needed there; bf16 or fp32 is usual")
-
-    if problems:
-        return None, problems, warnings
-    return Layout(world=world, nnodes=r.nnodes, devices_per_node=r.devices_per_node, tp=p.tp, pp=p.pp, vpp=p.vpp,
-                  cp=p.cp, dp=dp, ep=p.ep, sp=p.sp, ulysses_degree=ulysses, ring_degree=ring,
-                  micro_batch=t.micro_batch, global_batch=t.global_batch, grad_accum=grad_accum,
-                  pp_layers=pp_layers), problems, warnings
+    return (None if problems else layout), problems, warnings
 
 
-def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
+def _role_layouts(job: JobSpec, arch: dict[str, Any]) -> tuple[dict[str, Layout], list[Problem]]:
+    """Each RL role's layout over the job's devices (colocated roles share them). A role that keeps
+    the job's layout is the main layout; only a role's own layout can break a rule anew."""
+    from ascendfactory.hfconfig import read_model_dir
+
+    r, t, d = job.resources, job.train, job.data
+    world = r.nnodes * r.devices_per_node
+    roles: dict[str, Layout] = {}
+    problems: list[Problem] = []
+    for role, lay in job.role_layouts().items():
+        dims = arch
+        if role == "reward":
+            path = Path(job.rl.reward.model_path).expanduser()
+            try:
+                dims = read_model_dir(path)[1]
+            except (OSError, ValueError) as exc:
+                problems.append(Problem("rl.reward.model_path", f"{path} holds no readable config.json ({exc})",
+                                        hint="point it at a Hugging Face reward model directory"))
+                continue
+        moe = dims.get("moe")
+        numbers = {k: getattr(lay, k) for k in ("tp", "pp", "vpp", "pp_layers", "cp", "cp_algo", "ulysses_degree",
+                                                 "ep", "sp") if hasattr(lay, k)}
+        trained = role in TRAINED_ROLES
+        solved, broken = solve_layout(
+            world=world, nnodes=r.nnodes, heads=dims["num_attention_heads"], kv_heads=dims["num_kv_heads"],
+            layers=dims["num_layers"], experts=moe["num_experts"] if moe else 0, seq_len=d.seq_len,
+            micro_batch=t.micro_batch if trained else None, global_batch=t.global_batch if trained else None,
+            **numbers)
+        if solved is not None:
+            roles[role] = solved
+        if role != "reward" and _same_layout(lay, job.parallel):
+            continue  # the job's own layout, on the same model: its problems are reported once, above
+        problems += [Problem(f"rl.{role}.{b.field}" if b.field.startswith("parallel") else b.field,
+                             f"the {role}'s layout: {b.message}", hint=b.hint) for b in broken]
+    return roles, problems
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def _even_split(layers: int, pp: int) -> list[int]:
-    base, extra = divmod(layers, pp)
-    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+def _same_layout(role_layout, parallel) -> bool:
+    return all(getattr(role_layout, k) == getattr(parallel, k) for k in type(role_layout).model_fields)
 
 
 def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool = True) -> Plan:
@@ -295,6 +196,8 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
     if problems:
         raise JobError("The model cannot be resolved", problems)
     layout, problems, more = _layout_rules(job, arch)
+    roles, role_problems = _role_layouts(job, arch)
+    problems += role_problems
     warnings += more
     if problems:
         n = len(problems)
@@ -309,7 +212,7 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
                      hint=mem.advice())])
     return Plan(job=job, model_id=job.model, card=card, family=family, arch=arch, arch_source=source,
                 layout=layout, memory=mem, capability=capability,
-                warnings=capability.warnings + warnings)
+                warnings=capability.warnings + warnings, roles=roles)
 
 
 def effective_yaml(plan: Plan) -> str:

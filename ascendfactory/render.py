@@ -11,27 +11,15 @@ import json
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ascendfactory.frameworks import adapter
+from ascendfactory.frameworks.base import one_line
 from ascendfactory.plan import Plan
 from ascendfactory.resources import templates_dir
 
-ENGINE_MODULE = {
-    "mindspeed-llm": "backends.llm",
-    "llamafactory": "backends.lf",
-    "mindspeed-mm": "backends.mm",
-    "verl": "backends.rl",
-    "mindspeed-rl": "backends.rl",
-}
-ENGINE_CONFIG = {  # template → file name in the run directory
-    "mindspeed-llm": ("engines/mindspeed-llm.args.j2", "mindspeed_llm_args.sh"),
-    "llamafactory": ("engines/llamafactory.yaml.j2", "llamafactory_train.yaml"),
-    "mindspeed-mm": ("engines/mindspeed-mm.yaml.j2", "mindspeed_mm.yaml"),
-    "verl": ("engines/verl.yaml.j2", "verl_config.yaml"),
-    "mindspeed-rl": ("engines/mindspeed-rl.yaml.j2", "mindspeed_rl.yaml"),
-}
 LAUNCH_TEMPLATE = {
     "local": ("launch/local.sh.j2", "launch.sh"),
     "torchrun": ("launch/torchrun.sh.j2", "launch.sh"),
@@ -63,7 +51,7 @@ def _yaml_finalize(value: Any) -> str:
 
 def _raw_comment(value: Any) -> Raw:
     """Text for a comment or #SBATCH line: no line breaks or control characters can get out."""
-    return Raw(re.sub(r"[\x00-\x1f\x7f]+", " ", str(value)))
+    return Raw(one_line(value))
 
 
 def _environment(kind: str):
@@ -115,23 +103,7 @@ def _k8s_name(name: str) -> str:
     return (cleaned or "ascendfactory-job")[:63].rstrip("-")
 
 
-def _merge_dotted(tree: dict, overrides: dict) -> None:
-    for key, value in overrides.items():
-        node = tree
-        parts = str(key).split(".")
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
-            _merge_dotted(node[parts[-1]], value)
-        else:
-            node[parts[-1]] = value
-
-
 def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = None) -> Rendered:
-    import yaml
-
     job = plan.job
     run_dir = Path(run_dir if run_dir is not None else job.output_dir)
     paths = run_paths(plan, run_dir)
@@ -145,7 +117,8 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         "model_id": plan.model_id,
         "family": plan.family,
         "arch": plan.arch,
-        "layout": plan.layout.__dict__,
+        "layout": asdict(plan.layout),
+        "roles": {role: asdict(lay) for role, lay in plan.roles.items()},
         "paths": paths,
         "device": device,
         "python": python or "python",
@@ -158,20 +131,9 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     shell, yml = _environment("shell"), _environment("yaml")
     files: dict[str, str] = {}
 
-    template, config_name = ENGINE_CONFIG[job.framework]
-    if job.framework == "mindspeed-llm":
-        text = shell.get_template(template).render(context)
-        args = shlex.split(text, comments=False)
-        files[config_name] = "# MindSpeed-LLM flags rendered by ascendfactory (one per line)\n" + text
-    else:
-        text = yml.get_template(template).render(context)
-        tree = yaml.safe_load(text)
-        _merge_dotted(tree, job.backend_overrides)
-        header = (f"# {job.framework} config rendered by ascendfactory from the job "
-                  f"'{_raw_comment(job.name)}'; run it with python -m {ENGINE_MODULE[job.framework]}\n")
-        files[config_name] = header + yaml.safe_dump(tree, sort_keys=False, allow_unicode=True)
-        args = (["train"] if job.framework == "llamafactory" else []) + [str(Path(paths["run_dir"]) / config_name)]
-    context["engine"] = {"module": ENGINE_MODULE[job.framework], "args": args}
+    fw = adapter(job.framework)
+    files[fw.config_name], args = fw.render_config(shell, yml, context, job, Path(paths["run_dir"]))
+    context["engine"] = {"module": fw.engine_module, "args": args}
 
     launch_template, launch_name = LAUNCH_TEMPLATE[job.launcher]
     engine = yml if job.launcher == "k8s" else shell
@@ -184,7 +146,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     if job.launcher == "local":
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(job.resources.master_port)})
-    return Rendered(files=files, argv=argv, env=env, engine_module=ENGINE_MODULE[job.framework],
+    return Rendered(files=files, argv=argv, env=env, engine_module=fw.engine_module,
                     run_dir=Path(paths["run_dir"]), warnings=list(plan.warnings))
 
 

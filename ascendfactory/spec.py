@@ -12,10 +12,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ascendfactory.errors import JobError, Problem, did_you_mean
+from ascendfactory.frameworks import FRAMEWORKS
+from ascendfactory.frameworks.rl import RL_STAGES, TRAINED_ROLES
 
-Framework = Literal["mindspeed-llm", "llamafactory", "mindspeed-mm", "verl", "mindspeed-rl"]
+Framework = Literal[FRAMEWORKS]  # type: ignore[valid-type]  (the registry's names)
 Stage = Literal["pt", "sft", "dpo", "grpo", "dapo", "ppo"]
-RL_STAGES = ("grpo", "dapo", "ppo")
+ROLES = ("actor", "reference", "critic", "rollout", "reward")
 
 
 class _Block(BaseModel):
@@ -47,7 +49,8 @@ class DataSpec(_Block):
     answer_key: Optional[str] = Field(None, description="RL prompts: field that holds the reference answer")
 
 
-class ParallelSpec(_Block):
+class LayoutSpec(_Block):
+    """How one model is split over the devices (ascendfactory.layout checks it)."""
     tp: int = Field(1, ge=1, description="tensor parallel size")
     pp: int = Field(1, ge=1, description="pipeline parallel size")
     vpp: int = Field(1, ge=1, description="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
@@ -56,10 +59,13 @@ class ParallelSpec(_Block):
     cp_algo: Literal["ring", "ulysses", "hybrid"] = "ring"
     ulysses_degree: Optional[int] = Field(None, ge=1, description="Ulysses group size inside CP (hybrid)")
     ep: int = Field(1, ge=1, description="expert parallel size")
+    sp: bool = Field(False, description="sequence parallel (needs tp > 1)")
+
+
+class ParallelSpec(LayoutSpec):
     moe_dispatcher: Literal["alltoall", "alltoall_seq", "allgather"] = Field(
         "alltoall", description="MoE token dispatcher (--moe-token-dispatcher-type); LoRA on MoE needs alltoall_seq")
-    sp: bool = Field(False, description="sequence parallel (needs tp > 1)")
-    zero: int = Field(0, ge=0, le=3, description="ZeRO stage (llamafactory engine)")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage (LLaMA-Factory's DeepSpeed stages)")
     fsdp: bool = Field(False, description="shard parameters, gradients and optimizer states with FSDP2")
     distributed_optimizer: bool = Field(False, description="shard optimizer states over data parallel")
     recompute: Literal["none", "selective", "full"] = "none"
@@ -101,17 +107,55 @@ class TrainSpec(_Block):
         return self
 
 
-class RewardSpec(_Block):
-    type: Literal["gsm8k", "math", "exact_match", "length", "function"] = "gsm8k"
+class RoleSpec(_Block):
+    parallel: Optional[LayoutSpec] = Field(
+        None, description="this role's layout over the same devices; keys left out: the job's parallel block")
+
+
+class TrainedRoleSpec(RoleSpec):
+    lr: Optional[float] = Field(None, gt=0, description="this role's learning rate; default train.lr")
+
+
+class RolloutLayoutSpec(_Block):
+    tp: int = Field(1, ge=1, description="tensor parallel size of the generation engine")
+    pp: int = Field(1, ge=1, description="pipeline parallel size of the generation engine")
+    ep: int = Field(1, ge=1, description="expert parallel size of the generation engine")
+
+
+class RolloutSpec(_Block):
+    parallel: Optional[RolloutLayoutSpec] = Field(None, description="the generation engine's layout; keys left "
+                                                                    "out: the job's parallel tp / pp / ep")
+    n: int = Field(8, ge=1, description="responses sampled per prompt")
+    engine: Literal["vllm", "sglang", "hf"] = "vllm"
+    max_new_tokens: int = Field(512, ge=1, description="longest response")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+ROLLOUT_KEYS = tuple(k for k in RolloutSpec.model_fields if k != "parallel")
+
+
+class RewardSpec(RoleSpec):
+    type: Literal["gsm8k", "math", "exact_match", "length", "function", "model"] = Field(
+        "gsm8k", description="a rule (gsm8k, math, exact_match, length), your function, or a reward model")
     function: Optional[str] = Field(None, description="module:function for type=function")
+    model_path: Optional[str] = Field(None, description="Hugging Face reward model directory for type=model")
+
+    @model_validator(mode="after")
+    def _kind(self):
+        problems = []
+        if (self.type == "function") != (self.function is not None):
+            problems.append("rl.reward.function (module:function) goes with type: function, and only with it")
+        if (self.type == "model") != (self.model_path is not None):
+            problems.append("rl.reward.model_path goes with type: model, and only with it")
+        if self.parallel is not None and self.type != "model":
+            problems.append(f"a rule reward ({self.type}) runs no model: rl.reward.parallel needs type: model")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class RLSpec(_Block):
-    n: int = Field(8, ge=1, description="responses sampled per prompt")
-    engine: Literal["vllm", "sglang", "hf"] = "vllm"
-    max_new_tokens: int = Field(512, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
     kl_coef: float = Field(0.001, ge=0)
     kl_estimator: Literal["k1", "k3"] = "k3"
     clip_eps_low: float = Field(0.2, gt=0, lt=1)
@@ -124,7 +168,27 @@ class RLSpec(_Block):
     mini_batch: Optional[int] = Field(None, ge=1, description="prompts per policy update (default: global)")
     overlong_buffer: Optional[int] = Field(None, ge=1, description="DAPO soft overlong punishment buffer")
     max_gen_rounds: int = Field(3, ge=1, description="DAPO dynamic sampling: generation rounds at most")
-    reward: RewardSpec = Field(default_factory=RewardSpec)
+    actor: TrainedRoleSpec = Field(default_factory=TrainedRoleSpec, description="the policy that trains")
+    reference: RoleSpec = Field(default_factory=RoleSpec, description="the frozen policy the KL term compares to")
+    critic: Optional[TrainedRoleSpec] = Field(None, description="the value model (ppo only)")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="generation of the responses")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="how responses are scored")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rollout_keys_at_rl_level(cls, data: Any) -> Any:
+        """Job files written before the role blocks give n, engine, … directly under rl: they belong
+        to the rollout, and move there (the same key in both places is refused)."""
+        if not isinstance(data, dict) or not any(k in data for k in ROLLOUT_KEYS):
+            return data
+        data = dict(data)
+        rollout = dict(data.get("rollout") or {})
+        both = [k for k in ROLLOUT_KEYS if k in data and k in rollout]
+        if both:
+            raise ValueError(f"give {', '.join(f'rl.{k}' for k in both)} or rl.rollout.{both[0]}, not both")
+        rollout.update({k: data.pop(k) for k in ROLLOUT_KEYS if k in data})
+        data["rollout"] = rollout
+        return data
 
 
 class ResourceSpec(_Block):
@@ -216,8 +280,11 @@ class JobSpec(_Block):
                 self.rl = RLSpec()
             if self.rl.clip_eps_high is None:
                 self.rl.clip_eps_high = 0.28 if self.stage == "dapo" else self.rl.clip_eps_low
+            problems += self._resolve_roles()
         elif self.rl is not None:
-            problems.append(f"an rl block is only used by the RL stages {', '.join(RL_STAGES)}, not stage {self.stage}")
+            roles = [f"rl.{r}" for r in ROLES if r in self.rl.model_fields_set]
+            problems.append(f"an rl block{' (here with ' + ', '.join(roles) + ')' if roles else ''} is only used by "
+                            f"the RL stages {', '.join(RL_STAGES)}, not stage {self.stage}")
         if self.resume not in ("auto", "never") and not self.resume.strip():
             problems.append("resume must be auto, never or a checkpoint path")
         if self.name is None:
@@ -227,6 +294,55 @@ class JobSpec(_Block):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+    def _resolve_roles(self) -> list[str]:
+        """Every role's layout and learning rate made explicit: what a role leaves out, it inherits."""
+        rl, problems = self.rl, []
+        if rl.critic is not None and self.stage != "ppo":
+            problems.append(f"rl.critic: only ppo trains a critic (value model), not {self.stage}; "
+                            "remove the rl.critic block")
+        if rl.critic is None and self.stage == "ppo":
+            rl.critic = TrainedRoleSpec()
+        job_layout = self.parallel.model_dump(include=set(LayoutSpec.model_fields))
+        for role in ("actor", "reference", "critic", "reward"):
+            spec = getattr(rl, role)
+            if spec is None or (role == "reward" and spec.type != "model"):
+                continue
+            spec.parallel = LayoutSpec(**_inherit(job_layout, spec.parallel))
+        rollout_base = {k: job_layout[k] for k in RolloutLayoutSpec.model_fields}
+        rl.rollout.parallel = RolloutLayoutSpec(**_inherit(rollout_base, rl.rollout.parallel))
+        for role in TRAINED_ROLES:
+            spec = getattr(rl, role)
+            if spec is not None and spec.lr is None:
+                spec.lr = self.train.lr
+        return problems
+
+    def role_layouts(self) -> dict[str, Any]:
+        """The layout of every RL role that runs a model, by role ({} outside the RL stages)."""
+        if self.rl is None:
+            return {}
+        rl = self.rl
+        out = {"actor": rl.actor.parallel, "reference": rl.reference.parallel}
+        if rl.critic is not None:
+            out["critic"] = rl.critic.parallel
+        out["rollout"] = rl.rollout.parallel
+        if rl.reward.type == "model":
+            out["reward"] = rl.reward.parallel
+        return out
+
+
+# a role key that changes what these depend on does not inherit them from the job's parallel block
+_DEPENDS = {"pp_layers": ("pp",), "vpp": ("pp",), "ulysses_degree": ("cp", "cp_algo"), "sp": ("tp",)}
+
+
+def _inherit(base: dict[str, Any], block: Optional[BaseModel]) -> dict[str, Any]:
+    given = block.model_dump(exclude_unset=True) if block is not None else {}
+    out = dict(base)
+    for key, deps in _DEPENDS.items():
+        if key in out and key not in given and any(d in given for d in deps):
+            del out[key]
+    return {**out, **given}
 
 
 # ---------------------------------------------------------------- loading and error reporting

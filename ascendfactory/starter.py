@@ -11,28 +11,19 @@ from typing import Any, Iterator
 
 from ascendfactory import catalog
 from ascendfactory.errors import JobError, Problem
+from ascendfactory.frameworks import adapter
+from ascendfactory.frameworks.rl import RL_STAGES
 
 _DATA = {"pt": ("data/corpus.jsonl", "text"), "sft": ("data/train.json", "alpaca"),
          "dpo": ("data/pairs.json", "pairwise"), "grpo": ("data/prompts.jsonl", "prompt"),
          "dapo": ("data/prompts.jsonl", "prompt"), "ppo": ("data/prompts.jsonl", "prompt")}
-_RL = ("grpo", "dapo", "ppo")
 _DEVICES_PER_NODE = 8
 _NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-_MEGATRON = ("mindspeed-llm", "mindspeed-mm", "mindspeed-rl")
-
-
-def _sharding(framework: str) -> list[dict[str, Any]]:
-    """Optimizer/weight sharding choices, cheapest communication first."""
-    if framework == "llamafactory":
-        return [{"zero": 0}, {"zero": 1}, {"zero": 2}, {"zero": 3}]
-    if framework == "verl":
-        return [{"fsdp": True}]
-    return [{}, {"distributed_optimizer": True}]
 
 
 def _model_splits(framework: str, arch: dict[str, Any], world: int) -> Iterator[dict[str, int]]:
     """tp / pp / ep choices that the architecture divides, fewest model-parallel ranks first."""
-    if framework not in _MEGATRON:
+    if not adapter(framework).model_parallel:
         yield {}
         return
     heads, kv, layers = arch["num_attention_heads"], arch["num_kv_heads"], arch["num_layers"]
@@ -50,7 +41,7 @@ def _model_splits(framework: str, arch: dict[str, Any], world: int) -> Iterator[
 def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int,
               parallel: dict[str, Any], global_batch: int) -> str:
     path, fmt = _DATA[stage]
-    rl = stage in _RL
+    rl = stage in RL_STAGES
     par = {"tp": 1, "pp": 1, **parallel}
     lines = [
         f"# AscendFactory job: {card['name']} · {framework} · {stage}",
@@ -91,8 +82,10 @@ def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int
         "  save_interval: 200",
     ]
     if rl:
-        lines += ["rl:", "  n: 8                           # responses per prompt", "  engine: vllm",
-                  "  max_new_tokens: 1024", "  reward: {type: gsm8k}"]
+        lines += ["rl:", "  rollout:                       # generation: its own layout goes in rollout.parallel",
+                  "    n: 8                         # responses per prompt", "    engine: vllm",
+                  "    max_new_tokens: 1024", "  reward: {type: gsm8k}          # or {type: model, model_path: …}",
+                  "  # actor / reference / critic (ppo): {parallel: {...}, lr: ...}; default: the job's own"]
     lines += ["resources:", "  device: npu                    # auto | npu | cuda | cpu", f"  nnodes: {nnodes}",
               f"  devices_per_node: {_DEVICES_PER_NODE}",
               "launcher: torchrun              # local | torchrun | slurm | k8s | modelarts",
@@ -116,7 +109,7 @@ def starter_job(model: str, framework: str, stage: str) -> str:
     for nnodes in _NODE_COUNTS:
         world = nnodes * _DEVICES_PER_NODE
         for split in _model_splits(framework, card["arch"], world):
-            for shard in _sharding(framework):
+            for shard in adapter(framework).starter_sharding:
                 dp = world // (split.get("tp", 1) * split.get("pp", 1))
                 text = _job_text(card, model_id, framework, stage, nnodes, {**split, **shard},
                                  dp * max(1, 8 // dp))

@@ -43,7 +43,7 @@ def test_layers_split_over_pp_or_explicit_list(plan_of):
     text = refusal(plan_of, parallel={"pp": 8})
     assert "36 layers do not split evenly over pp=8" in text and "pp_layers" in text
     lay = plan_of(parallel={"pp": 8, "pp_layers": [4, 4, 5, 5, 5, 5, 4, 4]}).layout
-    assert lay.pp_layers == [4, 4, 5, 5, 5, 5, 4, 4]
+    assert lay.pp_layers == (4, 4, 5, 5, 5, 5, 4, 4)
     assert "summing to 36" in refusal(plan_of, parallel={"pp": 2, "pp_layers": [10, 10]})
 
 
@@ -139,3 +139,166 @@ def test_every_refusal_reported_at_once(plan_of):
     with pytest.raises(JobError) as info:
         plan_of(parallel={"tp": 3, "pp": 5, "sp": False, "vpp": 2})
     assert len(info.value.problems) >= 3
+
+
+# ---------------------------------------------------------------------- ascendfactory.layout itself
+
+from ascendfactory import layout as lay  # noqa: E402
+
+QWEN3_8B = {"heads": 32, "kv_heads": 8, "layers": 36}
+
+
+def test_solve_returns_the_frozen_layout():
+    got = lay.check(world=16, nnodes=2, tp=2, pp=2, cp=2, **QWEN3_8B, seq_len=4096, micro_batch=1, global_batch=8)
+    assert (got.world, got.nnodes, got.devices_per_node, got.dp, got.grad_accum) == (16, 2, 8, 2, 4)
+    assert got.pp_layers == (18, 18) and got.ring_degree == 2 and got.mesh_shape == (2, 2, 2, 2)
+    with pytest.raises(AttributeError):
+        got.tp = 4  # frozen: what the planner put in the plan is what the engine builds
+
+
+def test_every_broken_rule_comes_back_at_once_with_its_field():
+    layout, problems = lay.solve(world=8, tp=3, pp=5, vpp=2, sp=False, ep=2, cp=2, cp_algo="ulysses",
+                                 ulysses_degree=2, **QWEN3_8B, seq_len=4097, micro_batch=3, global_batch=5)
+    assert layout is None
+    fields = [p.field for p in problems]
+    assert {"parallel", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.ep", "parallel.ulysses_degree",
+            "data.seq_len", "parallel.cp"} <= set(fields)
+    assert all(p.message and p.hint for p in problems)
+    with pytest.raises(lay.LayoutError) as err:
+        lay.check(world=8, tp=3, **QWEN3_8B)
+    assert len(err.value.problems) == 3 and "parallel.tp: 32 attention heads" in str(err.value)
+
+
+def test_rules_without_their_inputs_are_not_checked():
+    # the engine may not know a batch or a sequence length; nothing is guessed for them
+    got = lay.check(world=4, cp=4, **QWEN3_8B)
+    assert got.grad_accum == 0 and got.ring_degree == 4
+    assert not lay.solve(world=4, cp=4, **QWEN3_8B, seq_len=4100)[0]
+
+
+def test_layers_per_virtual_stage_is_the_same_rule_as_vpp():
+    a = lay.check(world=4, pp=2, vpp=3, **QWEN3_8B)
+    b = lay.check(world=4, pp=2, vpp_layers=6, **QWEN3_8B)
+    assert a == b and a.vpp == 3
+    assert "layers per virtual stage" in str(lay.solve(world=4, pp=2, vpp_layers=7, **QWEN3_8B)[1][0])
+    # Megatron cuts equal chunks only: an explicit per-stage list and vpp do not combine
+    text = str(lay.solve(world=2, pp=2, vpp=2, pp_layers=[18, 18], **QWEN3_8B)[1])
+    assert "do not combine" in text
+
+
+def test_expert_group_is_carved_from_dp_cp_tp():
+    assert lay.check(world=8, tp=2, ep=8, heads=32, kv_heads=4, layers=48, experts=128).ep == 8
+    problems = lay.solve(world=8, pp=2, ep=8, heads=32, kv_heads=4, layers=48, experts=128)[1]
+    assert [p.field for p in problems] == ["parallel.ep"] and "dp·cp·tp = 4·1·1 = 4" in problems[0].message
+    assert "has no experts" in lay.solve(world=2, ep=2, **QWEN3_8B)[1][0].message
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 6, 8, 12, 16])
+def test_property_every_accepted_layout_is_consistent(world):
+    """Over a grid of layouts: an accepted one multiplies out to the world, divides the model, and
+    its batch adds up; a refused one names at least one rule."""
+    import itertools
+
+    model = {"heads": 16, "kv_heads": 4, "layers": 12, "experts": 8}
+    for tp, pp, cp, ep, algo in itertools.product((1, 2, 4), (1, 2, 3), (1, 2), (1, 2, 4), ("ring", "ulysses")):
+        layout, problems = lay.solve(world=world, tp=tp, pp=pp, cp=cp, ep=ep, cp_algo=algo, **model, seq_len=256,
+                                     micro_batch=1, global_batch=24)
+        assert (layout is None) == bool(problems)
+        if layout is None:
+            continue
+        assert layout.dp * tp * pp * cp == world and model["heads"] % tp == 0
+        assert sum(layout.pp_layers) == model["layers"] and len(layout.pp_layers) == pp
+        assert (layout.dp * cp * tp) % ep == 0 and model["experts"] % ep == 0
+        assert layout.grad_accum * layout.micro_batch * layout.dp == layout.global_batch
+        assert layout.ulysses_degree * layout.ring_degree == cp
+
+
+def test_even_split_puts_the_remainder_on_the_last_stages():
+    assert lay.even_split(10, 4) == [2, 2, 3, 3] and lay.even_split(8, 4) == [2, 2, 2, 2]
+
+
+# ---------------------------------------------------------------------- planner and engine agree
+
+AGREEMENT = [  # (model, world, parallel, seq_len, micro, global)
+    ("qwen3-8b", 8, {"tp": 2, "pp": 2}, 4096, 1, 16),
+    ("qwen3-8b", 8, {"tp": 3}, 4096, 1, 16),                         # world and heads
+    ("qwen3-8b", 4, {"pp": 2, "vpp": 3}, 4096, 1, 8),                 # interleaved pp, 4 micro-batches
+    ("qwen3-8b", 4, {"pp": 2, "vpp": 2}, 4096, 1, 6),                 # 3 micro-batches over pp 2
+    ("qwen3-8b", 2, {"pp": 2, "pp_layers": [10, 26]}, 4096, 1, 2),
+    ("qwen3-8b", 2, {"pp": 2, "pp_layers": [10, 20]}, 4096, 1, 2),    # list does not sum to the layers
+    ("qwen3-8b", 8, {"pp": 8}, 4096, 1, 8),                           # 36 layers over pp 8
+    ("qwen3-8b", 4, {"cp": 4, "cp_algo": "ring"}, 4100, 1, 4),        # ring needs seq % 2cp
+    ("qwen3-8b", 4, {"cp": 4, "cp_algo": "ulysses"}, 4096, 1, 4),
+    ("qwen3-8b", 8, {"cp": 4, "cp_algo": "hybrid", "ulysses_degree": 2}, 8192, 1, 8),
+    ("qwen3-8b", 4, {"cp": 4, "cp_algo": "hybrid", "ulysses_degree": 4}, 8192, 1, 4),  # one ring group
+    ("qwen3-8b", 4, {"tp": 2, "sp": True}, 4096, 1, 4),
+    ("qwen3-8b", 8, {}, 4096, 3, 16),                                 # batch not a multiple of micro × dp
+    ("mixtral-8x7b-instruct-v0.1", 8, {"ep": 4}, 4096, 1, 8),
+    ("mixtral-8x7b-instruct-v0.1", 6, {"ep": 3}, 4096, 1, 6),         # 8 experts over ep 3
+    ("mixtral-8x7b-instruct-v0.1", 8, {"pp": 4, "ep": 4}, 4096, 1, 8),  # ep 4 over dp·cp·tp 2
+]
+
+
+def _engine_flags(arch, world, par, seq, micro, global_batch):
+    """The numbers in MindSpeed-LLM's flags, as the engine reads them."""
+    algo = {"ring": "megatron_cp_algo", "ulysses": "ulysses_cp_algo", "hybrid": "hybrid_cp_algo"}
+    flags = ["--model-id", "qwen3-8b", "--data-path", "x", "--lr", "1e-4", "--train-iters", "1",
+             "--seq-length", str(seq), "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
+             "--tensor-model-parallel-size", str(par.get("tp", 1)), "--pipeline-model-parallel-size",
+             str(par.get("pp", 1)), "--context-parallel-size", str(par.get("cp", 1)),
+             "--context-parallel-algo", algo[par.get("cp_algo", "ring")], "--expert-model-parallel-size",
+             str(par.get("ep", 1))]
+    if par.get("pp_layers"):
+        flags += ["--num-layer-list", ",".join(map(str, par["pp_layers"]))]
+    if par.get("vpp", 1) > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(arch["num_layers"] // par["pp"] // par["vpp"])]
+    if par.get("sp"):
+        flags.append("--sequence-parallel")
+    if par.get("ulysses_degree"):
+        flags += ["--ulysses-degree-in-cp", str(par["ulysses_degree"])]
+    return flags
+
+
+class _MeshReached(Exception):
+    """The engine accepted the layout and went on to build its mesh."""
+
+
+def _engine_verdict(monkeypatch, arch, world, par, seq, micro, global_batch):
+    from types import SimpleNamespace
+
+    from backends.llm import parallelize
+    from backends.llm.config import ConfigError, parse_args
+
+    def reached(layout, device_type):
+        raise _MeshReached
+
+    monkeypatch.setattr(parallelize, "build_mesh", reached)
+    cfg = parse_args(_engine_flags(arch, world, par, seq, micro, global_batch))
+    moe = SimpleNamespace(num_experts=arch["moe"]["num_experts"]) if arch.get("moe") else None
+    config = SimpleNamespace(num_attention_heads=arch["num_attention_heads"], num_kv_heads=arch["num_kv_heads"],
+                             num_layers=arch["num_layers"], moe=moe, mla=None)
+    rt = SimpleNamespace(world=world, device=SimpleNamespace(type="cpu"))
+    try:
+        parallelize.setup(cfg, SimpleNamespace(config=config), rt)
+    except _MeshReached:
+        return None
+    except ConfigError as err:
+        return str(err)
+    return None  # one process: no mesh to build
+
+
+@pytest.mark.parametrize("model,world,par,seq,micro,global_batch", AGREEMENT)
+def test_planner_and_engine_give_the_same_verdict(plan_of, monkeypatch, model, world, par, seq, micro, global_batch):
+    pytest.importorskip("torch")
+    from ascendfactory import catalog
+
+    try:
+        plan_of(model=model, parallel=par, data={"seq_len": seq}, resources={"devices_per_node": world},
+                train={"micro_batch": micro, "global_batch": global_batch})
+        planner = []
+    except JobError as err:
+        planner = err.problems
+    engine = _engine_verdict(monkeypatch, catalog.models()[model]["arch"], world, par, seq, micro, global_batch)
+    assert (engine is None) == (not planner), (planner, engine)
+    for problem in planner:  # the same rule, in the same words
+        assert f"{problem.where}: {problem.message}" in engine

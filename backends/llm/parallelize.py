@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
-from backends.llm.config import LLMConfig
-from backends.llm.parallel.mesh import Layout, build_mesh, check_layout
+from ascendfactory.layout import Layout, LayoutError
+from ascendfactory.layout import check as check_layout
+from backends.common.parallel.mesh import build_mesh
+from backends.llm.config import ConfigError, LLMConfig
 
 
 @dataclass
@@ -43,9 +45,15 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
 
     c, p = decoder.config, cfg.parallel
     experts = c.moe.num_experts if c.moe is not None else 0
-    layout = check_layout(rt.world, p.tp, p.pp, p.cp, p.ep, heads=c.num_attention_heads,
-                          kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads,
-                          layers=c.num_layers, experts=experts, pp_layers=p.pp_layers)
+    try:  # the planner's rules (ascendfactory.layout), for an engine started by hand with any flags
+        layout = check_layout(
+            world=rt.world, heads=c.num_attention_heads, layers=c.num_layers, experts=experts,
+            kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads, tp=p.tp, pp=p.pp,
+            vpp_layers=p.vpp_layers, pp_layers=p.pp_layers, cp=p.cp, cp_algo=p.cp_algo,
+            ulysses_degree=p.ulysses_degree, ep=p.ep, sp=p.sp, seq_len=cfg.data.seq_len,
+            micro_batch=cfg.train.micro_batch, global_batch=cfg.train.global_batch)
+    except LayoutError as err:
+        raise ConfigError(str(err)) from None
     if rt.world == 1:
         return Parallel(layout, None, 0, 0, None, 1)
     mesh = build_mesh(layout, rt.device.type)

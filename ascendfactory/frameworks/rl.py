@@ -1,0 +1,46 @@
+"""What the two RL frameworks share: the RL stages, method cells, the rollout engine cell and its
+probe. Each RL job trains an actor (and for ppo a critic) next to a reference model, a rollout
+engine and a reward; their layouts are in the job's `rl.<role>.parallel` blocks."""
+
+from __future__ import annotations
+
+from ascendfactory.frameworks.base import Adapter, FeatureUse
+
+RL_STAGES = ("grpo", "dapo", "ppo")
+TRAINED_ROLES = ("actor", "critic")
+
+
+class RLAdapter(Adapter):
+    stages = RL_STAGES
+    rollout_engines: tuple[str, ...] = ("vllm", "sglang", "hf")
+
+    def common_limits(self, job, serving):
+        out = super().common_limits(job, serving)
+        engine = job.rl.rollout.engine if job.rl else None
+        if engine is not None and engine not in self.rollout_engines:
+            out.append(self.refuse("rl.rollout.engine", f"rolls out with {' or '.join(self.rollout_engines)}, "
+                                   f"not {engine}", f"set rl.rollout.engine: {self.rollout_engines[0]}"))
+        return out
+
+    def role_features(self, job) -> list[FeatureUse]:
+        uses = []
+        if job.stage in self.stages:
+            uses.append(FeatureUse("methods", f"stage: {job.stage}", needs=job.stage))
+        engine = job.rl.rollout.engine if job.rl else "vllm"
+        if engine in self.columns:  # the inference engines with a column (hf generation has none)
+            uses.append(FeatureUse(engine, f"rl.rollout.engine: {engine}"))
+        return uses
+
+    def serves(self, row, stage):
+        return stage in (row["methods"] if isinstance(row.get("methods"), list) else [])
+
+    def probe(self, job, row, feature, stage):
+        job["stage"] = stage or row["methods"][0]
+        job["data"]["format"] = "prompt"
+        job["rl"] = {"rollout": {"engine": feature if feature in self.rollout_engines else "vllm"}}
+
+
+def role_cp(job) -> int:
+    """The largest context-parallel size of the roles that run the policy or critic forward."""
+    layouts = [job.parallel] + [lay for _, lay in job.role_layouts().items()]
+    return max(getattr(lay, "cp", 1) for lay in layouts)

@@ -1,0 +1,254 @@
+"""The parallel layout rules, in one place.
+
+The planner checks a job with them and every engine checks its own flags with them before it
+builds its DeviceMesh from the `Layout` they return, so a layout that plans also starts. Plain
+numbers in (no JobSpec, no torch: engines import this module), every broken rule out at once,
+each naming the job-file field it belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+CP_ALGOS = ("ring", "ulysses", "hybrid")
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    field: str               # dotted job-file field, e.g. "parallel.tp"
+    message: str
+    hint: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" + (f" ({self.hint})" if self.hint else "")
+
+
+class LayoutError(ValueError):
+    """Every broken layout rule of one layout."""
+
+    def __init__(self, problems: Sequence[LayoutProblem]):
+        self.problems = list(problems)
+        n = len(self.problems)
+        super().__init__(f"the parallel layout does not work ({n} problem{'s' if n != 1 else ''}): "
+                         + "; ".join(map(str, self.problems)))
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    nnodes: int
+    devices_per_node: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    ep: int
+    sp: bool
+    ulysses_degree: int
+    ring_degree: int
+    micro_batch: int
+    global_batch: int
+    grad_accum: int          # micro-batches per optimizer step on one rank (0: batch not given)
+    pp_layers: tuple[int, ...]
+
+    def describe(self) -> str:
+        parts = [f"world {self.world} = {self.nnodes} node(s) × {self.devices_per_node} device(s)",
+                 f"tp {self.tp}", f"pp {self.pp}" + (f" (vpp {self.vpp})" if self.vpp > 1 else ""),
+                 f"cp {self.cp}", f"dp {self.dp}", f"ep {self.ep}"]
+        return " · ".join(parts)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """(pp, dp, cp, tp): tp innermost, so a tensor-parallel group shares a node."""
+        return (self.pp, self.dp, self.cp, self.tp)
+
+
+def solve(*, world: int, heads: int, kv_heads: int, layers: int, experts: int = 0, nnodes: int = 1,
+          tp: int = 1, pp: int = 1, vpp: int = 1, vpp_layers: int | None = None,
+          pp_layers: Sequence[int] | None = None, cp: int = 1, cp_algo: str = "ring",
+          ulysses_degree: int | None = None, ep: int = 1, sp: bool = False, seq_len: int | None = None,
+          micro_batch: int | None = None, global_batch: int | None = None,
+          ) -> tuple[Layout | None, list[LayoutProblem]]:
+    """The layout of `world` ranks, or None and every rule it breaks.
+
+    `vpp` is the number of model chunks per pipeline rank; `vpp_layers` (Megatron's
+    --num-layers-per-virtual-pipeline-stage) says the same in layers, for callers that have that.
+    Rules whose inputs are not given (seq_len, the batch sizes) are not checked.
+    """
+    problems: list[LayoutProblem] = []
+
+    def bad(field: str, message: str, hint: str | None = None) -> None:
+        problems.append(LayoutProblem(field, message, hint))
+
+    devices_per_node = world // nnodes if nnodes and world % nnodes == 0 else world
+    model_par = tp * pp * cp
+    dp = world // model_par if world % model_par == 0 else 0
+    if not dp:
+        bad("parallel", f"data parallel size = world / (tp·pp·cp) = {world} / {model_par} is not a whole number "
+                        f"(world {world} = {nnodes} node(s) × {devices_per_node} device(s))",
+            f"pick tp·pp·cp dividing {world}, or change resources.nnodes / devices_per_node")
+
+    _heads_over_tp(bad, heads, kv_heads, tp, sp)
+    vpp = _vpp_from_layers(bad, layers, pp, vpp, vpp_layers, pp_layers)
+    stages = _pipeline(bad, layers, pp, vpp, pp_layers)
+    _experts(bad, experts, ep, dp * cp * tp, (dp, cp, tp))
+    ulysses, ring = _context_parallel(bad, heads, tp, cp, cp_algo, ulysses_degree, seq_len)
+    grad_accum = _batches(bad, dp, pp, vpp, micro_batch, global_batch)
+
+    if problems:
+        return None, problems
+    return Layout(world=world, nnodes=nnodes, devices_per_node=devices_per_node, tp=tp, pp=pp, vpp=vpp, cp=cp,
+                  dp=dp, ep=ep, sp=sp, ulysses_degree=ulysses, ring_degree=ring, micro_batch=micro_batch or 0,
+                  global_batch=global_batch or 0, grad_accum=grad_accum, pp_layers=tuple(stages)), []
+
+
+def check(**numbers) -> Layout:
+    """`solve`, raising one LayoutError with every broken rule."""
+    layout, problems = solve(**numbers)
+    if problems:
+        raise LayoutError(problems)
+    return layout
+
+
+def _heads_over_tp(bad, heads: int, kv: int, tp: int, sp: bool) -> None:
+    if heads % tp:
+        bad("parallel.tp", f"{heads} attention heads do not split over tp={tp}",
+            f"use a tp that divides {heads}: {', '.join(str(x) for x in divisors(heads) if x <= 64)}")
+    if kv >= tp and kv % tp:
+        bad("parallel.tp", f"{kv} KV heads do not split evenly over tp={tp}", f"use a tp that divides {kv}")
+    if kv < tp and tp % kv:
+        bad("parallel.tp", f"tp={tp} above the {kv} KV heads must be a multiple of them (KV heads are replicated)",
+            f"use tp = {kv}·k")
+    if sp and tp == 1:
+        bad("parallel.sp", "sequence parallel shards activations over the tensor-parallel group, which is 1",
+            "set parallel.tp > 1, or sp: false")
+
+
+def _vpp_from_layers(bad, layers: int, pp: int, vpp: int, vpp_layers: int | None, pp_layers) -> int:
+    """Model chunks per pipeline rank, from vpp or from layers per virtual stage."""
+    if not vpp_layers:
+        return vpp
+    if layers % (pp * vpp_layers):
+        bad("parallel.vpp", f"{layers} layers do not split evenly over pp={pp} × {vpp_layers} layers per virtual "
+                            "stage", "change the layers per virtual stage, or the pipeline size")
+        return 1
+    return layers // (pp * vpp_layers)
+
+
+def _pipeline(bad, layers: int, pp: int, vpp: int, pp_layers) -> list[int]:
+    if pp_layers is not None:
+        pp_layers = list(pp_layers)
+        if len(pp_layers) != pp or sum(pp_layers) != layers or min(pp_layers, default=0) < 1:
+            bad("parallel.pp_layers", f"needs {pp} positive entries summing to {layers} layers, got {pp_layers}",
+                f"e.g. {even_split(layers, pp)}")
+        stages = pp_layers
+    else:
+        if layers % pp:
+            bad("parallel.pp", f"{layers} layers do not split evenly over pp={pp}",
+                f"use a pp that divides {layers}, or give parallel.pp_layers, e.g. {even_split(layers, pp)}")
+        stages = even_split(layers, pp)
+    if vpp > 1:
+        if pp == 1:
+            bad("parallel.vpp", "virtual pipeline stages need pipeline parallel", "set parallel.pp > 1, or vpp: 1")
+        elif pp_layers is not None:  # Megatron's interleaved schedule cuts equal chunks only
+            bad("parallel.vpp", "an explicit per-stage layer list and virtual pipeline stages do not combine",
+                "remove parallel.pp_layers, or set vpp: 1")
+        elif any(n % vpp for n in stages):
+            bad("parallel.vpp", f"each pipeline stage's layers {stages} must split into vpp={vpp} chunks",
+                "choose vpp dividing every stage's layer count")
+    if pp > 1 and layers < pp:
+        bad("parallel.pp", f"pp={pp} exceeds the {layers} layers", f"use pp ≤ {layers}")
+    return stages
+
+
+def _experts(bad, experts: int, ep: int, dp_cp_tp: int, sizes: tuple[int, int, int]) -> None:
+    if ep == 1:
+        return
+    if not experts:
+        bad("parallel.ep", f"ep={ep} needs a model with experts; this one has no experts", "set parallel.ep: 1")
+        return
+    if experts % ep:
+        bad("parallel.ep", f"{experts} experts do not split over ep={ep}", f"use an ep that divides {experts}")
+    dp, cp, tp = sizes
+    if dp and dp_cp_tp % ep:
+        bad("parallel.ep", f"ep={ep} must divide dp·cp·tp = {dp}·{cp}·{tp} = {dp_cp_tp} "
+                           "(the expert group is carved from those ranks)",
+            "change ep or the data/context/tensor parallel sizes")
+
+
+def _context_parallel(bad, heads: int, tp: int, cp: int, algo: str, u: int | None,
+                      seq_len: int | None) -> tuple[int, int]:
+    """(Ulysses degree, ring degree)."""
+    if u is not None and algo != "hybrid":
+        bad("parallel.ulysses_degree", f"only used with cp_algo: hybrid (cp_algo is {algo})",
+            "remove it, or set cp_algo: hybrid")
+    if algo not in CP_ALGOS:
+        bad("parallel.cp_algo", f"unknown context-parallel algorithm {algo!r}", f"use one of {', '.join(CP_ALGOS)}")
+        return 1, 1
+    if cp == 1:
+        return 1, 1
+    s = seq_len
+    if algo == "ring":
+        if s is not None and s % (2 * cp):
+            bad("data.seq_len", f"ring attention needs seq_len divisible by 2·cp = {2 * cp}, got {s}",
+                f"use seq_len {round_up(s, 2 * cp)}")
+        return 1, cp
+    if algo == "ulysses":
+        if s is not None and s % cp:
+            bad("data.seq_len", f"Ulysses needs seq_len divisible by cp = {cp}, got {s}", f"use seq_len {round_up(s, cp)}")
+        if heads % (cp * tp):
+            bad("parallel.cp", f"Ulysses needs heads ({heads}) divisible by cp·tp = {cp * tp}",
+                "lower cp or tp, or use cp_algo: ring")
+        return cp, 1
+    ring = 1
+    if u is None:
+        bad("parallel.ulysses_degree", "hybrid context parallel needs the Ulysses degree",
+            "set parallel.ulysses_degree (Ulysses inside groups of that size, ring across)")
+        u = 1
+    else:
+        if cp % u or cp // u <= 1:
+            bad("parallel.ulysses_degree", f"hybrid needs cp / ulysses_degree to be a whole number above 1 "
+                                           f"(cp {cp}, ulysses_degree {u})",
+                "pick ulysses_degree dividing cp with at least two ring groups, or use ulysses/ring")
+        else:
+            ring = cp // u
+        if heads % (u * tp):
+            bad("parallel.ulysses_degree", f"heads ({heads}) must divide by ulysses_degree·tp = {u * tp}",
+                "lower ulysses_degree or tp")
+    if s is not None and s % (2 * cp):
+        bad("data.seq_len", f"hybrid context parallel needs seq_len divisible by 2·cp = {2 * cp}, got {s}",
+            f"use seq_len {round_up(s, 2 * cp)}")
+    return u, ring
+
+
+def _batches(bad, dp: int, pp: int, vpp: int, micro: int | None, global_batch: int | None) -> int:
+    """Micro-batches per optimizer step on one rank."""
+    if not dp or micro is None or global_batch is None:
+        return 0
+    per_step = micro * dp
+    if global_batch % per_step:
+        bad("train.global_batch", f"global batch {global_batch} is not a multiple of micro_batch × dp = "
+                                  f"{micro} × {dp} = {per_step}",
+            f"use a global batch of {round_up(global_batch, per_step)}, or change train.micro_batch")
+        return 0
+    accum = global_batch // per_step
+    if pp > 1 and vpp > 1 and accum % pp:
+        bad("train.global_batch", f"interleaved pipelining needs the micro-batch count ({accum}) to be a "
+                                  f"multiple of pp={pp}", "raise global_batch or lower micro_batch")
+    return accum
+
+
+def divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def even_split(layers: int, pp: int) -> list[int]:
+    """Layers per stage, the remainder on the last stages (they hold no embedding)."""
+    base, extra = divmod(layers, pp)
+    return [base + (1 if i >= pp - extra else 0) for i in range(pp)]

@@ -1,0 +1,1 @@
+"""Parallelism every engine shares, applied from outside the models (the mesh first)."""
