@@ -11,7 +11,7 @@ from .moe import grouped_mm, moe_permute, moe_route, moe_unpermute, swiglu  # no
 
 IMPL_NAMES = {
     "attention": "reference (sdpa+mask; packed: per document; with lse: tiled)",
-    "attention_backward": f"reference (tiled, {tiled_attention.BLOCK}-row blocks)",
+    "attention_backward": f"reference (tiled, blocks of <= {tiled_attention.BLOCK} rows)",
     "rms_norm": "reference (torch fp32)",
     "apply_rotary": "reference (torch)",
     "swiglu": "reference (torch)",
@@ -89,7 +89,7 @@ def _per_document(fn, q, k, v, cu_seqlens, **kw):
 
 def _tiled_with_lse(q, k, v, cu, *, causal, window, scale):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return tiled_attention.TiledAttention.apply(q, k, v, cu, causal, window, scale, tiled_attention.BLOCK)
+    return tiled_attention.TiledAttention.apply(q, k, v, cu, causal, window, scale, None)
 
 
 def attention(q, k, v, *, causal, cu_seqlens=None, window=None, scale=None, dropout=0.0, return_lse=False):
@@ -113,8 +113,7 @@ def attention(q, k, v, *, causal, cu_seqlens=None, window=None, scale=None, drop
     return _per_document(fn, q, k, v, cu_seqlens, **kw)
 
 
-def attention_backward(q, k, v, out, dout, lse, *, causal, cu_seqlens=None, scale=None,
-                       block=tiled_attention.BLOCK):
+def attention_backward(q, k, v, out, dout, lse, *, causal, cu_seqlens=None, scale=None, block=None):
     cu = [0, q.shape[0]] if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return tiled_attention.backward(q, k, v, out, dout, lse, cu, causal=causal, window=None, scale=scale, block=block)
