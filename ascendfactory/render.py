@@ -46,7 +46,12 @@ def _shell_finalize(value: Any) -> str:
 def _yaml_finalize(value: Any) -> str:
     if isinstance(value, Raw):
         return value
-    return json.dumps(value, ensure_ascii=False)
+    text = json.dumps(value, ensure_ascii=False)
+    if isinstance(value, float) and "e" in text and "." not in text:
+        # YAML 1.1 (PyYAML, Hydra) reads 2e-06 as a string; 2.0e-06 is a float
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}.0e{exponent}"
+    return text
 
 
 def _raw_comment(value: Any) -> Raw:

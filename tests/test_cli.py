@@ -176,3 +176,13 @@ def test_bad_job_exits_2_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ascendfactory", "plan", str(tmp_path / "missing.yaml")],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plan_reports_every_rl_role_layout():
+    res = invoke("plan", ROOT / "examples/verl/ppo.yaml")
+    assert res.exit_code == 0, res.output
+    assert "  rollout: world 16" in res.output and "tp 2" in res.output and "  critic: world 16" in res.output
+    data = json.loads(invoke("plan", ROOT / "examples/verl/ppo.yaml", "--json").output)
+    assert data["resolved"]["role_layouts"]["rollout"]["tp"] == 2
+    assert data["rl"]["critic"]["lr"] == 1e-5 and data["rl"]["actor"]["lr"] == data["train"]["lr"]
+    assert data["rl"]["reference"]["parallel"]["tp"] == 1

@@ -302,3 +302,43 @@ def test_planner_and_engine_give_the_same_verdict(plan_of, monkeypatch, model, w
     assert (engine is None) == (not planner), (planner, engine)
     for problem in planner:  # the same rule, in the same words
         assert f"{problem.where}: {problem.message}" in engine
+
+
+# ---------------------------------------------------------------------- RL roles: each its own layout
+
+def test_each_rl_role_layout_is_checked_on_the_same_devices(plan_of):
+    # qwen2.5-7b's cell lists grpo only: ppo (for its critic) passes the ❌ cell with a warning
+    base = dict(model="qwen2.5-7b", framework="mindspeed-rl", stage="ppo", parallel={"tp": 4},
+                data={"format": "prompt", "seq_len": 1024}, allow_unsupported=True)
+    plan = plan_of(**base, rl={"critic": {"parallel": {"tp": 2, "pp": 2}}, "rollout": {"parallel": {"tp": 2}}})
+    roles = plan.roles
+    assert (roles["actor"].tp, roles["actor"].dp) == (4, 2) and (roles["critic"].tp, roles["critic"].pp) == (2, 2)
+    assert roles["rollout"].tp == 2 and roles["reference"].mesh_shape == roles["actor"].mesh_shape == (1, 2, 1, 4)
+    assert plan.effective_config()["resolved"]["role_layouts"]["critic"]["dp"] == 2
+    text = refusal(plan_of, **base, rl={"actor": {"parallel": {"tp": 3}}, "reference": {"parallel": {"cp": 2}}})
+    assert "rl.actor.parallel.tp: the actor's layout: 28 attention heads do not split over tp=3" in text
+    assert "data.seq_len" not in text and "rl.reference" not in text  # ring cp 2: 1024 splits; 28 heads / tp 4
+    # a role that keeps the job's layout reports its problems once, as the job's
+    text = refusal(plan_of, **{**base, "parallel": {"tp": 3}})
+    assert text.count("28 attention heads do not split over tp=3") == 1
+
+
+def test_reward_model_layout_uses_its_own_architecture(plan_of):
+    base = dict(model="qwen3-14b", framework="verl", stage="grpo", parallel={"fsdp": True},
+                data={"format": "prompt", "seq_len": 1024})
+    reward = {"type": "model", "model_path": "examples/tiny-qwen3"}  # 4 heads, 2 KV heads, 2 layers
+    assert plan_of(**base, rl={"reward": {**reward, "parallel": {"tp": 2}}}).roles["reward"].tp == 2
+    text = refusal(plan_of, **base, rl={"reward": {**reward, "parallel": {"tp": 8}}})
+    assert "rl.reward.parallel.tp: the reward's layout: 4 attention heads do not split over tp=8" in text
+    text = refusal(plan_of, **base, rl={"reward": {"type": "model", "model_path": "no/such/dir"}})
+    assert "rl.reward.model_path" in text
+
+
+def test_verl_roles_train_with_fsdp_and_roll_out_with_tp(plan_of):
+    base = dict(model="qwen3-14b", framework="verl", stage="grpo", parallel={"fsdp": True},
+                data={"format": "prompt", "seq_len": 1024})
+    assert plan_of(**base, rl={"rollout": {"parallel": {"tp": 4}}}).roles["rollout"].tp == 4
+    text = refusal(plan_of, **base, rl={"actor": {"parallel": {"tp": 2}}})
+    assert "rl.actor.parallel" in text and "FSDP backend" in text
+    text = refusal(plan_of, **base, rl={"reference": {"parallel": {"cp": 2, "cp_algo": "ring"}}})
+    assert "rl.reference.parallel.cp_algo" in text and "Ulysses" in text

@@ -182,3 +182,67 @@ def test_write_files_is_atomic_and_complete(plan_of, tmp_path):
     assert {p.name for p in written} == {"launch.sh", "mindspeed_llm_args.sh", "job.yaml"}
     assert not list(r.run_dir.glob(".*.tmp"))
     assert os.access(r.run_dir / "launch.sh", os.X_OK)
+
+
+UPSTREAM = Path(__file__).resolve().parents[2] / "shared" / "upstream"
+
+
+def _flat(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        out |= _flat(value, path) if isinstance(value, dict) and value else {path}
+    return out
+
+
+def test_verl_role_values_render_to_upstream_keys(plan_of, tmp_path):
+    if not (UPSTREAM / "verl-0.9.1-ppo_trainer.yaml").exists():
+        pytest.skip("no upstream reference data next to the checkout")
+    p = plan_of(framework="verl", model="qwen3-14b", stage="ppo", parallel={"fsdp": True},
+                rl={"actor": {"parallel": {"cp": 2, "cp_algo": "ulysses"}, "lr": 2e-6},
+                    "reference": {"parallel": {"cp": 4, "cp_algo": "ulysses"}},
+                    "critic": {"lr": 5e-6, "parallel": {"cp": 2, "cp_algo": "ulysses"}},
+                    "rollout": {"parallel": {"tp": 4}, "n": 5, "temperature": 0.6},
+                    "reward": {"type": "model", "model_path": "examples/tiny-qwen3"}})
+    tree = yaml.safe_load(render(p, tmp_path).files["verl_config.yaml"])
+    role_keys = {
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 2, "actor_rollout_ref.actor.optim.lr": 2e-6,
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size": 4,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 4, "actor_rollout_ref.rollout.n": 5,
+        "actor_rollout_ref.rollout.temperature": 0.6, "critic.optim.lr": 5e-6,
+        "critic.ulysses_sequence_parallel_size": 2, "critic.enable": True, "reward_model.enable": True,
+        "reward_model.model.path": "examples/tiny-qwen3",
+    }
+    upstream = _flat(yaml.safe_load((UPSTREAM / "verl-0.9.1-ppo_trainer.yaml").read_text()))
+    for dotted, want in role_keys.items():
+        node = tree
+        for part in dotted.split("."):
+            node = node[part]
+        assert node == want, dotted
+        assert dotted in upstream, f"{dotted} is not a key of VeRL's ppo_trainer"
+
+
+def test_mindspeed_rl_role_sections_use_upstream_keys(plan_of, tmp_path):
+    tsv = UPSTREAM / "mindspeed-rl-config-keys.tsv"
+    if not tsv.exists():
+        pytest.skip("no upstream reference data next to the checkout")
+    p = plan_of(framework="mindspeed-rl", model="qwen2.5-7b", stage="ppo", allow_unsupported=True,
+                parallel={"tp": 4}, rl={"actor": {"lr": 2e-6}, "critic": {"parallel": {"tp": 2, "pp": 2}},
+                                        "rollout": {"parallel": {"tp": 2}},
+                                        "reward": {"type": "model", "model_path": "examples/tiny-qwen3"}})
+    tree = yaml.safe_load(render(p, tmp_path).files["mindspeed_rl.yaml"])
+    keys: dict[str, set] = {}
+    for line in tsv.read_text().splitlines():
+        if not line.startswith("#"):
+            sections, _, key, _ = line.split("\t")
+            for section in sections.split(" / "):
+                keys.setdefault(section, set()).add(key)
+    for section in ("actor_config", "ref_config", "critic_config", "reward_config"):
+        assert set(tree[section]) <= keys[section], (section, set(tree[section]) - keys[section])
+    assert tree["actor_config"]["tensor_model_parallel_size"] == 4 and float(tree["actor_config"]["lr"]) == 2e-6
+    assert (tree["critic_config"]["tensor_model_parallel_size"], tree["critic_config"]["pipeline_model_parallel_size"]) \
+        == (2, 2)
+    assert tree["generate_config"]["infer_tensor_parallel_size"] == 2 and tree["rl_config"]["rule_reward"] is False
+    assert {"infer_tensor_parallel_size", "infer_pipeline_parallel_size", "infer_expert_parallel_size"} \
+        <= keys["generate_config"]
+    assert tree["reward_config"]["load"] == "examples/tiny-qwen3"

@@ -124,3 +124,57 @@ def test_json_schema_covers_every_block():
     assert {"model", "framework", "data", "parallel", "train", "rl", "resources", "launcher", "resume"} <= set(
         schema["properties"])
     assert schema["additionalProperties"] is False
+
+
+# ---------------------------------------------------------------------- RL role blocks
+
+def rl_job(job_text, **rl):
+    return job_text(model="qwen3-14b", framework="verl", stage=rl.pop("stage", "grpo"), parallel={"fsdp": True},
+                    data={"format": "prompt", "seq_len": 1024}, rl=rl)
+
+
+def test_roles_inherit_the_job_layout_and_learning_rate(job_text):
+    job = parse_job(rl_job(job_text, actor={"parallel": {"cp": 2, "cp_algo": "ulysses"}, "lr": 3e-6},
+                           stage="ppo"))
+    rl = job.rl
+    assert (rl.actor.parallel.cp, rl.actor.parallel.cp_algo, rl.actor.lr) == (2, "ulysses", 3e-6)
+    assert rl.reference.parallel.cp == 1 and rl.critic.lr == job.train.lr  # ppo: a critic by default
+    assert rl.rollout.parallel.tp == 1 and rl.reward.parallel is None      # a rule reward runs no model
+    assert set(job.role_layouts()) == {"actor", "reference", "critic", "rollout"}
+    # a role that changes pp does not inherit the job's per-stage list (nor sp when it changes tp)
+    job = parse_job(job_text(model="qwen2.5-7b", framework="mindspeed-rl", stage="grpo",
+                             parallel={"pp": 2, "pp_layers": [10, 18], "tp": 2, "sp": True},
+                             rl={"reference": {"parallel": {"pp": 1, "tp": 1}}}))
+    ref = job.rl.reference.parallel
+    assert (ref.pp, ref.pp_layers, ref.tp, ref.sp) == (1, None, 1, False)
+    assert job.rl.actor.parallel.pp_layers == [10, 18]
+
+
+def test_rollout_keys_at_the_rl_level_still_work(job_text):
+    job = parse_job(rl_job(job_text, n=4, engine="hf", max_new_tokens=64, temperature=0.7))
+    ro = job.rl.rollout
+    assert (ro.n, ro.engine, ro.max_new_tokens, ro.temperature) == (4, "hf", 64, 0.7)
+    assert "n" not in job.model_dump()["rl"]  # one home for each value
+    err = problems_of(rl_job(job_text, n=4, rollout={"n": 2}))
+    assert "give rl.n or rl.rollout.n, not both" in err.render()
+
+
+def test_critic_only_for_ppo_and_roles_only_for_rl_stages(job_text):
+    err = problems_of(rl_job(job_text, critic={"lr": 1e-6}))
+    assert "rl.critic: only ppo trains a critic" in err.render()
+    err = problems_of(job_text(rl={"actor": {"lr": 1e-6}, "rollout": {"n": 2}}))
+    assert "rl block (here with rl.actor, rl.rollout) is only used by the RL stages" in err.render()
+    assert "not stage sft" in err.render()
+
+
+def test_reward_kinds(job_text):
+    err = problems_of(rl_job(job_text, reward={"type": "model"}))
+    assert "rl.reward.model_path goes with type: model" in err.render()
+    err = problems_of(rl_job(job_text, reward={"type": "gsm8k", "parallel": {"tp": 2}}))
+    assert "runs no model" in err.render()
+    err = problems_of(rl_job(job_text, reward={"type": "function"}))
+    assert "rl.reward.function" in err.render()
+    job = parse_job(rl_job(job_text, reward={"type": "model", "model_path": "examples/tiny-qwen3"}))
+    assert job.role_layouts()["reward"].tp == 1
+    err = problems_of(rl_job(job_text, actor={"parallel": {"tpp": 2}}))
+    assert "did you mean 'tp'" in err.render()
