@@ -197,7 +197,8 @@ def _context_parallel(bad, heads: int, tp: int, cp: int, algo: str, u: int | Non
         return 1, cp
     if algo == "ulysses":
         if s is not None and s % cp:
-            bad("data.seq_len", f"Ulysses needs seq_len divisible by cp = {cp}, got {s}", f"use seq_len {round_up(s, cp)}")
+            bad("data.seq_len", f"Ulysses needs seq_len divisible by cp = {cp}, got {s}",
+                f"use seq_len {round_up(s, cp)}")
         if heads % (cp * tp):
             bad("parallel.cp", f"Ulysses needs heads ({heads}) divisible by cp·tp = {cp * tp}",
                 "lower cp or tp, or use cp_algo: ring")

@@ -240,8 +240,8 @@ def test_mindspeed_rl_role_sections_use_upstream_keys(plan_of, tmp_path):
     for section in ("actor_config", "ref_config", "critic_config", "reward_config"):
         assert set(tree[section]) <= keys[section], (section, set(tree[section]) - keys[section])
     assert tree["actor_config"]["tensor_model_parallel_size"] == 4 and float(tree["actor_config"]["lr"]) == 2e-6
-    assert (tree["critic_config"]["tensor_model_parallel_size"], tree["critic_config"]["pipeline_model_parallel_size"]) \
-        == (2, 2)
+    critic = tree["critic_config"]
+    assert (critic["tensor_model_parallel_size"], critic["pipeline_model_parallel_size"]) == (2, 2)
     assert tree["generate_config"]["infer_tensor_parallel_size"] == 2 and tree["rl_config"]["rule_reward"] is False
     assert {"infer_tensor_parallel_size", "infer_pipeline_parallel_size", "infer_expert_parallel_size"} \
         <= keys["generate_config"]

@@ -73,8 +73,10 @@ class Adapter:
         raise NotImplementedError
 
     def serves(self, row: dict[str, Any], stage: str) -> bool:
-        """Whether this table row lets the model train `stage`."""
-        return stage in self.stages and row.get("pretrain_full") == "supported"
+        """Whether this table row lets the model train `stage` (the full-training cell, by default)."""
+        from ascendfactory.catalog import SUPPORTED
+
+        return stage in self.stages and row.get("pretrain_full") == SUPPORTED
 
     def refuse(self, where: str, message: str, hint: str) -> Problem:
         return Problem(where, f"{self.name} {message}", hint=hint)
