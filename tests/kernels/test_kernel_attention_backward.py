@@ -248,7 +248,8 @@ def _fake_fusion_attention_grad(query, key, value, dy, head_num, input_layout, p
                                 next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
                                 actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                                 sync=False):
-    """The documented semantics in TND: P = exp(scale·QKᵀ (masked) - max) / sum, dS = P∘(dP - rowsum(dy∘attention_in))."""
+    """The documented semantics in TND: P = exp(scale·QKᵀ (masked) - max) / sum,
+    dS = P∘(dP - rowsum(dy∘attention_in))."""
     assert input_layout == "TND" and keep_prob == 1.0 and head_num == query.shape[1]
     assert actual_seq_qlen == actual_seq_kvlen and actual_seq_qlen[-1] == query.shape[0]
     assert dy.dtype == attention_in.dtype == query.dtype and softmax_max.shape == (query.shape[0], head_num, 8)
