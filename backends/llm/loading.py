@@ -174,6 +174,8 @@ def materialize(root: nn.Module, decoder: nn.Module, device, *, hf_dir: str | No
             raise RuntimeError(f"materialize: {name} holds {tuple(local.shape)} locally, its placement says {want}")
         if local.numel():
             local.copy_(loader.source(name, t).read(region))
+        if reader is not None:
+            reader.release()
     if reader is not None:
         log.info("loaded %s: this rank read %.1f MiB of its slices", hf_dir, reader.bytes_read / 2**20)
     return reader

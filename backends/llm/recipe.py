@@ -93,20 +93,24 @@ def kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
 
 
 def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
-    from backends.llm import models
+    """The decoder on the meta device (no memory yet): the parallel plans are applied to it, then
+    backends.llm.loading.materialize gives each rank its own slices (read from --load-hf, or the
+    layout-invariant seeded init)."""
+    from backends.llm import loading, models
 
-    if cfg.model.load_hf:
-        model = models.from_pretrained(cfg.model.load_hf, dtype=torch.float32)
-        have = model.config
-        for key, value in cfg.model.overrides.items():
-            # the shape numbers every family spells the same way; the rest is the config's business
-            if key not in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or not hasattr(have, key):
-                continue
-            if getattr(have, key) != value:
-                raise ConfigError(f"--load-hf {cfg.model.load_hf}: config.json has {key}={getattr(have, key)!r} "
-                                  f"but the flags say {value!r}; re-render the job from this model directory")
-        return model
-    return models.from_card(cfg.model.model_id, **cfg.model.overrides)
+    if not cfg.model.load_hf:
+        return loading.meta_decoder(models.card_config(cfg.model.model_id, **cfg.model.overrides))
+    from backends.common.checkpoint.hf_io import read_config
+
+    have = models.ModelConfig.from_hf(read_config(cfg.model.load_hf))
+    for key, value in cfg.model.overrides.items():
+        # the shape numbers every family spells the same way; the rest is the config's business
+        if key not in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or not hasattr(have, key):
+            continue
+        if getattr(have, key) != value:
+            raise ConfigError(f"--load-hf {cfg.model.load_hf}: config.json has {key}={getattr(have, key)!r} "
+                              f"but the flags say {value!r}; re-render the job from this model directory")
+    return loading.meta_decoder(have)
 
 
 def _build_data(cfg: LLMConfig, rt, par):
@@ -145,17 +149,6 @@ def resume_setting(cfg: LLMConfig) -> str | None:
     return "auto"
 
 
-def _gather_stages(full: dict, par) -> dict | None:
-    """Rank 0 gets the union of the stages' full state dicts (the other ranks None)."""
-    import torch.distributed as dist
-
-    if par.dp_rank or par.cp_rank or (par.layout.tp > 1 and par.mesh["tp"].get_local_rank()):
-        return None  # rank 0's pipeline is the dp = cp = tp = 0 one
-    parts = [None] * par.layout.pp if dist.get_rank() == 0 else None
-    dist.gather_object(full, parts, dst=0, group=par.pp_group)
-    return {k: v for part in parts for k, v in part.items()} if parts else None
-
-
 class LLMRecipe(Recipe):
     name = "backends.llm"
 
@@ -176,7 +169,6 @@ class LLMRecipe(Recipe):
             log.info("LoRA r=%d on %d linear layers", cfg.lora.rank, len(adapted))
         if cfg.parallel.recompute != "none":
             decoder.set_recompute(cfg.parallel.recompute)
-        decoder.to(rt.device)
         self.trainable = sum(p.numel() for p in decoder.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in decoder.parameters())
         log.info("model: %s, %.2f M parameters (%.2f M trainable), kernels %s", decoder.config.family,
@@ -193,7 +185,7 @@ class LLMRecipe(Recipe):
 
         from backends.common.optim import build_scheduler
 
-        model = parallelize.wrap_data_parallel(CausalLMWithLoss(decoder), cfg, par, rt)
+        model = self._load(CausalLMWithLoss(decoder), par, rt)
         optimizer = parallelize.build_optimizer(model, cfg, par)
         clip, forward_backward = parallelize.grad_clip(model, cfg, par), None
         if par.pipeline is not None:
@@ -210,6 +202,19 @@ class LLMRecipe(Recipe):
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=resume_setting(cfg), log_interval=t.log_interval,
                         metrics_file=cfg.metrics_file, trainable_only=cfg.lora is not None, seed=t.seed)
+
+    def _load(self, model: CausalLMWithLoss, par, rt) -> torch.nn.Module:
+        """The data-parallel wrap and the weights: FSDP2 shards the meta model first, so each rank
+        allocates and reads only its shard; DDP (which broadcasts at construction) wraps a loaded one."""
+        from backends.llm import loading
+
+        cfg = self.cfg
+        if cfg.parallel.fsdp:
+            model = parallelize.wrap_data_parallel(model, cfg, par, rt)
+        loading.materialize(model, self.decoder, rt.device, hf_dir=cfg.model.load_hf, seed=cfg.train.seed)
+        if not cfg.parallel.fsdp:
+            model = parallelize.wrap_data_parallel(model, cfg, par, rt)
+        return model
 
     def next_micro_batches(self) -> list[dict]:
         device = self.rt.device
@@ -243,44 +248,12 @@ class LLMRecipe(Recipe):
             self._export_hf()
 
     def _export_hf(self) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from backends.llm import loading
 
-        from backends.common.checkpoint.hf_io import write_hf_dir
-        from backends.llm import models
-
-        cfg, par, model = self.cfg, self.par, self.parts["model"].model
-        tokenizer_dir = cfg.model.tokenizer
-        # every rank takes part in gathering the full state dict; rank 0 writes it
-        staged = par.pipeline is not None
-        # cpu_offload keeps the values on global rank 0 only; with stages every stage's first rank needs them
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not staged))
-        if staged:  # each stage holds its own layers: rank 0's pipeline collects them
-            full = _gather_stages({k: v.cpu() for k, v in full.items()}, par)
-        if not self.rt.is_main:
-            return
-        full = {k.removeprefix("decoder."): v for k, v in full.items()}
-        # a plain, unsharded copy on the CPU to hold the gathered weights (the live one may be FSDP-sharded)
-        with torch.device("meta"):
-            plain = models.build_model(self.decoder.config)
-        if cfg.lora:
-            from backends.common.lora import inject_lora
-
-            inject_lora(plain, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                        targets=cfg.lora.targets)
-        plain.load_state_dict(full, assign=True)
-        out = Path(cfg.export_hf)
-        if cfg.lora:
-            from backends.common.lora import merge_lora, save_peft_adapter
-
-            save_peft_adapter(plain, out / "adapter", base_model_name_or_path=cfg.model.load_hf or cfg.model.model_id,
-                              r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                              target_modules=cfg.lora.targets, collective=False)  # `plain` lives on rank 0 only
-            if cfg.lora.merge_on_export:
-                merge_lora(plain)
-                write_hf_dir(out / "merged", models.hf_state_dict(plain), plain.config.to_hf(),
-                             tokenizer_dir=tokenizer_dir)
-            return
-        write_hf_dir(out, models.hf_state_dict(plain), plain.config.to_hf(), tokenizer_dir=tokenizer_dir)
+        cfg = self.cfg
+        # every rank takes part: one parameter gathered at a time, rank 0 writes the shards as they fill
+        loading.export_hf(self.decoder, self.par, cfg.export_hf, tokenizer_dir=cfg.model.tokenizer, lora=cfg.lora,
+                          base_model=cfg.model.load_hf or cfg.model.model_id)
 
 
 def main(argv: list[str] | None = None) -> int:

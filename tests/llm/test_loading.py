@@ -78,3 +78,34 @@ def test_each_rank_loads_only_its_slices_and_exports_the_checkpoint(tmp_path, la
         if layout in ("pp2", "ep2", "fsdp2", "tp2xfsdp2") or case["model_dir"]:
             # the ranks split the model: together they hold more than one rank alone
             assert per_rank[0]["local_numel"] < sum(r["local_numel"] for r in per_rank), (layout, name)
+
+
+def test_region_reads_through_the_conversions_match_slicing_the_whole(tmp_path):
+    """Every box of a permuted / concatenated / stacked / transposed source equals the same box of the
+    whole converted tensor, and the reader counts only the bytes of the slices it returns."""
+    import itertools
+
+    import torch
+    from safetensors.torch import save_file
+
+    from backends.common.checkpoint.slices import Concat, Permuted, SliceReader, Stack, Tensor, Transposed
+    from backends.llm.parallel.tensor_parallel import _to_paired
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"e{i}.{w}": torch.randn(6, 5, generator=g) for i in range(3) for w in ("gate", "up")}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = SliceReader(tmp_path)
+    # [E, 5, 12] = per expert [gate^T | up^T], then pair-interleaved on the last dim (TP's experts)
+    src = Stack([Concat(1, [Transposed(Tensor(reader, f"e{i}.{w}", (6, 5))) for w in ("gate", "up")])
+                 for i in range(3)])
+    src = Permuted(src, 2, _to_paired(torch.arange(12), 0))
+    whole = _to_paired(torch.stack([torch.cat([tensors[f"e{i}.gate"].t(), tensors[f"e{i}.up"].t()], 1)
+                                    for i in range(3)]), 2)
+    assert torch.equal(src.full(), whole)
+    for (a0, b0), (a2, b2) in itertools.product([(0, 3), (1, 2), (2, 3)], [(0, 12), (3, 8), (5, 6), (1, 11)]):
+        region = ((a0, b0), (1, 4), (a2, b2))
+        reader.bytes_read = 0
+        got = src.read(region)
+        assert torch.equal(got, whole[a0:b0, 1:4, a2:b2]), region
+        assert reader.bytes_read >= got.numel() * 4
+        assert reader.bytes_read <= (b0 - a0) * 3 * 6 * 2 * 4  # never more than the rows of these experts

@@ -111,22 +111,20 @@ def test_export_replaces_an_old_one_only_when_complete(saved, tmp_path, monkeypa
     sd, cfg = models.hf_state_dict(ours), ours.config.to_hf()
     out = write_hf_dir(tmp_path / "hf", sd, cfg)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import safetensors.torch
+    real, calls = hf_io._ShardFile.close, []
 
-    real, calls = safetensors.torch.save_file, []
-
-    def failing(tensors, path, metadata=None):
-        calls.append(path)
+    def failing(shard):  # the second shard file fails to complete
+        calls.append(shard.path)
         if len(calls) == 2:
             raise OSError("disk full")
-        real(tensors, path, metadata=metadata)
+        real(shard)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    monkeypatch.setattr(hf_io._ShardFile, "close", failing)
     with pytest.raises(OSError, match="disk full"):
         write_hf_dir(out, {k: v * 2 for k, v in sd.items()}, cfg, max_shard_bytes=16 * 1024)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export, untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left behind
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(hf_io._ShardFile, "close", real)
     write_hf_dir(out, {k: v * 2 for k, v in sd.items()}, cfg, max_shard_bytes=16 * 1024)
     assert (out / hf_io.INDEX).is_file() and not (out / hf_io.SINGLE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -89,6 +89,11 @@ class SafetensorsDir(Mapping):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.get_slice(name).get_shape())
 
+    def close(self) -> None:
+        """Drop the open files (their memory maps): pages read so far leave this process's resident set
+        once no tensor returned from them is alive; the next read opens the file again."""
+        self._handles.clear()
+
     def get_slice(self, name: str):
         """safetensors' lazy slice of one tensor: indexing it reads only that region from the file."""
         return self._handle(self._where[name]).get_slice(name)
@@ -155,50 +160,68 @@ def _prepared(items: Iterable[tuple[str, torch.Tensor]], config: dict, dtype: to
         yield name, t.contiguous()
 
 
-def _unshared(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen: set[int] = set()
-    out = {}
-    for name, t in shard.items():
-        if t.untyped_storage().data_ptr() in seen:
-            t = t.clone()  # safetensors refuses tensors that share memory
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return out
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+class _ShardFile:
+    """One safetensors file written a tensor at a time: the bytes go to a side file as they come (one
+    tensor in memory), and `close` writes the header the format puts first, then the bytes after it."""
+
+    def __init__(self, path: Path):
+        self.path, self.data = path, path.with_suffix(".data")
+        self.fh = open(self.data, "wb")
+        self.header: dict[str, Any] = {}
+        self.size = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which the export cannot write")
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()  # little-endian, as the format wants
+        self.fh.write(memoryview(raw))
+        self.header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [self.size, self.size + raw.nbytes]}
+        self.size += raw.nbytes
+
+    def close(self) -> None:
+        self.fh.close()
+        head = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+        with open(self.path, "wb") as out, open(self.data, "rb") as data:
+            out.write(len(head).to_bytes(8, "little"))
+            out.write(head)
+            shutil.copyfileobj(data, out, 16 * 2**20)
+        self.data.unlink()
 
 
 def _write_shards(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> dict[str, Any]:
-    """Write the tensors as they come, one shard file at a time (at most one shard in memory):
-    -> {"files": [shard names in order], "weight_map", "total", "sizes" (bytes per float dtype)}."""
-    from safetensors.torch import save_file
-
+    """Write the tensors as they come, shard file after shard file, holding one tensor at a time:
+    -> {"files": [shard names in order], "weight_map", "total", "sizes" (elements per float dtype)}."""
     files: list[str] = []
     weight_map: dict[str, str] = {}
     sizes: dict[torch.dtype, int] = {}
     total = 0
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
-
-    def flush() -> None:
-        fname = f".part-{len(files) + 1:05d}.safetensors"
-        save_file(_unshared(shard), str(tmp / fname), metadata={"format": "pt"})
-        files.append(fname)
-        weight_map.update({name: fname for name in shard})
-        shard.clear()
+    shard: _ShardFile | None = None
 
     for name, t in tensors:
-        if name in weight_map or name in shard:
+        if name in weight_map:
             raise ValueError(f"tensor {name!r} is given twice for the export")
         n = t.numel() * t.element_size()
-        if shard and size + n > max_bytes:
-            flush()
-            size = 0
-        shard[name] = t
-        size += n
+        if shard is None or (shard.header and shard.size + n > max_bytes):
+            if shard is not None:
+                shard.close()
+            files.append(f".part-{len(files) + 1:05d}.safetensors")
+            shard = _ShardFile(tmp / files[-1])
+        shard.add(name, t)
+        weight_map[name] = files[-1]
         total += n
         if t.is_floating_point():
             sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
-    if shard or not files:
-        flush()
+    if shard is None:  # nothing to write: still one (empty) file
+        files.append(".part-00001.safetensors")
+        shard = _ShardFile(tmp / files[-1])
+    shard.close()
     return {"files": files, "weight_map": weight_map, "total": total, "sizes": sizes}
 
 
@@ -225,8 +248,8 @@ def write_hf_dir(
 ) -> Path:
     """Write a Hugging Face model directory atomically; replaces an existing one only once complete.
 
-    state_dict: a mapping, or an iterable of (name, tensor) consumed lazily: each shard file is
-    written as soon as it is full, so at most one shard (max_shard_bytes) is held at a time."""
+    state_dict: a mapping, or an iterable of (name, tensor) consumed lazily and written a tensor at a
+    time (nothing but the current tensor is held), in shards of at most max_shard_bytes."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     items = state_dict.items() if isinstance(state_dict, Mapping) else state_dict

@@ -58,6 +58,12 @@ class SliceReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._files.shape(name)
 
+    def release(self) -> None:
+        """Unmap the files: a region read through safetensors is a view of the file's pages, and every
+        page touched stays in the resident set while the file is mapped (a column slice touches the
+        whole tensor). Called after each parameter, the resident file pages stay within one tensor."""
+        self._files.close()
+
     def read(self, name: str, region: Region) -> torch.Tensor:
         piece = self._files.get_slice(name)[tuple(slice(a, b) for a, b in region)]
         n = piece.numel() * piece.element_size()
