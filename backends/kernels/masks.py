@@ -19,7 +19,12 @@ def allowed(
         return None
     qpos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
     kpos = torch.arange(kv_len, device=device)[None, :]
-    ok = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    return visible(qpos, kpos, causal=causal, window=window)
+
+
+def visible(qpos: torch.Tensor, kpos: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
+    """Boolean [Q, K] for query positions qpos [Q, 1] and key positions kpos [1, K] (True = may attend)."""
+    ok = torch.ones(qpos.shape[0], kpos.shape[1], dtype=torch.bool, device=qpos.device)
     if causal:
         ok &= kpos <= qpos
     if window is not None:

@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from .masks import doc_ids, visible
+
 BLOCK = 256
 
 
@@ -54,8 +56,7 @@ def plan(cu: Sequence[int], block: int, causal: bool, window: int | None):
 
 
 def _doc_ids(cu: Sequence[int], device) -> torch.Tensor:
-    lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=cu[-1])
+    return doc_ids(torch.tensor(list(cu), device=device), cu[-1])
 
 
 def _mask(doc, q0, q1, k0, k1, causal, window):
@@ -63,13 +64,7 @@ def _mask(doc, q0, q1, k0, k1, causal, window):
     ok = doc[q0:q1, None] == doc[None, k0:k1]
     if causal or window is not None:
         qpos = torch.arange(q0, q1, device=doc.device)[:, None]
-        kpos = torch.arange(k0, k1, device=doc.device)[None, :]
-        if causal:
-            ok &= kpos <= qpos
-        if window is not None:
-            ok &= kpos > qpos - window
-            if not causal:
-                ok &= kpos < qpos + window
+        ok &= visible(qpos, torch.arange(k0, k1, device=doc.device)[None, :], causal=causal, window=window)
     return ok
 
 
