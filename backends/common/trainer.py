@@ -96,7 +96,6 @@ class Settings:
     metrics_file: str | None = None
     keep_last: int | None = None
     trainable_only: bool = False  # LoRA: the frozen base comes back from the model path, not the checkpoint
-    seed: int = 1234
 
 
 class Recipe:
@@ -272,9 +271,6 @@ class Trainer:
         return bool(flag.item())
 
     # -- checkpoints
-    def _models(self) -> dict:
-        return {n: p.model for n, p in self.recipe.parts.items()}
-
     def _checkpoint_args(self):
         parts = self.recipe.parts
         if list(parts) == ["model"]:  # one model: the plain layout every existing checkpoint has
