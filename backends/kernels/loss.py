@@ -63,7 +63,7 @@ def chunked_ce_grads(hidden, weight, lse, target_ids, target_here, valid, grad_l
 
     lse is the log-sum-exp over the whole vocabulary; weight may be a vocabulary shard, with
     target_ids local to it and target_here marking the rows whose label falls in it (the
-    vocab-parallel loss in backends/llm/parallel). kept_logits: the single chunk's logits, when
+    vocab-parallel loss in backends/common/parallel). kept_logits: the single chunk's logits, when
     forward kept them (they are consumed in place).
     """
     grad_h = torch.empty_like(hidden) if need_h else None

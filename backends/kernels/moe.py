@@ -69,12 +69,17 @@ def moe_aux_loss(
     num_experts: int | None = None,
     *,
     token_mask: torch.Tensor | None = None,
+    group=None,
 ) -> torch.Tensor:
     """Switch / Mixtral load-balancing loss: num_experts * sum_i f_i * P_i.
 
     probs [T,E] router probabilities, expert_ids [T,k] chosen experts; f_i = top-k assignments
     to expert i per token, P_i = mean router probability of expert i (over unmasked tokens).
+    group: the process group over which one batch's tokens are split (context- or expert-parallel
+    ranks); the value is then that whole batch's (see _split_batch_aux_loss).
     """
+    if group is not None:
+        return _split_batch_aux_loss(probs, expert_ids, num_experts or probs.shape[-1], group, token_mask)
     probs = probs.reshape(-1, probs.shape[-1]).float()
     num_experts = num_experts or probs.shape[-1]
     ids = expert_ids.reshape(probs.shape[0], -1)
@@ -87,6 +92,33 @@ def moe_aux_loss(
     total = mask.sum()
     prob_mean = (probs * mask[:, None]).sum(dim=0) / total
     return num_experts * torch.sum(counts / total * prob_mean)
+
+
+def _split_batch_aux_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, group,
+                          token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The aux loss of a batch whose tokens are split over `group`: f_i and the token total are
+    all-reduced, P_i's numerator is local. Every rank returns the whole batch's value; its gradient is
+    group-size × this rank's share, so the gradient averaged over the group (DDP's mean) is the whole
+    batch's (Megatron's global aux). `token_mask` (bool [T]) leaves out positions that are not part of
+    the batch (CP padding)."""
+    import torch.distributed as dist
+
+    e = num_experts
+    probs = probs.reshape(-1, probs.shape[-1]).float()
+    ids = ids.reshape(probs.shape[0], -1)
+    if token_mask is not None:
+        keep = token_mask.reshape(-1).to(probs.device).bool()
+        probs, ids = probs[keep], ids[keep]
+    stats = torch.zeros(e + 1, dtype=torch.int64, device=probs.device)
+    stats[:e] = torch.bincount(ids.reshape(-1), minlength=e)
+    stats[e] = probs.shape[0]
+    dist.all_reduce(stats, group=group)  # global top-k counts and token total (exact ints)
+    total = stats[e].to(torch.float32)
+    share = e * torch.sum(stats[:e].to(torch.float32) / total * (probs.sum(dim=0) / total))
+    value = share.detach().clone()
+    dist.all_reduce(value, group=group)
+    scaled = share * dist.get_world_size(group)
+    return scaled + (value - scaled).detach()
 
 
 def moe_permute(

@@ -84,7 +84,7 @@ def _lora_part(name: str) -> str | None:
 
 def _paired_perm(length: int) -> torch.Tensor:
     """Stored index -> HF index of a pair-interleaved fused dim (tensor_parallel's own _to_paired)."""
-    from backends.llm.parallel.tensor_parallel import _to_paired
+    from backends.common.parallel.tensor_parallel import _to_paired
 
     return _to_paired(torch.arange(length), 0)
 
@@ -199,7 +199,7 @@ def gather_one_by_one(decoder: nn.Module, par, names: list[str]) -> Iterator[tup
     them to rank 0; a tied embedding is taken from the first stage that holds it."""
     import torch.distributed as dist
 
-    from backends.llm.parallel.tensor_parallel import full_tensors
+    from backends.common.parallel.tensor_parallel import full_tensors
 
     local = {**dict(decoder.named_parameters()), **dict(_persistent_buffers(decoder))}
     pp = par.layout.pp if par is not None and par.mesh is not None else 1

@@ -14,6 +14,7 @@ import torch
 
 from backends import kernels
 from backends.common.distributed import barrier
+from backends.common.parallel import data_parallel
 from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
 from backends.llm import parallelize
 from backends.llm.config import ConfigError, LLMConfig, parse_args
@@ -30,7 +31,7 @@ class CausalLMWithLoss(torch.nn.Module):
 
         super().__init__()
         self.decoder = decoder
-        # found once (after parallelize.setup swapped in the EP blocks), not on every forward
+        # found once, not on every forward
         self._moe_blocks = [m for m in decoder.modules() if isinstance(m, MoE)]
 
     def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None, aux_mask=None):
@@ -38,7 +39,7 @@ class CausalLMWithLoss(torch.nn.Module):
             block.aux_token_mask = aux_mask
         hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True)
         if getattr(self.decoder, "tp_info", None) is not None:  # vocab-parallel: no full-vocab logits
-            from backends.llm.parallel.tensor_parallel import tp_loss
+            from backends.common.parallel.tensor_parallel import tp_loss
 
             loss_sum, count = tp_loss(self.decoder, hidden, labels)
         else:
@@ -167,8 +168,6 @@ class LLMRecipe(Recipe):
             adapted = inject_lora(decoder, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                   targets=cfg.lora.targets)
             log.info("LoRA r=%d on %d linear layers", cfg.lora.rank, len(adapted))
-        if cfg.parallel.recompute != "none":
-            decoder.set_recompute(cfg.parallel.recompute)
         self.trainable = sum(p.numel() for p in decoder.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in decoder.parameters())
         log.info("model: %s, %.2f M parameters (%.2f M trainable), kernels %s", decoder.config.family,
@@ -177,27 +176,23 @@ class LLMRecipe(Recipe):
         par = self.par = parallelize.setup(cfg, decoder, rt)
         self.rt, self.decoder = rt, decoder
         self.dataset, self.loader = _build_data(cfg, rt, par)
-        self.accum, rem = divmod(t.global_batch, t.micro_batch * par.layout.dp)
-        if rem or self.accum < 1:
-            raise ConfigError(f"--global-batch-size {t.global_batch} is not a multiple of micro-batch "
-                              f"{t.micro_batch} × data-parallel size {par.layout.dp}")
+        self.accum = par.layout.grad_accum  # ascendfactory.layout checked the batch rule in setup
+        if self.accum < 1:
+            raise ConfigError(f"--global-batch-size {t.global_batch} must be at least micro-batch {t.micro_batch} "
+                              f"× data-parallel size {par.layout.dp}")
         total_steps = t.steps or max(1, math.ceil(t.epochs * self.loader.n_units / t.global_batch))
 
         from backends.common.optim import build_scheduler
 
         model = self._load(CausalLMWithLoss(decoder), par, rt)
-        optimizer = parallelize.build_optimizer(model, cfg, par)
-        clip, forward_backward = parallelize.grad_clip(model, cfg, par), None
-        if par.pipeline is not None:
-            from backends.llm.parallel.pipeline import pipeline_clip
-
-            clip, forward_backward = pipeline_clip(model, optimizer, par), self._pipeline_step
+        optimizer = data_parallel.build_optimizer(model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
         scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
                                     style=t.schedule)
         self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group,
                                     grad_world=par.grad_world, precision=t.precision, grad_clip=t.grad_clip,
-                                    after_backward=parallelize.grad_sync(model, cfg, par), clip=clip,
-                                    forward_backward=forward_backward)}
+                                    after_backward=data_parallel.grad_sync(model, par),
+                                    clip=data_parallel.grad_clip(model, optimizer, par),
+                                    forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         self._batches = iter(self.loader)
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=resume_setting(cfg), log_interval=t.log_interval,
@@ -208,12 +203,12 @@ class LLMRecipe(Recipe):
         allocates and reads only its shard; DDP (which broadcasts at construction) wraps a loaded one."""
         from backends.llm import loading
 
-        cfg = self.cfg
-        if cfg.parallel.fsdp:
-            model = parallelize.wrap_data_parallel(model, cfg, par, rt)
+        cfg, parts = self.cfg, self.decoder.parts()
+        if par.fsdp:
+            model = data_parallel.wrap_data_parallel(model, parts, par, rt.device)
         loading.materialize(model, self.decoder, rt.device, hf_dir=cfg.model.load_hf, seed=cfg.train.seed)
-        if not cfg.parallel.fsdp:
-            model = parallelize.wrap_data_parallel(model, cfg, par, rt)
+        if not par.fsdp:
+            model = data_parallel.wrap_data_parallel(model, parts, par, rt.device)
         return model
 
     def next_micro_batches(self) -> list[dict]:

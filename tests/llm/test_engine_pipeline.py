@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 
-from backends.llm.config import ConfigError
-from backends.llm.parallel.pipeline import (_cu_seqlens, doc_ids_from_cu_seqlens, rank_stages,
-                                            virtual_stages)
+from backends.common.parallel.pipeline import (PipelineConfigError, _cu_seqlens, doc_ids_from_cu_seqlens,
+                                               rank_stages, virtual_stages)
 from tests.helpers.tiny_hf import TINY
 from tests.llm.test_engine_parallel import assert_matches
 from tests.llm.test_engine_runs import job, losses, run_job, torchrun
@@ -107,11 +106,11 @@ def test_virtual_stages_even_interleaved_and_listed():
     assert stages == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert rank_stages(0, 2, 4) == [0, 2] and rank_stages(1, 2, 4) == [1, 3]  # Megatron's interleaving
     assert virtual_stages(4, 2, pp_layers=[1, 3]) == [[0], [1, 2, 3]]
-    with pytest.raises(ConfigError, match="do not split evenly"):
+    with pytest.raises(PipelineConfigError, match="do not split evenly"):
         virtual_stages(6, 4)
-    with pytest.raises(ConfigError, match="must have pp=2"):
+    with pytest.raises(PipelineConfigError, match="must have pp=2"):
         virtual_stages(4, 2, pp_layers=[1, 2])
-    with pytest.raises(ConfigError, match="do not combine"):
+    with pytest.raises(PipelineConfigError, match="do not combine"):
         virtual_stages(4, 2, pp_layers=[2, 2], vpp_layers=1)
 
 

@@ -89,7 +89,7 @@ def test_region_reads_through_the_conversions_match_slicing_the_whole(tmp_path):
     from safetensors.torch import save_file
 
     from backends.common.checkpoint.slices import Concat, Permuted, SliceReader, Stack, Tensor, Transposed
-    from backends.llm.parallel.tensor_parallel import _to_paired
+    from backends.common.parallel.tensor_parallel import _to_paired
 
     g = torch.Generator().manual_seed(0)
     tensors = {f"e{i}.{w}": torch.randn(6, 5, generator=g) for i in range(3) for w in ("gate", "up")}

@@ -47,24 +47,24 @@ def build(case: dict, lay: dict, mesh, seed: int):
     if mesh is not None:
         par.dp_rank = mesh["dp"].get_local_rank()
     if lay["tp"] > 1:
-        from backends.llm.parallel.tensor_parallel import apply_tensor_parallel
+        from backends.llm.tp_plan import apply_tensor_parallel
 
         apply_tensor_parallel(decoder, mesh["tp"])
     if lay["ep"] > 1:
-        from backends.llm.parallel.expert_parallel import apply_expert_parallel
+        from backends.common.parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(decoder, mesh["dp"], aux_loss="local")
     if lay["pp"] > 1:
-        from backends.llm.parallel.pipeline import plan_pipeline, prune_to_rank
+        from backends.common.parallel.pipeline import plan_pipeline, prune_to_rank
 
         par.pp_rank, par.pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
         plan = plan_pipeline(cfg.num_layers, lay["pp"], par.pp_rank)
-        prune_to_rank(decoder, [i for s in plan.stage_ids for i in plan.layers[s]], first=plan.first_rank,
+        prune_to_rank(decoder.parts(), [i for s in plan.stage_ids for i in plan.layers[s]], first=plan.first_rank,
                       last=plan.last_rank)
     if lay["fsdp"]:
         from torch.distributed.fsdp import fully_shard
 
-        from backends.llm.parallel.expert_parallel import expert_parameters
+        from backends.common.parallel.expert_parallel import expert_parameters
 
         ignored = set(expert_parameters(decoder)) or None
         for layer in decoder.model.layers:
@@ -87,7 +87,7 @@ def one_process(case: dict, seed: int):
 
 def stored(reference: torch.nn.Module, decoder, name: str) -> torch.Tensor:
     """The one-process tensor in the layout the sharded parameter stores (pair-interleaved under TP)."""
-    from backends.llm.parallel.tensor_parallel import _to_paired
+    from backends.common.parallel.tensor_parallel import _to_paired
 
     ref = dict(reference.named_parameters()) | dict(reference.named_buffers())
     t = ref[name].detach()

@@ -178,25 +178,44 @@ def test_dense_model_has_no_aux_loss(pairs):
 
 @pytest.mark.parametrize("case", ["qwen3", "deepseek_v3"])
 def test_recompute_modes_give_the_same_grads(case, pairs):
-    _, ours = pairs(case)
+    """Recompute applied from outside (backends.common.parallel.recompute): the same gradients, and
+    fewer activations kept by autograd in forward (counted with saved_tensors_hooks)."""
+    import copy
+
+    from backends.common.parallel.recompute import apply_recompute
+
+    _, base = pairs(case)
     ids, labels = _tokens(2, 9, 7), _tokens(2, 9, 8)
     cu = torch.tensor([0, 4, 18], dtype=torch.int32)
-    grads = {}
+    grads, saved = {}, {}
     for mode in ("none", "selective", "full"):
-        ours.set_recompute(mode)
+        ours = copy.deepcopy(base)
+        wrapped = apply_recompute(ours.parts(), mode)
+        assert (wrapped > 0) == (mode != "none"), (mode, wrapped)
         ours.zero_grad()
+        saved[mode] = 0
+
+        def count(t, mode=mode):
+            saved[mode] += t.numel()
+            return t
+
         for packed in (False, True):
             x = ids.reshape(1, -1) if packed else ids
-            logits = ours(x, cu_seqlens=cu if packed else None)
+            with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+                logits = ours(x, cu_seqlens=cu if packed else None)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             (loss + 0.01 * ours.aux_loss if ours.aux_loss is not None else loss).backward()
         grads[mode] = {n: p.grad.clone() for n, p in ours.named_parameters()}
-    ours.set_recompute("none")
     for mode in ("selective", "full"):
         for n, g in grads["none"].items():
             torch.testing.assert_close(grads[mode][n], g, rtol=1e-6, atol=1e-7, msg=f"{mode}: {n}")
+    assert saved["full"] < saved["selective"] < saved["none"], saved
     with pytest.raises(ValueError, match="recompute mode"):
-        ours.set_recompute("some")
+        apply_recompute(base.parts(), "some")
+    ours = copy.deepcopy(base)
+    apply_recompute(ours.parts(), "full")
+    with pytest.raises(RuntimeError, match="already"):
+        apply_recompute(ours.parts(), "full")
 
 
 def test_hf_parameter_names_for_lora():

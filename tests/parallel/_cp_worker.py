@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from tests.helpers.dist_exit import leave  # noqa: E402
 
 from backends import kernels  # noqa: E402
-from backends.llm.parallel.context_parallel import (  # noqa: E402
+from backends.common.parallel.context_parallel import (  # noqa: E402
     cp_attention,
     gather_from_cp,
     make_cp_groups,

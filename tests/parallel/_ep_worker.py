@@ -33,8 +33,7 @@ if str(ROOT) not in sys.path:
 
 from backends import kernels  # noqa: E402
 from backends.llm.models import MLAConfig, ModelConfig, MoEConfig, build_model  # noqa: E402
-from backends.llm.parallel.expert_parallel import (  # noqa: E402
-    ExpertParallelMoE,
+from backends.common.parallel.expert_parallel import (  # noqa: E402
     apply_expert_parallel,
     expert_parameter_names,
     finalize_expert_grads,
@@ -93,7 +92,7 @@ def compare_grads(ep_model, ref_model, errors, prefix, *, ranks_summed=True):
     for name, p in ep_model.named_parameters():
         r = ref[name]
         if getattr(p, "expert_parallel", False):
-            mod = ep_model.get_submodule(name.rsplit(".experts.", 1)[0])
+            mod = ep_model.get_submodule(name.rsplit(".experts.", 1)[0]).token_dispatcher
             lo, hi = mod.local_start, mod.local_start + mod.num_local
             assert p.grad.placements[0].is_shard(0) and p.grad.shape == r.grad.shape, name  # a Shard(0) DTensor
             check(errors, f"{prefix}expert_grad", max_err(p.grad, r.grad[lo:hi]))
@@ -124,7 +123,7 @@ def run_family(family: str, cfg: ModelConfig, rank: int, world: int) -> dict:
 
     ep_model = copy.deepcopy(ref)
     apply_expert_parallel(ep_model, None)
-    blocks = [m for m in ep_model.modules() if isinstance(m, ExpertParallelMoE)]
+    blocks = [m.token_dispatcher for m in ep_model.modules() if getattr(m, "token_dispatcher", None) is not None]
     assert blocks and all(b.num_local == cfg.moe.num_experts // world for b in blocks)
     assert all(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in expert_parameter_names(ep_model))
 
@@ -181,8 +180,8 @@ def run_family(family: str, cfg: ModelConfig, rank: int, world: int) -> dict:
             total += float(part.detach())
         local = ep_model
         for mod in local.modules():
-            if isinstance(mod, ExpertParallelMoE):
-                mod.aux_loss_mode = "local"
+            if getattr(mod, "token_dispatcher", None) is not None:
+                mod.aux_group = None  # aux_loss="local": each rank's own tokens
         local.zero_grad(set_to_none=True)
         ce, aux = forward_loss(local, ids[mine], labels[mine], n_total)
         check(errors, "local_aux", max_err(aux, aux_mine))

@@ -34,7 +34,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: 
 from backends import kernels  # noqa: E402
 from backends.llm.models import MLAConfig, ModelConfig, MoEConfig, build_model  # noqa: E402
 from backends.kernels import vocab_parallel_cross_entropy  # noqa: E402
-from backends.llm.parallel.tensor_parallel import apply_tensor_parallel, full_tensors, tp_loss  # noqa: E402
+from backends.common.parallel.recompute import apply_recompute  # noqa: E402
+from backends.common.parallel.tensor_parallel import full_tensors, tp_loss  # noqa: E402
+from backends.llm.tp_plan import apply_tensor_parallel  # noqa: E402
 
 AUX = 0.01
 BASE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -116,8 +118,8 @@ def compare(case: str, mesh, sp: bool, loss_parallel: bool = True, packed: bool 
     ref = build_model(cfg)
     par = copy.deepcopy(ref)
     apply_tensor_parallel(par, mesh, sequence_parallel=sp, loss_parallel=loss_parallel)
-    ref.set_recompute(recompute)
-    par.set_recompute(recompute)
+    apply_recompute(ref.parts(), recompute)
+    apply_recompute(par.parts(), recompute)
     out: dict[str, float] = {}
 
     ids, labels, cu = batch(cfg, 0, packed)
@@ -272,7 +274,7 @@ def errors(mesh):
     twice; and a bf16
     model runs (loss within bf16 rounding of the reference)."""
     from backends.common.lora import inject_lora
-    from backends.llm.parallel.tensor_parallel import TPConfigError
+    from backends.common.parallel.tensor_parallel import TPConfigError
 
     cfg = config("qwen3")
     out = {}

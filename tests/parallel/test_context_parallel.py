@@ -1,4 +1,4 @@
-"""Context-parallel attention (backends.llm.parallel.context_parallel): layout, ring, Ulysses, hybrid.
+"""Context-parallel attention (backends.common.parallel.context_parallel): layout, ring, Ulysses, hybrid.
 
 The layout helpers are tested in process; the algorithms under torchrun on gloo (tests/parallel/
 _cp_worker.py), one launch per CP size, against the single-process `kernels.attention` forward and
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.llm.parallel.context_parallel import (
+from backends.common.parallel.context_parallel import (
     cp_index,
     make_cp_groups,
     pad_packed_for_cp,
@@ -192,7 +192,7 @@ def test_layout_errors():
 @pytest.mark.parametrize("algo", ["ring", "ulysses"])
 def test_cp_size_one_is_plain_attention(algo):
     from backends import kernels
-    from backends.llm.parallel.context_parallel import cp_attention
+    from backends.common.parallel.context_parallel import cp_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)

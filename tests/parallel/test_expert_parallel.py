@@ -1,4 +1,4 @@
-"""Expert parallelism (backends.llm.parallel.expert_parallel) against the single-process model.
+"""Expert parallelism (backends.common.parallel.expert_parallel) against the single-process model.
 
 The multi-process checks run tests/parallel/_ep_worker.py under torchrun (gloo, 2 and 4 ranks) on
 tiny mixtral / qwen3_moe / deepseek_v3 models; see that file for what is compared.
@@ -39,7 +39,7 @@ def test_expert_parallel_matches_single_process(tmp_path, nproc):
 
 def test_apply_expert_parallel_needs_a_process_group():
     from backends.llm.models import ModelConfig, MoEConfig, build_model
-    from backends.llm.parallel.expert_parallel import apply_expert_parallel
+    from backends.common.parallel.expert_parallel import apply_expert_parallel
 
     if torch.distributed.is_initialized():  # pragma: no cover - pytest runs single-process
         pytest.skip("a process group is already up")
@@ -51,7 +51,7 @@ def test_apply_expert_parallel_needs_a_process_group():
 
 
 def test_chunk_order_regroups_source_major_to_expert_major():
-    from backends.llm.parallel.expert_parallel import _chunk_order
+    from backends.common.parallel.expert_parallel import _chunk_order
 
     # 2 sources x 3 local experts; rows laid out (s0: e0 e0 | e1 | -), (s1: e0 | e1 e1 | e2)
     counts = torch.tensor([[2, 1, 0], [1, 2, 1]])

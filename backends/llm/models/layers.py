@@ -9,18 +9,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from backends import kernels
 
 from .config import ModelConfig
-
-
-def maybe_checkpoint(enabled: bool, fn, *args):
-    """Selective recompute: drop fn's activations in forward and recompute them in backward."""
-    if enabled and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
 
 
 class RMSNorm(nn.Module):
@@ -41,11 +33,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
-        self.selective_recompute = False
+        self.act = kernels.swiglu  # selective recompute wraps it from outside
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = maybe_checkpoint(self.selective_recompute, kernels.swiglu, self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(act)
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class FusedMLP(nn.Module):
@@ -55,10 +46,10 @@ class FusedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
-        self.selective_recompute = False
+        self.act = kernels.swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(maybe_checkpoint(self.selective_recompute, kernels.swiglu, self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 def attend(q, k, v, cu_seqlens, scale):
@@ -86,8 +77,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary_dim, self.interleaved = cfg.rotary_dim, cfg.rotary_interleaved
         self.scale = d**-0.5
-        self.selective_recompute = False
-        self.core_attention = attend  # context parallelism swaps in its ring / Ulysses attention
+        # context parallel swaps in its ring / Ulysses attention, selective recompute wraps it
+        self.core_attention = attend
 
     def forward(self, x, cos, sin, cu_seqlens=None):
         b, s, _ = x.shape
@@ -98,5 +89,5 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = kernels.apply_rotary(q, cos, sin, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
         k = kernels.apply_rotary(k, cos, sin, interleaved=self.interleaved, rotary_dim=self.rotary_dim)
-        out = maybe_checkpoint(self.selective_recompute, self.core_attention, q, k, v, cu_seqlens, self.scale)
+        out = self.core_attention(q, k, v, cu_seqlens, self.scale)
         return self.o_proj(out.reshape(b, s, -1))

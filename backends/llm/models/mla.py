@@ -14,7 +14,7 @@ from backends import kernels
 from backends.kernels.rotary import yarn_mscale
 
 from .config import ModelConfig
-from .layers import RMSNorm, attend, maybe_checkpoint
+from .layers import RMSNorm, attend
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -60,8 +60,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=cfg.o_proj_bias)
         self.interleaved = a.rope_interleave
         self.scale = mla_softmax_scale(cfg)
-        self.selective_recompute = False
-        self.core_attention = attend  # context parallelism swaps in its ring / Ulysses attention
+        self.core_attention = attend  # context parallel swaps in its attention, selective recompute wraps it
 
     def forward(self, x, cos, sin, cu_seqlens=None):
         b, s, _ = x.shape
@@ -79,6 +78,5 @@ class MLAttention(nn.Module):
         k_rot = kernels.apply_rotary(k_rot.view(b, s, 1, self.rope), cos, sin, interleaved=self.interleaved)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(b, s, self.num_heads, self.rope)), dim=-1)
-        out = maybe_checkpoint(self.selective_recompute, attend_mla, q, k, v.contiguous(), cu_seqlens, self.scale,
-                               x.device.type != "cpu", self.core_attention)
+        out = attend_mla(q, k, v.contiguous(), cu_seqlens, self.scale, x.device.type != "cpu", self.core_attention)
         return self.o_proj(out.reshape(b, s, -1))

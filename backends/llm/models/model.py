@@ -10,17 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from backends import kernels
+from backends.common.parallel.parts import ModelParts
 
 from .config import ModelConfig
 from .layers import MLP, Attention, FusedMLP, RMSNorm
 from .mla import MLAttention
 from .moe import MoE
-
-RECOMPUTE_MODES = ("none", "selective", "full")
-
 
 def mlp_attr(cfg: ModelConfig) -> str:
     """Where the MLP / MoE block lives in a layer (Mixtral's checkpoints say block_sparse_moe)."""
@@ -47,15 +44,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.recompute = "none"
 
     def forward(self, hidden, cos, sin, cu_seqlens=None):
         """-> (hidden, aux loss or None)."""
-        if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, hidden, cos, sin, cu_seqlens, use_reentrant=False)
-        return self._forward(hidden, cos, sin, cu_seqlens)
-
-    def _forward(self, hidden, cos, sin, cu_seqlens):
         h = self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens)
         if self.sandwich:
             h = self.post_self_attn_layernorm(h)
@@ -136,12 +127,13 @@ class CausalLM(nn.Module):
             return F.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
 
-    def set_recompute(self, mode: str) -> None:
-        """none | selective (attention core + MLP activations recomputed) | full (every layer)."""
-        if mode not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-        for layer in self.model.layers:
-            layer.recompute = mode
-            for module in layer.modules():
-                if hasattr(module, "selective_recompute"):
-                    module.selective_recompute = mode == "selective"
+    def parts(self) -> ModelParts:
+        """Where the parallel code finds the blocks, attention, MLP, embedding and head."""
+        c = self.config
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if c.family == "glm4":
+            norms += ("post_self_attn_layernorm", "post_mlp_layernorm")
+        return ModelParts(self, blocks="model.layers", embedding="model.embed_tokens", norm="model.norm",
+                          head=None if c.tie_word_embeddings else "lm_head", attention="self_attn",
+                          mlp=mlp_attr(c), block_norms=norms, block_inputs=self.model.rotary,
+                          selective=("core_attention", "act"), hidden_size=c.hidden_size)

@@ -20,7 +20,7 @@ from torch import nn
 from backends import kernels
 
 from .config import ModelConfig, MoEConfig
-from .layers import MLP, maybe_checkpoint
+from .layers import MLP
 
 
 class Router(nn.Linear):
@@ -44,12 +44,13 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * inner))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
-        self.selective_recompute = False
+        self.act = kernels.swiglu  # selective recompute wraps it from outside
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        h = kernels.grouped_mm(x, self.gate_up_proj, tokens_per_expert)
-        h = maybe_checkpoint(self.selective_recompute, kernels.swiglu, h)
-        return kernels.grouped_mm(h, self.down_proj, tokens_per_expert)
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, weights=None) -> torch.Tensor:
+        """weights: (gate_up, down) to use instead of the parameters (expert parallel's local shards)."""
+        gate_up, down = weights if weights is not None else (self.gate_up_proj, self.down_proj)
+        h = kernels.grouped_mm(x, gate_up, tokens_per_expert)
+        return kernels.grouped_mm(self.act(h), down, tokens_per_expert)
 
 
 def group_limited_greedy(probs: torch.Tensor, top_k: int, n_group: int, topk_group: int):
@@ -63,41 +64,13 @@ def group_limited_greedy(probs: torch.Tensor, top_k: int, n_group: int, topk_gro
     return masked.topk(top_k, dim=-1)
 
 
-def split_batch_aux_loss(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, group,
-                         token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The aux loss of a batch whose tokens are split over `group` (context-parallel sequence halves,
-    or expert-parallel ranks): f_i and the token total are all-reduced, P_i's numerator is local.
-    Every rank returns the whole batch's value; its gradient is group-size × this rank's share, so
-    the gradient averaged over the group (DDP's mean) is the whole batch's (Megatron's global aux).
-    `token_mask` (bool [T]) leaves out positions that are not part of the batch (CP padding)."""
-    import torch.distributed as dist
-
-    e = num_experts
-    probs = probs.reshape(-1, probs.shape[-1]).float()
-    ids = ids.reshape(probs.shape[0], -1)
-    if token_mask is not None:
-        keep = token_mask.reshape(-1).to(probs.device).bool()
-        probs, ids = probs[keep], ids[keep]
-    stats = torch.zeros(e + 1, dtype=torch.int64, device=probs.device)
-    stats[:e] = torch.bincount(ids.reshape(-1), minlength=e)
-    stats[e] = probs.shape[0]
-    dist.all_reduce(stats, group=group)  # global top-k counts and token total (exact ints)
-    total = stats[e].to(torch.float32)
-    share = e * torch.sum(stats[:e].to(torch.float32) / total * (probs.sum(dim=0) / total))
-    value = share.detach().clone()
-    dist.all_reduce(value, group=group)
-    scaled = share * dist.get_world_size(group)
-    return scaled + (value - scaled).detach()
-
-
 class MoE(nn.Module):
-    # tokens of one micro-batch split over these ranks (context parallel): the aux loss is the whole
-    # micro-batch's, as one process computes it (set by backends.llm.parallelize)
-    aux_group = None
-    aux_token_mask = None  # bool [T] of the current micro-batch: False on CP padding (set per forward)
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        # set from outside by the parallel code and the engine, never by the model itself:
+        self.aux_group = None         # ranks holding parts of one batch's tokens (the aux is that batch's)
+        self.aux_token_mask = None    # bool [T] of the current micro-batch: False on CP padding
+        self.token_dispatcher = None  # expert parallel: runs the experts on the ranks that own them
         m: MoEConfig = cfg.moe
         self.m = m
         self.gate = Router(cfg.hidden_size, m.num_experts, correction_bias=m.scoring_func == "sigmoid")
@@ -128,9 +101,8 @@ class MoE(nn.Module):
         return weights, ids, probs
 
     def aux_loss(self, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.aux_group is None:
-            return kernels.moe_aux_loss(probs, ids, self.m.num_experts, token_mask=self.aux_token_mask)
-        return split_batch_aux_loss(probs, ids, self.m.num_experts, self.aux_group, self.aux_token_mask)
+        return kernels.moe_aux_loss(probs, ids, self.m.num_experts, token_mask=self.aux_token_mask,
+                                    group=self.aux_group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -138,7 +110,11 @@ class MoE(nn.Module):
         weights, ids, probs = self.route(self.gate(flat))
         aux = self.aux_loss(probs, ids)
         permuted, row_map, tokens_per_expert = kernels.moe_permute(flat, ids, self.m.num_experts)
-        out = kernels.moe_unpermute(self.experts(permuted, tokens_per_expert), row_map, weights)
+        if self.token_dispatcher is None:
+            routed = self.experts(permuted, tokens_per_expert)
+        else:
+            routed = self.token_dispatcher(self.experts, permuted, tokens_per_expert)
+        out = kernels.moe_unpermute(routed, row_map, weights)
         out = out.view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -1,15 +1,18 @@
 """Expert parallelism (Megatron's --expert-model-parallel-size): dropless all-to-all token dispatch.
 
-`apply_expert_parallel(model, ep_group)` swaps every MoE block of a native decoder
-(backends.llm.models) for an `ExpertParallelMoE` that keeps the router, the shared experts and the
-parameter names, but holds only this rank's E/ep routed experts. Forward per MoE layer:
+`apply_expert_parallel(model, ep_group)` gives every MoE block of a model a token dispatcher
+(`AllToAllDispatcher`) and keeps only this rank's E/ep routed experts in it, under the same
+parameter names. The block contract (backends.llm.models.moe.MoE is one): a module with `experts`
+(stacked `gate_up_proj` [E,H,2I] / `down_proj` [E,I,H], called `experts(x, tokens_per_expert,
+weights=None)`), a `token_dispatcher` attribute it calls as `dispatcher(experts, permuted rows,
+tokens_per_expert)` in place of `experts(...)` when set, and `aux_group` / `aux_token_mask`
+attributes for its load-balancing loss. The block routes locally (exactly as without EP) and
+permutes its rows grouped by global expert id, so rows for ep rank r are contiguous; the dispatcher:
 
-  route locally (MoE.route: kernels.moe_route / V2's group_limited_greedy, exactly as the model)
-  → kernels.moe_permute (rows grouped by global expert id, so rows for ep rank r are contiguous)
-  → all_to_all_single of the per-expert counts  → all_to_all_single of the rows (differentiable)
+  → all_to_all_single of the per-expert counts  → the differentiable all-to-all of the rows
   → regroup the received rows source-major → local-expert-major
-  → Experts (kernels.grouped_mm → swiglu → grouped_mm) on the local expert weights
-  → the inverse regroup → all_to_all back → kernels.moe_unpermute with the routing weights
+  → the experts on the local expert weights
+  → the inverse regroup → all-to-all back; the block unpermutes with its routing weights
   (+ shared experts, replicated).
 
 Expert e lives on ep rank e // (E/ep); its weights are the slices [lo:hi] of the stacked
@@ -38,15 +41,21 @@ over dp) that means:
 
 Aux loss (`aux_loss=`):
   "global" (default): the load-balancing loss of the whole ep-group batch, E * sum_i f_i * P_i with
-    f_i / P_i over all tokens of the group (the counts and the token total are all-reduced over
-    ep; P_i's numerator is local). This is exactly what one process computes over the whole batch
+    f_i / P_i over all tokens of the group (the block's aux_group becomes the ep group: the counts
+    and the token total are all-reduced over ep; P_i's numerator is local). This is exactly what one process computes over the whole batch
     (Megatron-core's `global_aux_loss` with the ep group as the reduction group). Every rank's aux
     tensor has that value; its gradient is ep × this rank's share, so the gradient *averaged* over
     the ep ranks (DDP's mean, which the engine's train_step relies on) is the gradient of the
     global aux. In sum convention add `aux / ep` per rank.
   "local": Megatron's plain `aux_loss`: each rank's aux over its own tokens only (what the model
-    computes without EP on that rank's micro-batch); DDP averaging then gives the mean of the
-    per-rank auxes.
+    computes without EP on that rank's micro-batch; under CP the block's aux_group, the cp group,
+    stays); DDP averaging then gives the mean of the per-rank auxes. The engine uses this one: its
+    single-process value is the mean of per-micro-batch auxes, which "global" would not match.
+
+Engine layout (`build_groups`): the dp × cp × tp ranks of each pipeline stage split into
+consecutive blocks of ep ranks (an ep group: different experts, different tokens); the ranks at the
+same place in every block hold the same experts (the expert-data-parallel group). One DeviceMesh
+("pp", "edp", "ep") gives both, and its 1-D "ep" sub-mesh carries the Shard(0) DTensor experts.
 
 Checkpoints: expert weights keep their full-model names but hold different experts on different
 ep ranks; as Shard(0) DTensors, torch.distributed.checkpoint writes each rank's slice under the
@@ -56,7 +65,7 @@ get_model_state_dict(full_state_dict=True) gathers them for an HF export.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,14 +73,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from backends import kernels
-from backends.llm.models.layers import maybe_checkpoint
-from backends.llm.models.moe import MoE, split_batch_aux_loss
+from backends.common.parallel.comm import all_to_all
 
 __all__ = [
     "AUX_LOSS_MODES",
-    "ExpertParallelMoE",
-    "all_to_all",
+    "AllToAllDispatcher",
     "apply_expert_parallel",
     "expert_parameter_names",
     "expert_parameters",
@@ -81,34 +87,6 @@ __all__ = [
 ]
 
 AUX_LOSS_MODES = ("global", "local")
-
-
-# ---------------------------------------------------------------------- differentiable all-to-all
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single on dim 0 with uneven splits; backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group):
-        ctx.group = group
-        ctx.output_splits = output_splits
-        ctx.input_splits = input_splits
-        x = x.contiguous()
-        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        back = _AllToAll.apply(grad.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group)
-        return back, None, None, None
-
-
-def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group=None) -> torch.Tensor:
-    """Differentiable all_to_all_single: rows x[sum(input_splits[:r]) : ...] go to rank r of `group`;
-    the result holds output_splits[s] rows from each rank s, in rank order."""
-    return _AllToAll.apply(x, list(map(int, output_splits)), list(map(int, input_splits)), group)
 
 
 # ---------------------------------------------------------------------- the EP MoE block
@@ -141,82 +119,41 @@ def _chunk_order(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
 
 
-class ExpertParallelMoE(MoE):
-    """A MoE block whose routed experts are sharded over `ep_group` (see the module docstring).
+class AllToAllDispatcher:
+    """A MoE block's token dispatcher over `ep_mesh` (see the module docstring). Holds where this
+    rank's experts start and how many it owns; after each forward, `last_tokens_per_local_expert`
+    holds the rows each local expert received."""
 
-    Same submodules and parameter names as the MoE it replaces (gate, experts, shared_experts);
-    experts.gate_up_proj / experts.down_proj hold only experts [local_start, local_start + num_local).
-    After each forward, `last_tokens_per_local_expert` holds the rows each local expert received.
-    """
-
-    def __init__(self, moe: MoE, ep_group=None, aux_loss: str = "global"):
-        nn.Module.__init__(self)  # take over moe's submodules instead of building new ones
-        if aux_loss not in AUX_LOSS_MODES:
-            raise ValueError(f"aux_loss={aux_loss!r} is not one of {', '.join(AUX_LOSS_MODES)}")
-        mesh = _ep_mesh(ep_group, moe.experts.gate_up_proj.device.type)
-        # hooks other plans hung on the block it replaces (tensor parallel's SequenceShardedMoE) stay
-        for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-            getattr(self, hooks).update(getattr(moe, hooks))
-        self.m = moe.m
-        self.aux_group = moe.aux_group
-        self.aux_token_mask = None
+    def __init__(self, mesh: DeviceMesh, num_experts: int):
         self.ep_mesh = mesh
         self.ep_group = mesh.get_group()
         self.ep_size, self.ep_rank = _group_size_rank(self.ep_group)
-        self.aux_loss_mode = aux_loss
-        total = moe.experts.num_experts
-        if total % self.ep_size:
-            raise ValueError(f"{total} experts do not split over ep={self.ep_size}")
-        self.num_experts = total
-        self.num_local = total // self.ep_size
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts do not split over ep={self.ep_size}")
+        self.num_experts = num_experts
+        self.num_local = num_experts // self.ep_size
         self.local_start = self.ep_rank * self.num_local
-        self.gate = moe.gate
-        self.shared_experts = moe.shared_experts
-        experts = moe.experts
+        self.last_tokens_per_local_expert: torch.Tensor | None = None
+
+    def shard(self, experts: nn.Module) -> None:
+        """Keep this rank's slice of the stacked expert weights, as Shard(0) DTensors of the global shape."""
         lo, hi = self.local_start, self.local_start + self.num_local
         with torch.no_grad():
             for name in ("gate_up_proj", "down_proj"):
                 full = getattr(experts, name)
-                shard = DTensor.from_local(full.detach()[lo:hi].clone(), mesh, [Shard(0)], run_check=False,
+                shard = DTensor.from_local(full.detach()[lo:hi].clone(), self.ep_mesh, [Shard(0)], run_check=False,
                                            shape=full.shape, stride=full.stride())
                 local = nn.Parameter(shard, requires_grad=full.requires_grad)
                 local.allreduce = False          # Megatron's flag: not data-parallel over ep
                 local.expert_parallel = True
                 setattr(experts, name, local)
         experts.num_experts = self.num_local
-        self.experts = experts
-        self.last_tokens_per_local_expert: torch.Tensor | None = None
 
-    # -------------------------------------------------------------- aux loss
+    def _local_experts(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # plain local tensors into the kernels; the grads flow back into the DTensors
+        return experts(x, counts, weights=(experts.gate_up_proj.to_local(), experts.down_proj.to_local()))
 
-    def _aux(self, probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.aux_loss_mode == "local" or self.ep_size == 1:
-            return self.aux_loss(probs, ids)  # over this rank's micro-batch (its cp group's, under CP)
-        return split_batch_aux_loss(probs, ids, self.num_experts, self.ep_group, self.aux_token_mask)
-
-    # -------------------------------------------------------------- forward
-
-    def _local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Experts.forward on this rank's shards (plain tensors; the grads flow back into the DTensors)."""
-        ex = self.experts
-        h = kernels.grouped_mm(x, ex.gate_up_proj.to_local(), counts)
-        h = maybe_checkpoint(ex.selective_recompute, kernels.swiglu, h)
-        return kernels.grouped_mm(h, ex.down_proj.to_local(), counts)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        weights, ids, probs = self.route(self.gate(flat))
-        aux = self._aux(probs, ids)
-        permuted, row_map, tokens_per_expert = kernels.moe_permute(flat, ids, self.num_experts)
-        out = self._dispatch_compute_combine(permuted, tokens_per_expert)
-        out = kernels.moe_unpermute(out, row_map, weights).view(shape)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out, aux
-
-    def _dispatch_compute_combine(self, permuted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: nn.Module, permuted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep_size, self.num_local
         send_counts = tokens_per_expert.to(torch.int64).reshape(ep, local).contiguous()
         recv_counts = torch.empty_like(send_counts)
@@ -232,31 +169,47 @@ class ExpertParallelMoE(MoE):
             order = _chunk_order(recv_cpu).to(received.device)
             inverse = torch.empty_like(order)
             inverse[order] = torch.arange(order.numel(), device=order.device)
-            hidden = self._local_experts(received.index_select(0, order), per_expert.to(received.device))
+            hidden = self._local_experts(experts, received.index_select(0, order), per_expert.to(received.device))
             hidden = hidden.index_select(0, inverse)
         else:
-            hidden = self._local_experts(received, per_expert.to(received.device))
+            hidden = self._local_experts(experts, received, per_expert.to(received.device))
         return all_to_all(hidden, input_splits, output_splits, self.ep_group)
 
 
 # ---------------------------------------------------------------------- applying it
 
 
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` that take a token dispatcher (the MoE block contract above)."""
+    return [m for m in model.modules() if hasattr(m, "token_dispatcher") and hasattr(m, "experts")]
+
+
 def apply_expert_parallel(model: nn.Module, ep_group=None, *, aux_loss: str = "global") -> nn.Module:
-    """Replace every MoE block of `model` (in place) by an ExpertParallelMoE over `ep_group` (a 1-D
-    DeviceMesh, a process group, or None: the default group). Apply to a fully initialised / loaded
-    model: each rank keeps the slice of the stacked expert weights it owns. Returns the model."""
+    """Give every MoE block of `model` (in place) an AllToAllDispatcher over `ep_group` (a 1-D
+    DeviceMesh, a process group, or None: the default group) and keep only this rank's experts.
+    Apply to a loaded model or a meta one (per-rank loading fills the slices). Returns the model."""
+    if aux_loss not in AUX_LOSS_MODES:
+        raise ValueError(f"aux_loss={aux_loss!r} is not one of {', '.join(AUX_LOSS_MODES)}")
     size, _ = _group_size_rank(ep_group.get_group() if isinstance(ep_group, DeviceMesh) else ep_group)
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children()
-               if isinstance(child, MoE) and not isinstance(child, ExpertParallelMoE)]
-    if not targets:
+    blocks = [b for b in moe_blocks(model) if b.token_dispatcher is None]
+    if not blocks:
         raise ValueError("apply_expert_parallel: the model has no MoE block")
-    mesh = _ep_mesh(ep_group, targets[0][2].experts.gate_up_proj.device.type)  # one mesh for every block
-    for parent, name, child in targets:
-        setattr(parent, name, ExpertParallelMoE(child, mesh, aux_loss=aux_loss))
+    mesh = _ep_mesh(ep_group, blocks[0].experts.gate_up_proj.device.type)  # one mesh for every block
+    for block in blocks:
+        block.token_dispatcher = AllToAllDispatcher(mesh, block.experts.num_experts)
+        block.token_dispatcher.shard(block.experts)
+        if aux_loss == "global" and size > 1:
+            block.aux_group = mesh.get_group()
     model.expert_parallel_size = size
     return model
+
+
+def build_groups(mesh, layout, device_type: str) -> tuple[Any, Any]:
+    """(1-D ep DeviceMesh, expert-data-parallel process group) from the ("pp","dp","cp","tp") mesh.
+    Collective: every rank builds every group."""
+    ranks = mesh.mesh.reshape(layout.pp, -1, layout.ep)  # dp × cp × tp ranks per stage, ep innermost
+    ep_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep"))
+    return ep_mesh["ep"], ep_mesh["edp"].get_group()
 
 
 def is_expert_parameter(p: torch.Tensor) -> bool:
@@ -291,3 +244,29 @@ def gather_expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: full stacked [E, ...] tensor} for every expert-parallel weight (collective
     over each block's ep group; for HF export or a full-model checkpoint)."""
     return {name: p.detach().full_tensor() for name, p in model.named_parameters() if is_expert_parameter(p)}
+
+
+def ignore_in_ddp(model: nn.Module) -> None:
+    """Keep the expert weights out of DDP: their grads are local to the ep owner (names as DDP sees them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_parameter_names(model))
+
+
+def grad_finalizer(model: nn.Module, grad_world: int, edp_group) -> Callable[[], None]:
+    """After backward: the expert grads summed over their replicas (edp) and scaled by 1/(dp·cp),
+    which makes them the single-process grads in the trainer's loss × grad_world convention."""
+
+    def finalize() -> None:
+        finalize_expert_grads(model, grad_scale=1.0 / grad_world, expert_dp_group=edp_group)
+
+    return finalize
+
+
+def clipper(model: nn.Module) -> Callable[[float], torch.Tensor]:
+    """Global grad norm: the Shard(0) DTensor expert grads sum their squares over ep themselves
+    (gradnorm takes full_tensor()), the replicated ones are the same on every rank and count once."""
+    from backends.common.gradnorm import clip_grad_norm_
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return lambda limit: clip_grad_norm_(params, limit)

@@ -1,42 +1,16 @@
-"""Tensor parallelism (+ sequence parallelism) for the native decoders, applied from outside the model.
+"""Tensor parallelism (+ sequence parallelism) applied from outside a model: the styles, the plan
+runner, checkpoint layout hooks and the loss.
 
-    apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
-    tp_loss(model, hidden, labels)                      -> (summed CE fp32, valid-token count)
-    (the vocab-parallel cross entropy it uses is backends.kernels.vocab_parallel_cross_entropy)
+    parallelize(model, tp_mesh, parts, block_plan, sequence_parallel=False, loss_parallel=True)
+    tp_loss(model, hidden, labels)         -> (summed CE fp32, valid-token count)
+    full_tensors(model, tensors)           -> whole tensors in the HF layout
 
 torchtitan's rule: the model stays a plain nn.Module with HF parameter names; this module swaps
 every parameter for a DTensor on the tp mesh and hangs forward hooks on the modules, so
-`state_dict()`, `full_tensor()`, DCP and the optimizers see ordinary DTensor parameters.
-
-Layout (Megatron's, MindSpeed's):
-
-  embed_tokens        vocab-parallel, RowwiseParallel's layout (weight Shard(0)); masked local lookup +
-                      all-reduce, or reduce-scatter onto sequence shards with SP (computed locally:
-                      torch's RowwiseParallel leaves a replicated full-vocabulary weight gradient)
-  q/k/v_proj          column parallel (Shard(0)): each rank owns heads/tp query heads and their kv heads
-                      kv_heads < tp: k/v_proj stay replicated and each rank slices out the one kv head
-                      its query heads read (MindSpeed's kv-head replication, without duplicating the
-                      parameter: the gradient of the replica is summed over the ranks sharing it)
-  q_norm / k_norm     replicated (per head, so they act on the local heads)
-  MLA                 q_proj / q_b_proj / kv_b_proj column parallel (heads); q_a_proj, kv_a_proj_with_mqa
-                      and their norms replicated (the low-rank latents are computed on every rank)
-  o_proj              row parallel (Shard(1)); output all-reduced, or reduce-scattered with SP;
-                      the bias is added once after the reduction
-  gate/up_proj        column parallel; down_proj row parallel
-  GLM-4 gate_up_proj  stored pair-interleaved ([g0, u0, g1, u1, ..] rows, see _to_paired) and Shard(0):
-                      rank r holds the gate and up rows of the same channels, handed to the module as
-                      [gate_r; up_r], so the fused swiglu's halves match. state_dict() / load_state_dict()
-                      speak the HF [gate; up] layout; p.full_tensor() of the parameter itself is the
-                      interleaved one (full_tensors(model, named) converts)
-  MoE                 router replicated; every expert's FFN dim sharded: experts.gate_up_proj
-                      [E,H,2I] pair-interleaved on dim 2 and Shard(2), experts.down_proj [E,I,H] Shard(1);
-                      routing runs on every rank on the whole (gathered) token set, the routed and
-                      shared-expert outputs are summed locally and reduced once per block
-  norms               replicated; with SP they run on sequence shards (Shard(1) residual stream)
-  final hidden        returned as a DTensor (Replicate, or Shard(1) with SP)
-  lm_head             ColwiseParallel (vocab Shard(0)); logits are a Shard(-1) DTensor (loss_parallel)
-                      or a replicated one; tied models reuse the Shard(0) embedding weight (DTensor
-                      logits too). The training loss never makes logits: see tp_loss
+`state_dict()`, `full_tensor()`, DCP and the optimizers see ordinary DTensor parameters. What to
+shard is the model's business: its ModelParts (backends.common.parallel.parts) says where the
+embedding, final norm, head and blocks are, and its `block_plan(block)` maps module names inside a
+block to the styles below (backends/llm/tp_plan.py for the native decoders).
 
 Computation inside the modules is local: a forward pre-hook puts each parameter's local shard
 on the module (as an instance attribute that shadows the DTensor parameter; removed again by the
@@ -63,12 +37,6 @@ goes to its base_layer and the adapter follows the base's layout. Column paralle
 replicated, lora_B sharded on the output features. Row parallel: lora_A sharded on the input
 features and reduced on its r-wide output (cheaper than reducing the full width), lora_B
 replicated. Adapters on the output head are refused.
-
-Limitations: tp must divide the attention heads, the FFN widths (dense, expert and shared
-expert) and, with SP, the sequence length; kv heads must divide or be divisible by tp. With
-expert parallel (experts_elsewhere=True) the MoE blocks are not tensor-sharded: they run on each
-rank's sequence shard (SP is required) and the ep group exchanges the tokens (SequenceShardedMoE).
-FSDP2 on top of this shards the TP shards again over dp (2-D DTensors).
 """
 
 from __future__ import annotations
@@ -83,21 +51,20 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from backends import kernels
+from backends.common.parallel.parts import ModelParts
 from backends.kernels.loss import vocab_parallel_cross_entropy
-from backends.llm.config import ConfigError
 
 __all__ = [
     "TPConfigError",
     "TPInfo",
-    "apply_tensor_parallel",
-    "check_tensor_parallel",
     "full_tensors",
+    "parallelize",
     "tp_loss",
 ]
 
 
-class TPConfigError(ConfigError):
-    """A model / layout that tensor parallelism cannot split (a backends.llm ConfigError)."""
+class TPConfigError(ValueError):
+    """A model / layout that tensor parallelism cannot split."""
 
 
 @dataclass(frozen=True)
@@ -109,29 +76,6 @@ class TPInfo:
     rank: int
     sequence_parallel: bool
     loss_parallel: bool
-
-
-# ---------------------------------------------------------------------- checks
-
-
-def check_tensor_parallel(cfg, tp: int) -> None:
-    """Raise TPConfigError listing every dimension of `cfg` (a ModelConfig) that tp cannot split."""
-    problems = []
-    if cfg.num_attention_heads % tp:
-        problems.append(f"{cfg.num_attention_heads} attention heads do not split over tp={tp}")
-    if cfg.mla is None and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        problems.append(f"{cfg.num_kv_heads} kv heads neither split over tp={tp} nor divide it")
-    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    if dense and cfg.ffn_hidden_size % tp:
-        problems.append(f"ffn_hidden_size={cfg.ffn_hidden_size} does not split over tp={tp}")
-    if cfg.moe is not None:
-        if cfg.moe.moe_ffn_hidden_size % tp:
-            problems.append(f"moe_ffn_hidden_size={cfg.moe.moe_ffn_hidden_size} does not split over tp={tp}")
-        width = cfg.moe.shared_experts * cfg.moe.moe_ffn_hidden_size
-        if width % tp:
-            problems.append(f"shared expert width {width} does not split over tp={tp}")
-    if problems:
-        raise TPConfigError("tensor parallel: " + "; ".join(problems))
 
 
 # ---------------------------------------------------------------------- region boundaries (f / g)
@@ -218,7 +162,7 @@ class LocalParallel(ParallelStyle):
                  hide: tuple[str, ...] = (), required: tuple[str, ...] = ("weight",),
                  lora: Callable[[], tuple["LocalParallel", "LocalParallel"]] | None = None):
         self.params = params or {}
-        self.lora = lora  # () -> the (lora_A, lora_B) styles that match this layout (see _with_lora)
+        self.lora = lora  # () -> the (lora_A, lora_B) styles that match this layout (see with_lora)
         self.required = required
         self.default_kind = default_kind
         self.pre, self.post, self.attrs, self.hide = pre, post, attrs or {}, hide
@@ -370,40 +314,7 @@ def experts_style() -> LocalParallel:
                          required=("gate_up_proj", "down_proj"))
 
 
-# ---------------------------------------------------------------------- plan
-
-
-def _attention_plan(attn: nn.Module, mesh: DeviceMesh, sp: bool) -> dict[str, ParallelStyle]:
-    tp, rank = mesh.size(), mesh.get_local_rank()
-    plan: dict[str, ParallelStyle] = {}
-    if hasattr(attn, "kv_b_proj"):  # MLA
-        for name in ("q_proj", "q_b_proj", "kv_b_proj"):
-            if hasattr(attn, name):
-                plan[name] = colwise()
-        for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-            if hasattr(attn, name):
-                plan[name] = replicated(partial_grad=True)
-        plan["o_proj"] = rowwise(mesh, sp)
-        return plan
-    plan["q_proj"] = colwise()
-    kv = attn.num_kv_heads
-    if kv % tp == 0:
-        plan["k_proj"] = plan["v_proj"] = colwise()
-    else:  # tp % kv == 0: each rank's query heads all read kv head rank // (tp // kv)
-        plan["k_proj"] = plan["v_proj"] = replicated_kv(rank // (tp // kv), attn.head_dim)
-    if getattr(attn, "qk_norm", False):
-        plan["q_norm"] = plan["k_norm"] = replicated(partial_grad=True)
-    plan["o_proj"] = rowwise(mesh, sp)
-    return plan
-
-
-def _mlp_plan(mesh: DeviceMesh, sp: bool, fused: bool, exit_region: bool = True) -> dict[str, ParallelStyle]:
-    if fused:
-        return {"gate_up_proj": colwise(paired=True), "down_proj": rowwise(mesh, sp, exit_region)}
-    return {"gate_proj": colwise(), "up_proj": colwise(), "down_proj": rowwise(mesh, sp, exit_region)}
-
-
-def _with_lora(root: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+def with_lora(root: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The plan for a model with LoRA adapters (backends.common.lora.LoRALinear): a wrapped linear's
     style goes to its base_layer, and its lora_A / lora_B get the styles that keep the adapter's
     output in the base's layout (the style's `lora`)."""
@@ -423,7 +334,7 @@ def _with_lora(root: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, Par
     return out
 
 
-def _moe_post(mesh: DeviceMesh, sp: bool):
+def moe_region_exit(mesh: DeviceMesh, sp: bool):
     tp = mesh.size()
 
     def post(mod, args, output):
@@ -462,94 +373,38 @@ class SequenceShardedMoE(ParallelStyle):
         return module
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-                          loss_parallel: bool = True, experts_elsewhere: bool = False) -> nn.Module:
-    """Shard a CausalLM (backends.llm.models) over the 1-D `tp_mesh` in place and return it.
 
-    Every rank must hold the same model (same seed or the same checkpoint); parameters are
-    scattered / broadcast from the mesh's first rank. After this, model.tp_info describes the
-    layout, the decoder returns its final hidden states as a DTensor, and `tp_loss` is the loss.
-    experts_elsewhere: the MoE blocks are left to expert parallel (SequenceShardedMoE; needs SP).
+def parallelize(model: nn.Module, tp_mesh: DeviceMesh, parts: ModelParts,
+                block_plan: Callable[[nn.Module], dict[str, ParallelStyle]], *, sequence_parallel: bool = False,
+                loss_parallel: bool = True) -> nn.Module:
+    """Shard `model` over the 1-D `tp_mesh` in place: the embedding vocab-parallel, the final norm
+    replicated, every block by `block_plan(block)` (module name inside the block -> style, applied in
+    insertion order), the head column-parallel (left alone when tied). Sets model.tp_info and the
+    state-dict hooks that keep checkpoints in the HF layout.
+
+    Every rank must hold the same model (same seed or the same checkpoint), or a meta model that
+    per-rank loading fills afterwards; parameters are scattered / broadcast from the mesh's first rank.
     """
-    from backends.llm.models.layers import FusedMLP
-    from backends.llm.models.moe import MoE
-
     if tp_mesh.ndim != 1:
-        raise TPConfigError(f"apply_tensor_parallel wants the 1-D tp sub-mesh, got a {tp_mesh.ndim}-D mesh")
+        raise TPConfigError(f"tensor parallel wants the 1-D tp sub-mesh, got a {tp_mesh.ndim}-D mesh")
     if getattr(model, "tp_info", None) is not None:
         raise RuntimeError("the model is already tensor-parallel")
-    tp, sp = tp_mesh.size(), bool(sequence_parallel)
-    cfg = model.config
-    check_tensor_parallel(cfg, tp)
-    if experts_elsewhere and not sp:
-        raise TPConfigError("expert parallel with tensor parallel needs sequence parallel (--sequence-parallel): "
-                            "each tp rank's MoE layers route its own sequence shard")
+    sp = bool(sequence_parallel)
     seq = Shard(1) if sp else Replicate()
-    decoder = model.model
-
-    parallelize_module(decoder, tp_mesh, {
-        "embed_tokens": vocab_embedding(tp_mesh, sp),
-        "norm": replicated(partial_grad=sp),
-    })
-    for layer in decoder.layers:
-        attn = layer.self_attn
-        local_heads = attn.num_heads // tp
-        attrs = {"num_heads": local_heads}
-        if hasattr(attn, "num_kv_heads"):
-            attrs["num_kv_heads"] = max(attn.num_kv_heads // tp, 1)
-        plan: dict[str, ParallelStyle] = {}
-        for name in ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
-                     "post_mlp_layernorm"):
-            if hasattr(layer, name):
-                plan[name] = replicated(partial_grad=sp)
-        # the sub-module plans read the global head counts: build them before the entry sets local ones
-        plan.update({f"self_attn.{k}": v for k, v in _attention_plan(attn, tp_mesh, sp).items()})
-        plan["self_attn"] = RegionEntry(sp, attrs=attrs)
-        block = getattr(layer, layer.mlp_name)
-        prefix = layer.mlp_name
-        if isinstance(block, MoE) and experts_elsewhere:  # sequence shards in, expert parallel inside
-            plan[f"{prefix}.gate"] = replicated(partial_grad=True)
-            if block.shared_experts is not None:
-                plan.update({f"{prefix}.shared_experts.{k}": replicated(partial_grad=True)
-                             for k in ("gate_proj", "up_proj", "down_proj")})
-            plan[prefix] = SequenceShardedMoE()
-        elif isinstance(block, MoE):
-            plan[f"{prefix}.gate"] = replicated(partial_grad=True)
-            plan[f"{prefix}.experts"] = experts_style()
-            if block.shared_experts is not None:
-                plan.update({f"{prefix}.shared_experts.{k}": v
-                             for k, v in _mlp_plan(tp_mesh, sp, fused=False, exit_region=False).items()})
-            plan[prefix] = RegionEntry(sp, post=_moe_post(tp_mesh, sp))
-        else:
-            plan.update({f"{prefix}.{k}": v
-                         for k, v in _mlp_plan(tp_mesh, sp, fused=isinstance(block, FusedMLP)).items()})
-            plan[prefix] = RegionEntry(sp)
-        # parallelize_module applies the plan in insertion order; the entries (which change the
-        # head counts) come after the projections
-        parallelize_module(layer, tp_mesh, _with_lora(layer, plan))
-
-    if not cfg.tie_word_embeddings:
+    parallelize_module(model, tp_mesh, {parts.embedding: vocab_embedding(tp_mesh, sp),
+                                        parts.norm: replicated(partial_grad=sp)})
+    for block in parts.block_list():
+        parallelize_module(block, tp_mesh, with_lora(block, block_plan(block)))
+    if not parts.tied:
         from backends.common.lora import LoRALinear
 
-        if isinstance(model.lm_head, LoRALinear):
-            raise TPConfigError("lm_head has a LoRA adapter, which tensor parallel does not shard; "
-                                "leave it out of --lora-target-modules")
-        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(
+        if isinstance(parts.get(parts.head), LoRALinear):
+            raise TPConfigError(f"{parts.head} has a LoRA adapter, which tensor parallel does not shard; "
+                                "leave it out of the LoRA targets")
+        parallelize_module(model, tp_mesh, {parts.head: ColwiseParallel(
             input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=False)})
-
-    def check_input(mod, args, kwargs):
-        ids = args[0] if args else kwargs["input_ids"]
-        if sp and ids.shape[1] % tp:
-            raise ValueError(f"sequence parallel: sequence length {ids.shape[1]} does not split over tp={tp}")
-
-    def hidden_as_dtensor(mod, args, output):
-        hidden, aux = output
-        return DTensor.from_local(hidden, tp_mesh, [seq], run_check=False), aux
-
-    decoder.register_forward_pre_hook(check_input, with_kwargs=True)
-    decoder.register_forward_hook(hidden_as_dtensor)
-    model.tp_info = TPInfo(mesh=tp_mesh, size=tp, rank=tp_mesh.get_local_rank(), sequence_parallel=sp,
+    model.tp_info = TPInfo(mesh=tp_mesh, size=tp_mesh.size(), rank=tp_mesh.get_local_rank(), sequence_parallel=sp,
                            loss_parallel=bool(loss_parallel))
     model._tp_paired = {f"{mname}.{pname}" if mname else pname: spec.paired
                         for mname, mod in model.named_modules()
@@ -616,7 +471,7 @@ def tp_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
     is gathered and the ordinary fused CE runs on every rank.
     """
     info: TPInfo | None = getattr(model, "tp_info", None)
-    weight = model.output_weight()
+    weight = model.parts().output_weight()
     if info is None:
         return kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                             ignore_index)

@@ -38,9 +38,9 @@ after the last hop. It never differentiates through the lse, so it is exact what
 the forward (npu_fusion_attention and flash-attn return an lse without gradient). Each block's
 backward is `kernels.attention_backward` with the global out and lse (npu_fusion_attention_grad,
 PyTorch's flash backward, or the reference's flash-style tiles: no [H, n, n] scores of a document in
-either direction). Ulysses' all-to-all is an
-autograd.Function (its backward is the inverse all-to-all), so Ulysses differentiates through the
-kernel's own attention backward.
+either direction). Ulysses' all-to-all
+(backends.common.parallel.comm) is differentiable (its backward is the inverse exchange), so Ulysses
+differentiates through the kernel's own attention backward.
 
 Communication runs on any torch.distributed backend (tested on gloo / CPU). Sliding-window
 attention is refused under CP (MindSpeed does the same).
@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from backends import kernels
+from backends.common.parallel.comm import gather_heads, group_rank, group_size, split_heads
 
 __all__ = [
     "CPGroups",
@@ -352,14 +353,6 @@ def make_cp_groups(cp_ranks: Sequence[int] | Sequence[Sequence[int]], ulysses_de
     return CPGroups(mine["cp"], mine["ulysses"], mine["ring"], cp_size, u)
 
 
-def _group_size(group: Any) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def _group_rank(group: Any) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
 # ------------------------------------------------------------------ shapes: batched <-> packed
 
 
@@ -513,7 +506,7 @@ def _add_rows(acc, rows, val):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu, group, causal, load_balance, scale):
-        rank, size = _group_rank(group), _group_size(group)
+        rank, size = group_rank(group), group_size(group)
         layout = _Layout(cu, rank, size, causal, load_balance, q.device)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
@@ -562,7 +555,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _ring_packed(q, k, v, cu, group, causal, load_balance, scale):
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return kernels.attention(q, k, v, causal=causal, cu_seqlens=_cu_tensor(cu, q.device), scale=scale)
     return _RingAttention.apply(q, k, v, cu, group, causal, load_balance, scale)
 
@@ -584,34 +577,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: 
 # ------------------------------------------------------------------ Ulysses
 
 
-class _AllToAll(torch.autograd.Function):
-    """Packed [T,H,D] sequence-sharded <-> [u·T,H/u,D] head-sharded (member-major rows) over group."""
-
-    @staticmethod
-    def forward(ctx, x, group, to_heads: bool):
-        ctx.group, ctx.to_heads = group, to_heads
-        return _all_to_all(x, group, to_heads)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad.contiguous(), ctx.group, not ctx.to_heads), None, None
-
-
-def _all_to_all(x, group, to_heads: bool):
-    u = _group_size(group)
-    if to_heads:
-        t, h = x.shape[:2]
-        send = x.reshape(t, u, h // u, *x.shape[2:]).transpose(0, 1).contiguous()  # [u, T, H/u, D]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        return recv.reshape(u * t, h // u, *x.shape[2:])
-    t = x.shape[0] // u
-    send = x.reshape(u, t, *x.shape[1:]).contiguous()  # [u, T, H/u, D]: row block j goes back to member j
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.transpose(0, 1).reshape(t, u * x.shape[1], *x.shape[2:])
-
-
 def _expand_kv_heads(k, v, u: int):
     """Repeat kv heads up to lcm(Hkv, u) so they split over u ranks in step with the query heads."""
     hkv = k.shape[-2]
@@ -623,7 +588,7 @@ def _expand_kv_heads(k, v, u: int):
 
 def _ulysses_packed(q, k, v, cu, group, inner: Callable, *, cp_rank_base: int, cp_size: int, load_balance: bool):
     """All-to-all to heads, reorder rows into the natural order of the gathered chunks, run inner, undo."""
-    u = _group_size(group)
+    u = group_size(group)
     h = q.shape[-2]
     if h % u:
         raise ValueError(f"Ulysses CP needs the query heads ({h}) to divide by the Ulysses degree ({u})")
@@ -639,9 +604,9 @@ def _ulysses_packed(q, k, v, cu, group, inner: Callable, *, cp_rank_base: int, c
     perm = torch.argsort(gidx).to(q.device)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    qh, kh, vh = (_AllToAll.apply(x.contiguous(), group, True).index_select(0, perm) for x in (q, k, v))
+    qh, kh, vh = (split_heads(x, group).index_select(0, perm) for x in (q, k, v))
     out = inner(qh, kh, vh, [c * u for c in cu])
-    return _AllToAll.apply(out.index_select(0, inv).contiguous(), group, False)
+    return gather_heads(out.index_select(0, inv), group)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: Any = None, causal: bool = True,
@@ -657,7 +622,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     def inner(qh, kh, vh, cu_full):
         return kernels.attention(qh, kh, vh, causal=causal, cu_seqlens=_cu_tensor(cu_full, qh.device), scale=scale)
 
-    out = _ulysses_packed(qp, kp, vp, cu, cp_group, inner, cp_rank_base=0, cp_size=_group_size(cp_group),
+    out = _ulysses_packed(qp, kp, vp, cu, cp_group, inner, cp_rank_base=0, cp_size=group_size(cp_group),
                           load_balance=load_balance)
     return _from_packed(out, batched)
 
@@ -676,8 +641,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_
     _check_common(q, k, v, window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qp, kp, vp, cu, batched = _to_packed(q, k, v, cu_seqlens)
-    u, ring_size = _group_size(ulysses_group), _group_size(ring_group)
-    ring_rank = _group_rank(ring_group)
+    u, ring_size = group_size(ulysses_group), group_size(ring_group)
+    ring_rank = group_rank(ring_group)
 
     def inner(qh, kh, vh, cu_ring):
         return _ring_packed(qh, kh, vh, cu_ring, ring_group, causal, load_balance, scale)

@@ -1,14 +1,14 @@
 """Pipeline parallelism on torch.distributed.pipelining: 1F1B, and interleaved 1F1B with virtual stages.
 
-Stages. The decoder's layers are cut into pp·vpp virtual stages: evenly, or by Megatron's
+Stages. The model's blocks (its ModelParts) are cut into pp·vpp virtual stages: evenly, or by Megatron's
 --num-layer-list (one entry per pp stage). Virtual stage s = chunk·pp + pp_rank (Megatron's
 interleaving), so rank r holds chunks r, r+pp, ... The embedding lives on the first stage, the
 final norm and output head on the last. A tied model's last stage keeps its own copy of the
 embedding as the output weight; the two copies' gradients are summed after backward (Megatron's
 embedding group), so they take the same optimizer step and stay equal.
 
-Each rank keeps one pruned decoder with only its layers, under the full model's parameter names
-(model.layers.{i} in a ModuleDict), so checkpoints from any pp layout load into any other and the
+Each rank keeps one pruned model with only its blocks, under the full model's parameter names
+(the blocks container becomes a ModuleDict keyed by the block index), so checkpoints from any pp layout load into any other and the
 optimizer, gradient sync and clipping see one module per rank. The stage modules handed to
 PipelineStage are views over it.
 
@@ -32,8 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from backends import kernels
-from backends.llm.config import ConfigError
+from backends.common.parallel.parts import ModelParts
+
+
+class PipelineConfigError(ValueError):
+    """A pipeline layout the model or the batches cannot take."""
 
 
 # ---------------------------------------------------------------------- the split
@@ -44,10 +47,10 @@ def virtual_stages(num_layers: int, pp: int, *, vpp_layers: int | None = None,
     """Layer indices of every virtual stage, in pipeline order (len pp·vpp)."""
     if pp_layers is not None:
         if vpp_layers:
-            raise ConfigError("--num-layer-list and --num-layers-per-virtual-pipeline-stage do not combine; "
+            raise PipelineConfigError("--num-layer-list and --num-layers-per-virtual-pipeline-stage do not combine; "
                               "give one of them")
         if len(pp_layers) != pp or sum(pp_layers) != num_layers or min(pp_layers) < 1:
-            raise ConfigError(f"--num-layer-list {pp_layers} must have pp={pp} positive entries summing to "
+            raise PipelineConfigError(f"--num-layer-list {pp_layers} must have pp={pp} positive entries summing to "
                               f"{num_layers}")
         bounds = [0]
         for n in pp_layers:
@@ -56,7 +59,7 @@ def virtual_stages(num_layers: int, pp: int, *, vpp_layers: int | None = None,
     per = vpp_layers or num_layers // pp
     if per < 1 or num_layers % (pp * per):
         what = f"pp={pp} × {per} layers per virtual stage" if vpp_layers else f"pp={pp}"
-        raise ConfigError(f"{num_layers} layers do not split evenly over {what}; "
+        raise PipelineConfigError(f"{num_layers} layers do not split evenly over {what}; "
                           "change --num-layers-per-virtual-pipeline-stage or give --num-layer-list")
     return [list(range(s * per, (s + 1) * per)) for s in range(num_layers // per)]
 
@@ -66,18 +69,26 @@ def rank_stages(pp_rank: int, pp: int, n_virtual: int) -> list[int]:
     return list(range(pp_rank, n_virtual, pp))
 
 
-def prune_to_rank(decoder: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
-    """Keep only `layers` (and the embedding / norm / head a first or last stage needs), in place."""
-    inner = decoder.model
-    kept = nn.ModuleDict({str(i): inner.layers[i] for i in layers})
-    inner.layers = kept
-    tied = decoder.config.tie_word_embeddings
-    if not (first or (last and tied)):
-        del inner.embed_tokens
+def prune_to_rank(parts: ModelParts, layers: list[int], *, first: bool, last: bool) -> None:
+    """Keep only blocks `layers` (and the embedding / norm / head a first or last stage needs), in place."""
+    blocks = parts.get(parts.blocks)
+    kept = nn.ModuleDict({str(i): blocks[i] for i in layers})
+    _replace(parts.root, parts.blocks, kept)
+    if not (first or (last and parts.tied)):
+        _replace(parts.root, parts.embedding, None)
     if not last:
-        del inner.norm
-        if not tied:
-            del decoder.lm_head
+        _replace(parts.root, parts.norm, None)
+        if not parts.tied:
+            _replace(parts.root, parts.head, None)
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module | None) -> None:
+    parent, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    if module is None:
+        delattr(owner, leaf)
+    else:
+        setattr(owner, leaf, module)
 
 
 def _cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -92,20 +103,19 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tenso
 
 
 class StageModule(nn.Module):
-    """One virtual stage. Its submodules are the rank's pruned decoder's own (shared, no copies): its
-    layers, the embedding on the first stage, the final norm and the output weight's module on the
+    """One virtual stage. Its submodules are the rank's pruned model's own (shared, no copies): its
+    blocks, the embedding on the first stage, the final norm and the output weight's module on the
     last. So FSDP2 can make each stage module a root that unshards exactly its parameters for its
     forward, and keeps the output weight unsharded for the loss that reads it right after."""
 
-    def __init__(self, decoder: nn.Module, layers: list[int], *, first: bool, last: bool, carry_aux: bool):
+    def __init__(self, parts: ModelParts, layers: list[int], *, first: bool, last: bool, carry_aux: bool):
         super().__init__()
-        inner = decoder.model
-        self.layers = nn.ModuleDict({str(i): inner.layers[str(i)] for i in layers})
-        self.embed_tokens = inner.embed_tokens if first else None
-        self.norm = inner.norm if last else None
-        tied = decoder.config.tie_word_embeddings
-        self.output = (inner.embed_tokens if tied else decoder.lm_head) if last else None
-        self.rotary = inner.rotary
+        blocks = parts.get(parts.blocks)
+        self.layers = nn.ModuleDict({str(i): blocks[str(i)] for i in layers})
+        self.embed_tokens = parts.get(parts.embedding) if first else None
+        self.norm = parts.get(parts.norm) if last else None
+        self.output = parts.output_module() if last else None
+        self.block_inputs = parts.block_inputs
         self.first, self.last, self.carry_aux = first, last, carry_aux
 
     def forward(self, x, aux=None, *, position_ids, doc_ids=None):
@@ -116,9 +126,9 @@ class StageModule(nn.Module):
             aux = hidden.reshape(-1)[:1] * 0.0 if self.carry_aux else None
         else:
             hidden = x
-        cos, sin = self.rotary(position_ids, hidden.dtype)
+        inputs = self.block_inputs(position_ids, hidden.dtype) if self.block_inputs is not None else ()
         for layer in self.layers.values():
-            hidden, layer_aux = layer(hidden, cos, sin, cu_seqlens)
+            hidden, layer_aux = layer(hidden, *inputs, cu_seqlens)
             if layer_aux is not None:
                 aux = aux + layer_aux.reshape(1).to(aux.dtype)
         if self.last:
@@ -150,17 +160,20 @@ def plan_pipeline(num_layers: int, pp: int, pp_rank: int, *, vpp_layers=None, pp
 class PipelineRunner:
     """Builds the stages and the schedule for this rank; `forward_backward` runs one step's micro-batches.
 
-    `decoder` must already be pruned with prune_to_rank (and TP / CP applied before pruning).
+    The model must already be pruned with prune_to_rank (and TP / CP applied before pruning); its
+    loss is backends.common.parallel.tensor_parallel.tp_loss (vocab-parallel under TP). carry_aux:
+    the blocks return aux losses (MoE) that travel between the stages.
     """
 
-    def __init__(self, decoder: nn.Module, plan: PipelineLayout, *, pp_group, device: torch.device,
-                 tp_mesh=None, sequence_parallel: bool = False, precision: str = "fp32"):
-        self.decoder, self.plan, self.pp_group, self.device = decoder, plan, pp_group, device
+    def __init__(self, parts: ModelParts, plan: PipelineLayout, *, pp_group, device: torch.device,
+                 carry_aux: bool, tp_mesh=None, sequence_parallel: bool = False, precision: str = "fp32"):
+        self.parts, self.model, self.plan, self.pp_group, self.device = parts, parts.root, plan, pp_group, device
+        self.hidden_size = parts.hidden_size
         self.precision = precision
         self.tp_mesh, self.sp = tp_mesh, sequence_parallel
-        self.carry_aux = decoder.config.moe is not None
+        self.carry_aux = carry_aux
         last = plan.n_virtual - 1
-        self.modules = [StageModule(decoder, plan.layers[s], first=s == 0, last=s == last, carry_aux=self.carry_aux)
+        self.modules = [StageModule(parts, plan.layers[s], first=s == 0, last=s == last, carry_aux=carry_aux)
                         for s in plan.stage_ids]
         self.schedule = None
         self._shape = None
@@ -168,21 +181,17 @@ class PipelineRunner:
         self._loss_sums: list[torch.Tensor] = []
         self._auxes: list[torch.Tensor] = []
 
+    def embedding_weight(self) -> torch.Tensor:
+        """The tied embedding / output weight this rank holds (first or last stage)."""
+        return self.parts.get(self.parts.embedding).weight
+
     # ---- loss on the last stage
 
     def _loss(self, output, labels):
+        from backends.common.parallel.tensor_parallel import tp_loss
+
         hidden, aux = output if self.carry_aux else (output, None)
-        if getattr(self.decoder, "tp_info", None) is not None:
-            from torch.distributed.tensor import DTensor, Replicate, Shard
-
-            from backends.llm.parallel.tensor_parallel import tp_loss
-
-            seq = Shard(1) if self.sp else Replicate()
-            loss_sum, _ = tp_loss(self.decoder, DTensor.from_local(hidden, self.tp_mesh, [seq], run_check=False),
-                                  labels)
-        else:
-            loss_sum, _ = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]),
-                                                      self.decoder.output_weight(), labels.reshape(-1))
+        loss_sum, _ = tp_loss(self.model, hidden, labels)  # a local hidden shard is fine (SP: Shard(1))
         token_scale, aux_scale = self._scale
         self._loss_sums.append(loss_sum.detach().to(torch.float64))
         loss = loss_sum.float() * token_scale
@@ -203,7 +212,7 @@ class PipelineRunner:
 
         b, s = mb_shape
         tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
-        h = self.decoder.config.hidden_size
+        h = self.hidden_size
         hidden = self._meta((b, s // tp if self.sp else s, h), dtype)
         carry = (hidden, self._meta((1,), dtype)) if self.carry_aux else (hidden,)
         stages = []
@@ -223,7 +232,7 @@ class PipelineRunner:
         n = len(micro_batches)
         mb_shape = tuple(micro_batches[0]["input_ids"].shape)
         if any(tuple(mb["input_ids"].shape) != mb_shape for mb in micro_batches):
-            raise ConfigError("pipeline parallel needs micro-batches of one shape; dynamic sequence length "
+            raise PipelineConfigError("pipeline parallel needs micro-batches of one shape; dynamic sequence length "
                               "(--variable-seq-lengths / data.dynamic) does not combine with pp > 1")
         if self._shape is None:
             self._build(n, mb_shape, torch.float32)
@@ -266,41 +275,21 @@ def tied_embedding_groups(mesh, pp: int):
     return mine
 
 
-# ---------------------------------------------------------------------- engine glue
-
-
-def attach_pipeline(decoder: nn.Module, cfg, par, rt) -> None:
-    """Prune `decoder` to this rank's stages and hang the runner and the pp groups on `par`."""
-    p, c = cfg.parallel, decoder.config
-    mesh = par.mesh
-    par.pp_rank = mesh["pp"].get_local_rank()
-    par.pp_group = mesh["pp"].get_group()
-    plan = plan_pipeline(c.num_layers, p.pp, par.pp_rank, vpp_layers=p.vpp_layers, pp_layers=p.pp_layers)
-    layers = [i for s in plan.stage_ids for i in plan.layers[s]]
-    par.tied_group = tied_embedding_groups(mesh, p.pp) if c.tie_word_embeddings else None
-    prune_to_rank(decoder, layers, first=plan.first_rank, last=plan.last_rank)
-    tp_mesh = mesh["tp"] if par.layout.tp > 1 else None
-    import logging
-
-    logging.getLogger("backends.llm").info(
-        "pipeline: pp=%d, %d virtual stages (%s), this rank runs stages %s = layers %s", p.pp, plan.n_virtual,
-        "interleaved 1F1B" if len(plan.stage_ids) > 1 else "1F1B", plan.stage_ids, layers)
-    par.pipeline = PipelineRunner(decoder, plan, pp_group=par.pp_group, device=rt.device, tp_mesh=tp_mesh,
-                                  sequence_parallel=cfg.parallel.sp, precision=cfg.train.precision)
+# ---------------------------------------------------------------------- tied embedding, clipping
 
 
 def tied_copy(model: nn.Module, par) -> torch.Tensor | None:
     """The last stage's copy of a tied embedding (counted once in the grad norm: on the first stage)."""
     if par.tied_group is None or not par.pipeline.plan.last_rank or par.pipeline.plan.first_rank:
         return None
-    return model.decoder.model.embed_tokens.weight
+    return par.pipeline.embedding_weight()
 
 
 def sync_tied_embedding(model: nn.Module, par) -> None:
     """Sum the tied embedding's gradient over its first- and last-stage copies."""
     if par.tied_group is None:
         return
-    weight = model.decoder.model.embed_tokens.weight
+    weight = par.pipeline.embedding_weight()
     grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
     local = grad.to_local() if hasattr(grad, "to_local") else grad
     dist.all_reduce(local, group=par.tied_group)
