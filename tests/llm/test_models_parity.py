@@ -27,7 +27,10 @@ TINY = {
     "llama": ("llama", dict(head_dim=16, tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
-    "glm4": ("glm4", dict(head_dim=16, attention_bias=True)),
+    # GLM-4-9B: no post-sub-block norms; theta 10000 * ChatGLM's rope_ratio 50 (test_models_io.py)
+    "glm": ("glm", dict(head_dim=16, attention_bias=True, rope_parameters={"rope_type": "default",
+                                                                           "rope_theta": 500000.0})),
+    "glm4": ("glm4", dict(head_dim=16, attention_bias=True)),  # GLM-4-0414
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                     norm_topk_prob=True, mlp_only_layers=[0])),

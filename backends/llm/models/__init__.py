@@ -1,4 +1,4 @@
-"""Native decoder models of the LLM engine: qwen2, qwen3, llama, glm4, mixtral, qwen3_moe,
+"""Native decoder models of the LLM engine: qwen2, qwen3, llama, glm, glm4, mixtral, qwen3_moe,
 deepseek_v2, deepseek_v3, with Hugging Face parameter names and checkpoint I/O.
 
     build_model(cfg)                 random init like HF (normal(0, initializer_range), norms 1)

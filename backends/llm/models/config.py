@@ -2,7 +2,9 @@
 capability_matrix/models.yaml, with converters from a card, from a Hugging Face config.json and back.
 
 Family semantics follow transformers' own classes (Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM,
-Glm4ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM).
+GlmForCausalLM, Glm4ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV2ForCausalLM,
+DeepseekV3ForCausalLM). `glm` is GLM-4-9B(-chat); `glm4` is GLM-4-0414, which adds a norm after each
+sub-block. GLM-4-9B's original ChatGLM config.json (model_type chatglm) reads as family glm.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-FAMILIES = ("qwen2", "qwen3", "llama", "glm4", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("qwen2", "qwen3", "llama", "glm", "glm4", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+GLM_FAMILIES = ("glm", "glm4")         # fused gate_up_proj, half the head rotated in interleaved pairs
 ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
-    "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # HF token ids carried through from_hf -> to_hf so an export generates like its source
@@ -114,8 +118,8 @@ class ModelConfig:
             raise ConfigError("qwen2 always has q/k/v biases (qkv_bias: true)")
         if self.qk_norm != (self.family in ("qwen3", "qwen3_moe")):
             raise ConfigError(f"qk_norm={self.qk_norm} does not match family {self.family} (only qwen3/qwen3_moe)")
-        if self.family != "glm4" and self.rotary_fraction != 1.0:
-            raise ConfigError(f"rotary_fraction={self.rotary_fraction}: only glm4 rotates part of the head")
+        if self.family not in GLM_FAMILIES and self.rotary_fraction != 1.0:
+            raise ConfigError(f"rotary_fraction={self.rotary_fraction}: only glm / glm4 rotate part of the head")
         if self.rotary_dim % 2:
             raise ConfigError(f"rotary dim {self.rotary_dim} (head_dim * rotary_fraction) must be even")
         m = self.moe
@@ -136,11 +140,11 @@ class ModelConfig:
     def rotary_interleaved(self) -> bool:
         if self.mla is not None:
             return self.mla.rope_interleave
-        return self.family == "glm4"
+        return self.family in GLM_FAMILIES
 
     @property
     def o_proj_bias(self) -> bool:
-        # transformers' Llama/Qwen3 tie the output bias to attention_bias; Qwen2/GLM-4 never have one
+        # transformers' Llama/Qwen3 tie the output bias to attention_bias; Qwen2/GLM never have one
         return self.qkv_bias and self.family in ("llama", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
     def is_moe_layer(self, i: int) -> bool:
@@ -213,7 +217,54 @@ def _first(cfg: dict, *keys: str):
     raise ConfigError(f"config.json of {cfg.get('model_type')} has none of {', '.join(keys)}")
 
 
+# ChatGLM config.json switches that select an architecture the native glm model does not build:
+# key -> (the value GLM-4-9B / ChatGLM2-3 ship, what to say otherwise)
+_CHATGLM_FIXED = {
+    "rmsnorm": (True, "LayerNorm blocks (rmsnorm=false) are not implemented"),
+    "add_bias_linear": (False, "biases on dense / dense_h_to_4h / dense_4h_to_h are not implemented"),
+    "apply_residual_connection_post_layernorm": (False, "residuals taken after the norm are not implemented"),
+    "post_layer_norm": (True, "a model without final_layernorm is not implemented"),
+}
+
+
+def _from_chatglm(cfg: dict) -> dict:
+    """The original ChatGLM config.json (THUDM/glm-4-9b-chat, chatglm2/3-6b) as the transformers glm
+    config it stands for: the same blocks (GlmForCausalLM), with rotary base 10000 * rope_ratio on
+    half of each head (ChatGLM's RotaryEmbedding(kv_channels // 2), adjacent pairs)."""
+    where = "config.json (model_type chatglm)"
+    if cfg.get("padded_vocab_size") is None or cfg.get("ffn_hidden_size") is None:
+        raise ConfigError(f"{where} has no padded_vocab_size / ffn_hidden_size: the first ChatGLM-6B "
+                          "(2-D positions, GLU blocks) is not implemented; GLM-4-9B and ChatGLM2/3 are")
+    if cfg.get("quantization_bit"):
+        raise ConfigError(f"{where}: quantization_bit={cfg['quantization_bit']} checkpoints are not loadable; "
+                          "use the bf16 release")
+    if cfg.get("pre_seq_len"):
+        raise ConfigError(f"{where}: pre_seq_len={cfg['pre_seq_len']} (P-Tuning v2 prefix encoder) is not "
+                          "implemented; remove it to load the base weights")
+    for key, (want, why) in _CHATGLM_FIXED.items():
+        if bool(cfg.get(key, want)) != want:
+            raise ConfigError(f"{where}: {key}={cfg[key]!r}: {why}")
+    heads = _first(cfg, "num_attention_heads")
+    groups = cfg.get("multi_query_group_num", 1) if cfg.get("multi_query_attention") else heads
+    out = {
+        "model_type": "glm", "num_hidden_layers": _first(cfg, "num_layers", "num_hidden_layers"),
+        "hidden_size": _first(cfg, "hidden_size"), "intermediate_size": cfg["ffn_hidden_size"],
+        "num_attention_heads": heads, "num_key_value_heads": groups,
+        "head_dim": cfg.get("kv_channels") or cfg["hidden_size"] // heads,
+        "vocab_size": cfg["padded_vocab_size"], "max_position_embeddings": cfg.get("seq_length", 2048),
+        "rope_theta": 10000.0 * float(cfg.get("rope_ratio", 1)), "partial_rotary_factor": 0.5,
+        "attention_bias": bool(cfg.get("add_qkv_bias", False)), "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)), "hidden_act": "silu",
+    }
+    for key in (*TOKEN_KEYS, "initializer_range"):
+        if cfg.get(key) is not None:
+            out[key] = cfg[key]
+    return out
+
+
 def _from_hf(cls, cfg: dict) -> ModelConfig:
+    if cfg.get("model_type") == "chatglm":
+        cfg = _from_chatglm(cfg)
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(f"config.json model_type {family!r} has no native model; supported: {', '.join(FAMILIES)}")
@@ -234,9 +285,9 @@ def _from_hf(cls, cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab_size=cfg["vocab_size"],
         max_position_embeddings=cfg.get("max_position_embeddings", 4096), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", family == "glm4")) or family == "qwen2",
+        qkv_bias=bool(cfg.get("attention_bias", family in GLM_FAMILIES)) or family == "qwen2",
         qk_norm=family in ("qwen3", "qwen3_moe"),
-        rotary_fraction=float(partial if partial is not None else 0.5) if family == "glm4" else 1.0,
+        rotary_fraction=float(partial if partial is not None else 0.5) if family in GLM_FAMILIES else 1.0,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), hidden_act=cfg.get("hidden_act", "silu"),
         initializer_range=cfg.get("initializer_range", 0.02),
         hf_extra={k: cfg[k] for k in TOKEN_KEYS if cfg.get(k) is not None},
@@ -281,7 +332,7 @@ def _rope_to_hf(c: ModelConfig) -> dict[str, Any]:
     params = {k: v for k, v in (c.rope_scaling or {}).items() if k != "type"}
     params["rope_type"] = (c.rope_scaling or {}).get("rope_type", (c.rope_scaling or {}).get("type", "default"))
     params["rope_theta"] = c.rope_theta
-    if c.family == "glm4":
+    if c.family in GLM_FAMILIES:
         params["partial_rotary_factor"] = c.rotary_fraction
         out["partial_rotary_factor"] = c.rotary_fraction
     out["rope_parameters"] = params

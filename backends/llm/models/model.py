@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(index)
         if self.is_moe:
             block = MoE(cfg)
-        elif cfg.family == "glm4":
+        elif cfg.family in ("glm", "glm4"):
             block = FusedMLP(cfg.hidden_size, cfg.ffn_hidden_size)
         else:
             block = MLP(cfg.hidden_size, cfg.ffn_hidden_size)
