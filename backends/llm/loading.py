@@ -97,7 +97,7 @@ class Loader:
 
         self.decoder, self.reader, self.seed = decoder, reader, seed
         self.cfg = decoder.config
-        self.leaves = Leaves(reader) if reader is not None else None
+        self.leaves = Leaves(reader, self.cfg) if reader is not None else None
         self.paired = getattr(decoder, "_tp_paired", {})
 
     def check_checkpoint(self) -> None:
@@ -106,10 +106,10 @@ class Loader:
         from backends.llm.models.convert import Leaves, check_all_used, hf_source
 
         full = meta_decoder(self.cfg)
-        leaves = Leaves(self.reader)
+        leaves = Leaves(self.reader, self.cfg)
         for name, t in [*full.named_parameters(), *_persistent_buffers(full)]:
             hf_source(name, tuple(t.shape), self.cfg.family, leaves)
-        check_all_used(self.reader.names(), leaves.used, self.cfg)
+        check_all_used(leaves.names(), leaves.used, self.cfg)
 
     def source(self, name: str, t: torch.Tensor) -> Source:
         shape = tuple(t.shape)  # the global shape (DTensor) in the stored layout

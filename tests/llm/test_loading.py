@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_hf import make_tiny_hf
+from tests.helpers.tiny_hf import make_tiny_hf, write_chatglm
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -33,6 +33,11 @@ def _hf(tmp_path, name, family, lora=False, **config):
             "model_dir": str(make_tiny_hf(family, tmp_path / name, with_tokenizer=False, **config))}
 
 
+def _chatglm(tmp_path, name):
+    case = _hf(tmp_path, f"{name}-src", "glm")
+    return {**case, "name": name, "model_dir": str(write_chatglm(case["model_dir"], tmp_path / name))}
+
+
 def _random(name, card, lora=False, **overrides):
     return {"name": name, "family": None, "lora": lora, "model_dir": None, "card": card, "overrides": overrides}
 
@@ -42,9 +47,10 @@ TINY_QWEN3 = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_he
 
 LAYOUTS = {
     # layout: (processes, cases)
-    "tp2": (2, lambda t: [_hf(t, "qwen3", "qwen3"), _hf(t, "glm4", "glm4"), _hf(t, "qwen3_moe", "qwen3_moe"),
-                          _hf(t, "dsv3", "deepseek_v3"), _hf(t, "lora", "qwen3", lora=True),
-                          _random("random", "qwen3-0.6b", **TINY_QWEN3)]),
+    # chatglm: GLM-4-9B's original layout, each rank reading its rows of the fused query_key_value
+    "tp2": (2, lambda t: [_hf(t, "qwen3", "qwen3"), _hf(t, "glm4", "glm4"), _chatglm(t, "chatglm"),
+                          _hf(t, "qwen3_moe", "qwen3_moe"), _hf(t, "dsv3", "deepseek_v3"),
+                          _hf(t, "lora", "qwen3", lora=True), _random("random", "qwen3-0.6b", **TINY_QWEN3)]),
     "pp2": (2, lambda t: [_hf(t, "llama-tied", "llama"), _hf(t, "mixtral", "mixtral"),
                           _hf(t, "lora", "glm4", lora=True)]),
     "fsdp2": (2, lambda t: [_hf(t, "qwen3", "qwen3"), _hf(t, "glm4-uneven", "glm4", vocab_size=511),

@@ -209,3 +209,88 @@ def test_config_states_the_written_dtype(saved, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
     assert transformers.AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------- the ChatGLM layout of glm
+
+
+def _chatglm_dir(saved, tmp_path) -> tuple[torch.nn.Module, Path, Path]:
+    from tests.helpers.tiny_hf import write_chatglm
+
+    hf, src = saved("glm")
+    return hf, src, write_chatglm(src, tmp_path / "chatglm")
+
+
+def test_chatglm_checkpoint_loads_as_the_glm_model(saved, tmp_path):
+    """THUDM/glm-4-9b-chat's own layout (fused query_key_value, dense_h_to_4h, rope_ratio, ...) reads
+    as the same native glm model as the transformers form: the same config, the same logits as
+    transformers' GlmForCausalLM; the export is the transformers form, bit for bit."""
+    hf, src, chat = _chatglm_dir(saved, tmp_path)
+    cfg = json.loads((chat / "config.json").read_text())
+    assert cfg["model_type"] == "chatglm" and cfg["rope_ratio"] == 50.0
+    assert "transformer.encoder.layers.0.self_attention.query_key_value.bias" in read_safetensors(chat)
+    native = models.from_pretrained(src)
+    ours = models.from_pretrained(chat)
+    assert ours.config == native.config and ours.config.family == "glm" and ours.config.rope_theta == 500000.0
+    with torch.no_grad():
+        got = ours(IDS)
+        torch.testing.assert_close(got, native(IDS), rtol=0, atol=0)
+        err = (got - hf(IDS).logits).abs().max().item()
+    assert err < 1e-4, f"logits differ from GlmForCausalLM by {err:.2e}"
+    out = write_hf_dir(tmp_path / "export", models.hf_state_dict(ours), ours.config.to_hf())
+    _assert_same_files(src, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back) is type(hf) and json.loads((out / "config.json").read_text())["model_type"] == "glm"
+
+
+def test_chatglm_rotary_is_the_one_the_glm_model_applies():
+    """ChatGLM's rotary (RotaryEmbedding(kv_channels // 2), base 10000 * rope_ratio, the rope cache
+    as [cos, sin] pairs on adjacent dims of the first half of each head) written out here, against
+    what the native model applies for that config.json."""
+    import backends.kernels as K
+
+    head_dim, rope_ratio, seq = 16, 50.0, 12
+    cfg = models.ModelConfig.from_hf({"model_type": "chatglm", "num_layers": 1, "hidden_size": 64,
+                                      "ffn_hidden_size": 96, "kv_channels": head_dim, "num_attention_heads": 4,
+                                      "multi_query_attention": True, "multi_query_group_num": 2,
+                                      "padded_vocab_size": 300, "rope_ratio": rope_ratio, "add_qkv_bias": True})
+    x = torch.randn(1, seq, 4, head_dim, generator=torch.Generator().manual_seed(3))
+    n_elem = head_dim // 2
+    theta = 1.0 / ((10000 * rope_ratio) ** (torch.arange(0, n_elem, 2).float() / n_elem))
+    angles = torch.outer(torch.arange(seq).float(), theta)  # [s, n_elem / 2]
+    cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
+    rot, rest = x[..., :n_elem], x[..., n_elem:]
+    pairs = rot.reshape(1, seq, 4, n_elem // 2, 2)
+    want = torch.cat([torch.stack([pairs[..., 0] * cos - pairs[..., 1] * sin,
+                                   pairs[..., 1] * cos + pairs[..., 0] * sin], -1).flatten(-2), rest], -1)
+    c, s = K.rotary_cos_sin(torch.arange(seq)[None], cfg.rotary_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    got = K.apply_rotary(x, c, s, interleaved=cfg.rotary_interleaved, rotary_dim=cfg.rotary_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_chatglm_errors_name_the_tensor_or_key(saved, tmp_path):
+    from safetensors.torch import save_file
+
+    _, _, chat = _chatglm_dir(saved, tmp_path)
+    tensors = dict(read_safetensors(chat))
+    qkv = "transformer.encoder.layers.1.self_attention.query_key_value.weight"
+    tensors[qkv] = tensors[qkv][:-16]  # one kv head short
+    save_file(tensors, str(chat / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{qkv}' has 112 rows but the config expects 128"):
+        models.from_pretrained(chat)
+    tensors = dict(read_safetensors(chat))
+    tensors[qkv] = torch.zeros(128, 64)
+    tensors["transformer.prefix_encoder.embedding.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(chat / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) .* no place for: transformer\.prefix_encoder"):
+        models.from_pretrained(chat)
+    del tensors["transformer.encoder.layers.0.mlp.dense_4h_to_h.weight"]
+    save_file(tensors, str(chat / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no tensor 'transformer\.encoder\.layers\.0\.mlp\.dense_4h_to_h\.weight'"):
+        models.from_pretrained(chat)
+    cfg = json.loads((chat / "config.json").read_text())
+    for key, value in (("rmsnorm", False), ("add_bias_linear", True), ("pre_seq_len", 8)):
+        with pytest.raises(models.ConfigError, match=f"{key}="):
+            models.ModelConfig.from_hf({**cfg, key: value})
+    with pytest.raises(models.ConfigError, match="padded_vocab_size"):
+        models.ModelConfig.from_hf({k: v for k, v in cfg.items() if k != "padded_vocab_size"})
