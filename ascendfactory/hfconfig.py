@@ -8,7 +8,7 @@ from typing import Any
 
 FAMILY_OF_MODEL_TYPE = {
     "qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe",
-    "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "chatglm": "glm4", "glm4": "glm4", "glm": "glm4",
+    "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3", "chatglm": "glm", "glm": "glm", "glm4": "glm4",
     "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "gemma3": "gemma3", "gemma3_text": "gemma3",
 }
 
@@ -64,6 +64,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> tuple[str | None, dict[str, Any]
         arch["num_kv_heads"] = heads
         arch["head_dim"] = (text.get("qk_nope_head_dim") or 0) + (text.get("qk_rope_head_dim") or 0)
     partial = _first(text, "partial_rotary_factor", default=rope.get("partial_rotary_factor"))
+    if partial is None and model_type in ("chatglm", "glm", "glm4"):
+        partial = 0.5  # ChatGLM rotates kv_channels // 2 dims; transformers' GLM configs default to 0.5
     if partial is not None:
         arch["rotary_fraction"] = float(partial)
     return FAMILY_OF_MODEL_TYPE.get(model_type), arch

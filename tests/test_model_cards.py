@@ -15,7 +15,7 @@ MOE = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b", "qwen3-30
        "mixtral-8x7b-instruct-v0.1"}
 MLA = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b"}
 MULTIMODAL = {i for i in IDS if "-vl-" in i} | {"gemma3-27b"}
-FAMILIES = {"qwen2", "qwen3", "llama", "glm4", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_vl",
+FAMILIES = {"qwen2", "qwen3", "llama", "glm", "glm4", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_vl",
             "qwen2_5_vl", "gemma3"}
 # families whose config sets head_dim independently of hidden_size / heads
 FREE_HEAD_DIM = {"qwen3", "qwen3_moe", "gemma3"}

@@ -5,7 +5,7 @@ a smoke test in tests/llm/test_smoke.py that runs one optimizer step through `as
 (moe_parallel: tests/llm/test_engine_expert_parallel.py, ep over 2 and 4 processes against one).
 """
 
-FAMILIES = ["qwen2", "qwen3", "llama", "glm4", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+FAMILIES = ["qwen2", "qwen3", "llama", "glm", "glm4", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
 IMPLEMENTS = {
     "mindspeed-llm": {

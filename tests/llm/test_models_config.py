@@ -111,3 +111,35 @@ def test_config_errors_are_clear():
         ModelConfig.from_hf({"model_type": "gpt2"})
     with pytest.raises(ConfigError, match="qk_norm"):
         ModelConfig.from_card({**arch, "qk_norm": False}, "qwen3")
+
+
+# THUDM/glm-4-9b-chat's config.json as published (the original ChatGLM form; the keys that shape the model)
+GLM_4_9B_CHAT = {
+    "architectures": ["ChatGLMModel"], "model_type": "chatglm", "add_bias_linear": False, "add_qkv_bias": True,
+    "apply_query_key_layer_scaling": True, "apply_residual_connection_post_layernorm": False,
+    "attention_dropout": 0.0, "attention_softmax_in_fp32": True, "eos_token_id": [151329, 151336, 151338],
+    "ffn_hidden_size": 13696, "fp32_residual_connection": False, "hidden_dropout": 0.0, "hidden_size": 4096,
+    "kv_channels": 128, "layernorm_epsilon": 1.5625e-07, "multi_query_attention": True, "multi_query_group_num": 2,
+    "num_attention_heads": 32, "num_hidden_layers": 40, "num_layers": 40, "original_rope": True,
+    "pad_token_id": 151329, "padded_vocab_size": 151552, "post_layer_norm": True, "rmsnorm": True,
+    "rope_ratio": 500, "seq_length": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 151552,
+}
+
+
+def test_published_chatglm_config_is_the_card():
+    """The card glm-4-9b-chat is the model THUDM/glm-4-9b-chat's config.json describes (GlmForCausalLM,
+    no post-sub-block norms), read by the engine and by the orchestrator alike."""
+    from ascendfactory.hfconfig import arch_from_hf_config
+
+    got = ModelConfig.from_hf(GLM_4_9B_CHAT)
+    assert got == _cfg("glm-4-9b-chat") and got.family == "glm"
+    assert got.hf_extra == {"eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329}
+    assert got.to_hf()["architectures"] == ["GlmForCausalLM"]
+    family, arch = arch_from_hf_config(GLM_4_9B_CHAT)
+    card = CARDS["glm-4-9b-chat"]
+    assert family == card["family"] == "glm"
+    assert {k: v for k, v in arch.items() if k in card["arch"]} == {k: card["arch"][k] for k in arch}
+    layer = models.build_model(got.replace(num_layers=1, vocab_size=8, hidden_size=64, num_attention_heads=4,
+                                           num_kv_heads=2, head_dim=16, ffn_hidden_size=32)).model.layers[0]
+    assert not hasattr(layer, "post_self_attn_layernorm") and not hasattr(layer, "post_mlp_layernorm")

@@ -29,6 +29,10 @@ COVERED = {
     ("mixtral", ("long_seq",)): "test_engine_expert_parallel.py test_cp2_and_cp2_ep2_match_one_process[packed]",
     ("qwen3", ("sptd",)): "test_engine_pipeline.py test_uneven_layer_list_with_sequence_parallel (tp2 + sp + pp2)",
 }
+# families with no card of their own, whose runs repeat a carded family's with a block added: in the
+# slow set (GLM-4-0414 = glm + two norms a layer, held against transformers in test_models_parity.py,
+# under tp in tests/parallel/test_tensor_parallel.py and tp2 + sp + dp2 in test_engine_compose.py)
+UNCARDED = {"glm4"}
 
 
 @pytest.fixture
@@ -87,7 +91,7 @@ def _cases() -> list:
         for family in TINY:
             features = tuple(f for f in group if family in declared.get(f, ()))
             if features:
-                marks = [pytest.mark.slow] if (family, features) in COVERED else []
+                marks = [pytest.mark.slow] if (family, features) in COVERED or family in UNCARDED else []
                 cases.append(pytest.param(family, features, marks=marks, id=f"{family}-{'+'.join(features)}"))
     return cases
 

@@ -50,8 +50,8 @@ def config(case: str) -> ModelConfig:
         return ModelConfig(family="qwen3", qk_norm=True, qkv_bias=True, **{**BASE, "num_kv_heads": 1})
     if case == "qwen2":
         return ModelConfig(family="qwen2", qkv_bias=True, **BASE)
-    if case == "glm4":
-        return ModelConfig(family="glm4", qkv_bias=True, rotary_fraction=0.5, **BASE)
+    if case in ("glm", "glm4"):  # glm4 adds the post-sub-block norms
+        return ModelConfig(family=case, qkv_bias=True, rotary_fraction=0.5, **BASE)
     if case == "llama":
         return ModelConfig(family="llama", tie_word_embeddings=True, **BASE)
     if case == "qwen3_moe":  # layer 0 dense (mlp_only_layers), layer 1 MoE
@@ -311,6 +311,7 @@ VARIANTS = {
     "qwen3": [dict(sp=False, ckpt=True), dict(sp=True), dict(sp=True, packed=True, recompute="full")],
     "qwen3_kv1": [dict(sp=False), dict(sp=True), dict(sp=False, recompute="selective")],
     "qwen2": [dict(sp=False), dict(sp=True), dict(sp=True, loss_parallel=False)],
+    "glm": [dict(sp=False), dict(sp=True)],
     "glm4": [dict(sp=False), dict(sp=True, ckpt=True)],
     "llama": [dict(sp=False), dict(sp=True), dict(sp=False, loss_parallel=False)],
     "qwen3_moe": [dict(sp=False), dict(sp=True)],

@@ -1,8 +1,8 @@
 """Tensor + sequence parallelism (backends.common.parallel.tensor_parallel, the native plan in backends.llm.tp_plan) against the single-process model.
 
 The multi-process checks run tests/parallel/_tp_worker.py under torchrun (gloo, CPU, tp=2 and tp=4)
-on tiny qwen3 (GQA kv=2; kv=1 < tp replicated; packed + full recompute), qwen2 (qkv bias), glm4
-(fused gate_up, partial rotary), llama (tied embeddings), qwen3_moe / mixtral (stacked experts),
+on tiny qwen3 (GQA kv=2; kv=1 < tp replicated; packed + full recompute), qwen2 (qkv bias), glm / glm4
+(fused gate_up, partial rotary; glm4's extra norms), llama (tied embeddings), qwen3_moe / mixtral (stacked experts),
 deepseek_v3 / deepseek_v2 (MLA + shared experts) models, each with and without sequence parallel:
 loss, aux loss, logits, every gradient, three AdamW steps with clipping, and (qwen3, glm4, mixtral)
 a DCP save / resume through backends.common.checkpoint. See that file for the details.
@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 RUNS = {
-    "tp2-dense": (2, ("qwen3", "qwen3_kv1", "qwen2", "glm4", "llama", "vocab_ce", "errors")),
+    "tp2-dense": (2, ("qwen3", "qwen3_kv1", "qwen2", "glm", "glm4", "llama", "vocab_ce", "errors")),
     "tp2-moe-mla": (2, ("qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2")),
     # kv=2 < tp=4: two ranks share each kv head; glm4's [gate; up] pairs over 4 shards
     "tp4": (4, ("qwen3", "glm4")),
