@@ -20,6 +20,10 @@ from ascendfactory.frameworks.base import one_line
 from ascendfactory.plan import Plan
 from ascendfactory.resources import templates_dir
 
+# the chat template a family's chat models use where its name is not the family's own: GLM-4-9B-Chat
+# (family glm) speaks the template LLaMA-Factory and backends.common.data name glm4
+CHAT_TEMPLATE_OF_FAMILY = {"glm": "glm4"}
+
 LAUNCH_TEMPLATE = {
     "local": ("launch/local.sh.j2", "launch.sh"),
     "torchrun": ("launch/torchrun.sh.j2", "launch.sh"),
@@ -121,6 +125,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         "job": job.model_dump(mode="json") | {"lora": job.lora.model_dump() if job.lora else None},
         "model_id": plan.model_id,
         "family": plan.family,
+        "family_template": CHAT_TEMPLATE_OF_FAMILY.get(plan.family, plan.family),
         "arch": plan.arch,
         "layout": asdict(plan.layout),
         "roles": {role: asdict(lay) for role, lay in plan.roles.items()},

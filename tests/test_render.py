@@ -86,6 +86,17 @@ def test_yaml_dialects(plan_of, tmp_path, framework, model, stage, name, extra):
         assert tree["actor_config"]["tensor_model_parallel_size"] == 2 and tree["rl_config"]["n_samples_per_prompt"] == 8
 
 
+def test_default_chat_template_is_the_familys(plan_of, tmp_path):
+    """GLM-4-9B-Chat (family glm) speaks LLaMA-Factory's template glm4; a family named like its
+    template keeps its own name; an explicit data.template wins."""
+    for model, want in (("glm-4-9b-chat", "glm4"), ("qwen3-8b", "qwen3")):
+        r = render(plan_of(framework="llamafactory", model=model, stage="sft"), tmp_path)
+        assert yaml.safe_load(r.files["llamafactory_train.yaml"])["template"] == want, model
+    r = render(plan_of(framework="llamafactory", model="glm-4-9b-chat", stage="sft", data={"template": "qwen"}),
+               tmp_path)
+    assert yaml.safe_load(r.files["llamafactory_train.yaml"])["template"] == "qwen"
+
+
 def test_backend_overrides_are_merged(plan_of, tmp_path):
     r = render(plan_of(framework="verl", model="qwen3-14b", stage="grpo", parallel={"fsdp": True},
                        backend_overrides={"actor_rollout_ref.rollout.gpu_memory_utilization": 0.6,
