@@ -235,7 +235,11 @@ def _batches(bad, dp: int, pp: int, vpp: int, micro: int | None, global_batch: i
             f"use a global batch of {round_up(global_batch, per_step)}, or change train.micro_batch")
         return 0
     accum = global_batch // per_step
-    if pp > 1 and vpp > 1 and accum % pp:
+    if pp > 1 and accum < pp:  # a 1F1B schedule keeps every stage busy: one micro-batch per stage at least
+        bad("train.global_batch", f"pipeline parallel needs at least pp={pp} micro-batches per step, but "
+                                  f"global_batch / (micro_batch × dp) = {global_batch} / {per_step} = {accum}",
+            f"use a global batch of at least {pp * per_step}, or lower train.micro_batch")
+    elif pp > 1 and vpp > 1 and accum % pp:
         bad("train.global_batch", f"interleaved pipelining needs the micro-batch count ({accum}) to be a "
                                   f"multiple of pp={pp}", "raise global_batch or lower micro_batch")
     return accum

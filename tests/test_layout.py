@@ -342,3 +342,12 @@ def test_verl_roles_train_with_fsdp_and_roll_out_with_tp(plan_of):
     assert "rl.actor.parallel" in text and "FSDP backend" in text
     text = refusal(plan_of, **base, rl={"reference": {"parallel": {"cp": 2, "cp_algo": "ring"}}})
     assert "rl.reference.parallel.cp_algo" in text and "Ulysses" in text
+
+
+def test_pipeline_needs_a_micro_batch_per_stage(plan_of):
+    """A layout that plans also starts: torch's 1F1B refuses fewer micro-batches than stages."""
+    text = refusal(plan_of, parallel={"pp": 4}, resources={"devices_per_node": 4},
+                   train={"global_batch": 2, "micro_batch": 1})
+    assert "train.global_batch" in text and "at least pp=4 micro-batches" in text and "at least 4" in text
+    assert plan_of(parallel={"pp": 4}, resources={"devices_per_node": 4},
+                   train={"global_batch": 4, "micro_batch": 1}).layout.grad_accum == 4
