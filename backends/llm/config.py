@@ -49,6 +49,8 @@ class ParallelArgs:
     distributed_optimizer: bool = False
     fsdp: bool = False
     recompute: str = "none"
+    recompute_method: str | None = None       # full: uniform | block (Megatron's)
+    recompute_num_layers: int | None = None
 
 
 @dataclass
@@ -300,7 +302,8 @@ def parse_args(argv: list[str]) -> LLMConfig:
             cp=ns.context_parallel_size, cp_algo=CP_ALGOS[ns.context_parallel_algo],
             ulysses_degree=ns.ulysses_degree_in_cp, ep=ns.expert_model_parallel_size,
             moe_dispatcher=ns.moe_token_dispatcher_type, distributed_optimizer=ns.use_distributed_optimizer,
-            fsdp=ns.use_torch_fsdp2, recompute=ns.recompute_granularity or "none"),
+            fsdp=ns.use_torch_fsdp2, recompute=ns.recompute_granularity or "none",
+            recompute_method=ns.recompute_method, recompute_num_layers=ns.recompute_num_layers),
         data=DataArgs(
             input=ns.input, fmt=fmt, prefix=ns.data_path, template=ns.prompt_type,
             instruction=ns.is_instruction_dataset or fmt in ("alpaca", "sharegpt"),

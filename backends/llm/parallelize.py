@@ -40,8 +40,22 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
         par = data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=p.fsdp,
                                       distributed_optimizer=p.distributed_optimizer, cp_algo=p.cp_algo)
         _parallelize(decoder, cfg, par, rt)
-    apply_recompute(decoder.parts(), p.recompute)  # last: it wraps the attention CP swapped in
+    _recompute(decoder, p, par)  # last: it wraps the attention CP swapped in
     return par
+
+
+def _recompute(decoder, p, par: Parallel) -> None:
+    """Megatron's --recompute-granularity / --recompute-method / --recompute-num-layers (full without a
+    method: every layer, uniform 1); a method or layer count means nothing to selective recompute."""
+    if p.recompute != "full" and (p.recompute_method or p.recompute_num_layers):
+        raise ConfigError("--recompute-method / --recompute-num-layers apply to --recompute-granularity full "
+                          f"only (granularity is {p.recompute}); drop them or use full")
+    chunks = [list(m.layers.values()) for m in par.pipeline.modules] if par.pipeline is not None else None
+    try:
+        apply_recompute(decoder.parts(), p.recompute, method=p.recompute_method, num_layers=p.recompute_num_layers,
+                        chunks=chunks, fsdp=p.fsdp)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _parallelize(decoder, cfg: LLMConfig, par: Parallel, rt) -> None:

@@ -54,3 +54,59 @@ def test_recompute_and_prune_on_one_process():
     with pytest.raises(ValueError, match="recompute mode"):
         apply_recompute(model.parts(), "everything")
     assert torch.is_tensor(next(model.parameters()))
+
+
+@pytest.mark.parametrize("method,num_layers,checkpoints", [
+    ("uniform", 1, 4), ("uniform", 2, 2), ("block", 2, 2), ("block", None, 4)])
+def test_full_recompute_methods_as_megatron_defines_them(method, num_layers, checkpoints):
+    """uniform: groups of num_layers blocks, each one checkpoint (only its input kept); block: the first
+    num_layers blocks of each chunk one by one. Same gradients as no recompute; fewer saved activations."""
+    import copy
+
+    from backends.common.parallel.recompute import apply_recompute
+    from tests.common.toy_model import Toy, toy_batch
+
+    torch.manual_seed(0)
+    base, (ids, labels) = Toy(), toy_batch()
+
+    def run(model):
+        saved = [0]
+
+        def pack(t):
+            saved[0] += t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = model(ids)
+        loss = torch.nn.functional.cross_entropy(model.head(hidden).flatten(0, 1), labels.flatten())
+        loss.backward()
+        return saved[0], {n: p.grad for n, p in model.named_parameters()}
+
+    plain_saved, plain = run(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    assert apply_recompute(model.parts(), "full", method=method, num_layers=num_layers) == checkpoints
+    saved, grads = run(model)
+    for name, g in plain.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-7, msg=name)
+    assert saved < plain_saved
+    per_block = {}
+    for n_layers in (1, 2):  # more layers per uniform group keep less
+        m = copy.deepcopy(base)
+        apply_recompute(m.parts(), "full", method="uniform", num_layers=n_layers)
+        per_block[n_layers] = run(m)[0]
+    assert per_block[2] < per_block[1]
+    half = copy.deepcopy(base)
+    apply_recompute(half.parts(), "full", method="block", num_layers=2)
+    assert per_block[1] < run(half)[0] < plain_saved  # recomputing 2 of 4 blocks keeps more than all 4
+
+
+def test_grouped_recompute_is_refused_under_fsdp_and_bad_settings_are_named():
+    from backends.common.parallel.recompute import apply_recompute
+    from tests.common.toy_model import Toy
+
+    with pytest.raises(ValueError, match="FSDP2"):
+        apply_recompute(Toy().parts(), "full", method="uniform", num_layers=2, fsdp=True)
+    with pytest.raises(ValueError, match="recompute method 'blocks'"):
+        apply_recompute(Toy().parts(), "full", method="blocks")
+    with pytest.raises(ValueError, match="at least 1"):
+        apply_recompute(Toy().parts(), "full", method="uniform", num_layers=0)

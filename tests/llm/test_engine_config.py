@@ -67,3 +67,29 @@ def test_unknown_flag_names_the_closest_and_lists_the_supported():
         parse_args(base[:-2])
     with pytest.raises(ConfigError, match="--load-hf"):
         parse_args(base[2:])
+
+
+def test_recompute_method_and_num_layers_are_honoured_or_refused():
+    """--recompute-method / --recompute-num-layers reach the model (Megatron's uniform / block), and
+    with selective granularity they are refused instead of ignored."""
+    from backends.common.parallel.data_parallel import single_process
+    from backends.common.parallel.recompute import Recomputed
+    from backends.llm import models, parallelize
+    from tests.helpers.tiny_hf import _COMMON, TINY
+
+    base = ["--model-id", "qwen3-8b", "--data-path", "d", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--lr", "1e-3", "--train-iters", "1"]
+    cfg = models.ModelConfig.from_hf({"model_type": "qwen3", **_COMMON, **TINY["qwen3"][2], "num_hidden_layers": 4})
+
+    def checkpointed(flags):
+        decoder = models.build_model(cfg)
+        p = parse_args(base + flags).parallel
+        parallelize._recompute(decoder, p, single_process(None))
+        return [isinstance(layer.__dict__.get("forward"), Recomputed) for layer in decoder.model.layers]
+
+    assert checkpointed(["--recompute-granularity", "full", "--recompute-method", "block",
+                         "--recompute-num-layers", "3"]) == [True, True, True, False]
+    assert checkpointed(["--recompute-granularity", "full", "--recompute-method", "uniform",
+                         "--recompute-num-layers", "2"]) == [True, False, True, False]
+    with pytest.raises(ConfigError, match="--recompute-granularity full only"):
+        checkpointed(["--recompute-granularity", "selective", "--recompute-method", "block"])
