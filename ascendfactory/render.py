@@ -23,6 +23,8 @@ from ascendfactory.resources import templates_dir
 # the chat template a family's chat models use where its name is not the family's own: GLM-4-9B-Chat
 # (family glm) speaks the template LLaMA-Factory and backends.common.data name glm4
 CHAT_TEMPLATE_OF_FAMILY = {"glm": "glm4"}
+SIDECAR_NAME = "engine.yaml"
+SIDECAR_ENV = "AF_ENGINE_FILE"  # how the engine finds the sidecar: its argv holds upstream flags only
 
 LAUNCH_TEMPLATE = {
     "local": ("launch/local.sh.j2", "launch.sh"),
@@ -118,6 +120,9 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     paths = run_paths(plan, run_dir)
     device = job.resources.device
     env = {"PYTHONUNBUFFERED": "1", "AF_KERNELS": job.kernels.backend, "AF_DEVICE": device}
+    fw = adapter(job.framework)
+    if fw.sidecar_template:
+        env[SIDECAR_ENV] = str(Path(paths["run_dir"]) / SIDECAR_NAME)
     if device in ("cpu", "auto") and plan.layout.devices_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"  # several CPU ranks on one host would oversubscribe the cores
     env.update(job.env)
@@ -141,8 +146,9 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     shell, yml = _environment("shell"), _environment("yaml")
     files: dict[str, str] = {}
 
-    fw = adapter(job.framework)
     files[fw.config_name], args = fw.render_config(shell, yml, context, job, Path(paths["run_dir"]))
+    if fw.sidecar_template:
+        files[SIDECAR_NAME] = yml.get_template(fw.sidecar_template).render(context)
     context["engine"] = {"module": fw.engine_module, "args": args}
 
     launch_template, launch_name = LAUNCH_TEMPLATE[job.launcher]

@@ -242,7 +242,7 @@ AGREEMENT = [  # (model, world, parallel, seq_len, micro, global)
 def _engine_flags(arch, world, par, seq, micro, global_batch):
     """The numbers in MindSpeed-LLM's flags, as the engine reads them."""
     algo = {"ring": "megatron_cp_algo", "ulysses": "ulysses_cp_algo", "hybrid": "hybrid_cp_algo"}
-    flags = ["--model-id", "qwen3-8b", "--data-path", "x", "--lr", "1e-4", "--train-iters", "1",
+    flags = ["--data-path", "x", "--lr", "1e-4", "--train-iters", "1",
              "--seq-length", str(seq), "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
              "--tensor-model-parallel-size", str(par.get("tp", 1)), "--pipeline-model-parallel-size",
              str(par.get("pp", 1)), "--context-parallel-size", str(par.get("cp", 1)),
@@ -273,7 +273,7 @@ def _engine_verdict(monkeypatch, arch, world, par, seq, micro, global_batch):
         raise _MeshReached
 
     monkeypatch.setattr(parallelize, "build_mesh", reached)
-    cfg = parse_args(_engine_flags(arch, world, par, seq, micro, global_batch))
+    cfg = parse_args(_engine_flags(arch, world, par, seq, micro, global_batch), engine={"model_id": "qwen3-8b"})
     moe = SimpleNamespace(num_experts=arch["moe"]["num_experts"]) if arch.get("moe") else None
     config = SimpleNamespace(num_attention_heads=arch["num_attention_heads"], num_kv_heads=arch["num_kv_heads"],
                              num_layers=arch["num_layers"], moe=moe, mla=None)

@@ -28,9 +28,12 @@ def test_mindspeed_llm_flags(plan_of, tmp_path):
             "--qk-layernorm", "--untie-embeddings-and-output-weights"} <= set(args)
     assert flags["--recompute-granularity"] == "full" and flags["--lora-r"] == "8"
     assert flags["--num-layers"] == "36" and flags["--num-query-groups"] == "8"
-    assert "--metrics-file" in flags and flags["--seq-length"] == "8192"
-    # the engine config file holds the same flags
+    assert flags["--seq-length"] == "8192" and flags["--lora-target-modules"] == "linear_qkv"
+    # the engine config file holds the same flags; what MindSpeed-LLM has no flag for is in engine.yaml
     assert shlex.split(r.files["mindspeed_llm_args.sh"], comments=True) == args
+    side = yaml.safe_load(r.files["engine.yaml"])
+    assert side["metrics_file"] == str(tmp_path.resolve() / "metrics.jsonl") and side["model_id"] == "qwen3-8b"
+    assert r.env["AF_ENGINE_FILE"] == str(tmp_path.resolve() / "engine.yaml")
 
 
 def test_torchrun_argv_and_script(plan_of, tmp_path):
@@ -190,7 +193,7 @@ def test_shell_injection_stays_a_plain_string(plan_of, tmp_path, launcher):
 def test_write_files_is_atomic_and_complete(plan_of, tmp_path):
     r = render(plan_of(), tmp_path / "run")
     written = write_files(r, r.run_dir, {"job.yaml": "x: 1\n"})
-    assert {p.name for p in written} == {"launch.sh", "mindspeed_llm_args.sh", "job.yaml"}
+    assert {p.name for p in written} == {"launch.sh", "mindspeed_llm_args.sh", "engine.yaml", "job.yaml"}
     assert not list(r.run_dir.glob(".*.tmp"))
     assert os.access(r.run_dir / "launch.sh", os.X_OK)
 

@@ -57,6 +57,7 @@ class Adapter:
     template: str = ""                    # engine file template under templates/
     config_name: str = ""                 # its name in the run directory
     preprocess_module: str | None = None  # a separate tokenize step, where the framework has one
+    sidecar_template: str = ""            # engine.yaml: what the engine needs beyond the upstream file
     cp_algos: tuple[str, ...] = ("ring", "ulysses", "hybrid")
     rollout_engines: tuple[str, ...] = ()
     model_parallel: bool = True           # offers tp / pp / ep (the starter searches them)

@@ -7,6 +7,50 @@ from typing import Any
 
 from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_template
 
+# data.template (the engine's chat templates, backends.common.data.templates) → MindSpeed-LLM's
+# --prompt-type of the same format (both follow LLaMA-Factory's templates of those names)
+PROMPT_TYPES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "glm4", "mistral": "mistral",
+                "deepseek": "deepseek3", "deepseek3": "deepseek3"}
+# MindSpeed-LLM names a decoder layer's linears by their Megatron modules; LoRA targets use those
+# names. linear_qkv is one fused module (q, k, v; MLA: the down-projections), linear_fc1 is gate + up.
+_DENSE_GROUPS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
+_MLP_GROUPS = {"linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+_FUSED_ALIASES = {"gate_up_proj": "linear_fc1"}  # GLM-4's HF checkpoints keep gate and up fused
+
+
+def lora_groups(arch: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """{MindSpeed-LLM module: the HF linears it holds} for this architecture, in layer order."""
+    mla = arch.get("mla")
+    if not mla:
+        return {**_DENSE_GROUPS, **_MLP_GROUPS}
+    groups = {"linear_qkv": ("q_a_proj" if mla.get("q_lora_rank") else "q_proj", "kv_a_proj_with_mqa")}
+    if mla.get("q_lora_rank"):
+        groups["linear_qb"] = ("q_b_proj",)
+    return {**groups, "linear_kvb": ("kv_b_proj",), "linear_proj": ("o_proj",), **_MLP_GROUPS}
+
+
+def lora_target_modules(targets: list[str], arch: dict[str, Any]) -> tuple[list[str], str | None]:
+    """(MindSpeed-LLM's --lora-target-modules, None) for the job's targets (HF or MindSpeed names, or
+    'all'), or ([], why) when they name part of a fused module or a layer this model lacks."""
+    groups = lora_groups(arch)
+    if [t.lower() for t in targets] in (["all"], ["all-linear"]):
+        return list(groups), None
+    owner = {hf: group for group, names in groups.items() for hf in names}
+    owner.update({alias: group for alias, group in _FUSED_ALIASES.items() if group in groups})
+    given = set(targets)
+    for name in targets:
+        if name not in groups and name not in owner:
+            return [], (f"has no linear layer {name!r} to adapt with LoRA in this model "
+                        f"(it has {', '.join(sorted(set(groups) | set(owner)))})")
+    wanted = {name if name in groups else owner[name] for name in targets}
+    for group in wanted:
+        whole = group in given or set(groups[group]) <= given or \
+            any(_FUSED_ALIASES.get(name) == group for name in given)
+        if not whole:
+            return [], (f"adapts {', '.join(groups[group])} together, as one module ({group}); "
+                        f"name all of them or {group}")
+    return [g for g in groups if g in wanted], None
+
 
 class MindSpeedLLM(Adapter):
     name = "mindspeed-llm"
@@ -16,6 +60,7 @@ class MindSpeedLLM(Adapter):
                "sptd": "flag", "long_seq": "flag", "moe_parallel": "flag", "dynamic_seq_len": "flag"}
     template = "engines/mindspeed-llm.args.j2"
     config_name = "mindspeed_llm_args.sh"
+    sidecar_template = "engines/mindspeed-llm.engine.yaml.j2"
     preprocess_module = "backends.llm.preprocess"
 
     def limits(self, job):
@@ -46,12 +91,34 @@ class MindSpeedLLM(Adapter):
         return uses
 
     def plan_problems(self, job, arch: dict[str, Any]):
+        out = []
         if arch.get("moe") and job.finetuning == "lora" and job.parallel.moe_dispatcher != "alltoall_seq":
-            return [self.refuse("parallel.moe_dispatcher", "needs the alltoall_seq token dispatcher for LoRA on MoE "
-                                "models", "set parallel.moe_dispatcher: alltoall_seq")]
-        return []
+            out.append(self.refuse("parallel.moe_dispatcher", "needs the alltoall_seq token dispatcher for LoRA on "
+                                   "MoE models", "set parallel.moe_dispatcher: alltoall_seq"))
+        # Megatron declares these flags type=int: a fraction cannot be said to MindSpeed-LLM
+        theta = arch.get("rope_theta")
+        if theta is not None and not float(theta).is_integer():
+            out.append(self.refuse("model_path" if job.model_path else "model", f"takes an integer --rotary-base; "
+                                   f"this model's rope_theta is {theta}", "use framework: llamafactory"))
+        if job.finetuning == "lora" and job.lora:
+            if not float(job.lora.alpha).is_integer():
+                out.append(self.refuse("lora.alpha", f"takes an integer --lora-alpha, not {job.lora.alpha}",
+                                       "set lora.alpha to a whole number (2 × lora.rank is usual)"))
+            _, why = lora_target_modules(job.lora.targets, arch)
+            if why:
+                out.append(self.refuse("lora.targets", why, "change lora.targets, or use framework: "
+                                       "llamafactory, which adapts each linear layer on its own"))
+        if job.data.template and job.data.template.lower() not in PROMPT_TYPES:
+            out.append(self.refuse("data.template", f"has no --prompt-type {job.data.template!r} that this engine "
+                                   f"implements (it has {', '.join(PROMPT_TYPES)})",
+                                   "choose one of those, or leave data.template unset for the tokenizer's own"))
+        return out
 
     def render_config(self, shell, yml, context, job, run_dir: Path):
+        if job.finetuning == "lora" and job.lora:
+            context = dict(context, lora_target_modules=lora_target_modules(job.lora.targets, context["arch"])[0])
+        if job.data.template:
+            context = dict(context, prompt_type=PROMPT_TYPES[job.data.template.lower()])
         text, args = flags_from_template(shell, self.template, context)
         return "# MindSpeed-LLM flags rendered by ascendfactory (one per line)\n" + text, args
 

@@ -1,15 +1,20 @@
-"""The MindSpeed-LLM flag dialect → the engine's typed configuration.
+"""The MindSpeed-LLM flag dialect (+ AscendFactory's engine.yaml) → the engine's typed configuration.
 
 This is the only module that knows flag spellings; everything else works on `LLMConfig`.
-Flags follow MindSpeed-LLM / Megatron-LM names (REFERENCE.md); an unknown flag is an error
-that lists the supported ones.
+Flags follow MindSpeed-LLM / Megatron-LM names and types (REFERENCE.md); an unknown flag is an
+error that lists the supported ones. What MindSpeed-LLM has no flag for (the model card or HF
+directory, kernel choice, metrics file, HF export, epochs, LoRA dropout) comes from the sidecar
+file that $AF_ENGINE_FILE names (ascendfactory renders it as engine.yaml next to the flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 HANDLER_FORMATS = {
@@ -19,6 +24,20 @@ HANDLER_FORMATS = {
     "AlpacaStylePairwiseHandler": "pairwise",
 }
 CP_ALGOS = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid"}
+KERNEL_BACKENDS = ("auto", "reference", "npu", "cuda")
+ENGINE_FILE_ENV = "AF_ENGINE_FILE"
+# MindSpeed-LLM --prompt-type names that the engine's chat templates spell differently
+PROMPT_TYPE_TEMPLATES = {"deepseek3": "deepseek"}
+# MindSpeed-LLM's LoRA target names (Megatron modules) → the HF linears of the native decoders that
+# make them up; a name this model lacks (linear_qb without q_lora_rank) matches nothing, as in PEFT.
+MINDSPEED_LORA_TARGETS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"),
+    "linear_qb": ("q_b_proj",),
+    "linear_kvb": ("kv_b_proj",),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj", "gate_up_proj"),
+    "linear_fc2": ("down_proj",),
+}
 
 
 class ConfigError(ValueError):
@@ -127,9 +146,7 @@ def _parser() -> _Parser:
     p = _Parser(prog="python -m backends.llm", add_help=True, allow_abbrev=False)
     a = p.add_argument
     # model
-    a("--model-id")
-    a("--model-family")
-    a("--load-hf")
+    a("--tokenizer-type", choices=["PretrainedFromHF"])
     a("--tokenizer-name-or-path")
     a("--num-layers", type=int)
     a("--hidden-size", type=int)
@@ -140,7 +157,7 @@ def _parser() -> _Parser:
     a("--kv-channels", type=int)
     a("--padded-vocab-size", type=int)
     a("--max-position-embeddings", type=int)
-    a("--rotary-base", type=float)
+    a("--rotary-base", type=int)
     a("--position-embedding-type", choices=["rope"], default="rope")
     a("--normalization", choices=["RMSNorm"], default="RMSNorm")
     a("--swiglu", action="store_true")
@@ -157,7 +174,7 @@ def _parser() -> _Parser:
     a("--moe-token-dispatcher-type", choices=["alltoall", "alltoall_seq", "allgather"], default="alltoall")
     a("--moe-grouped-gemm", action="store_true")
     a("--moe-permute-fusion", action="store_true")
-    a("--multi-head-latent-attention", action="store_true")
+    a("--multi-latent-attention", "--multi-head-latent-attention", action="store_true")  # the second: old name
     a("--q-lora-rank", type=int)
     a("--kv-lora-rank", type=int)
     a("--qk-head-dim", type=int)
@@ -171,7 +188,7 @@ def _parser() -> _Parser:
     a("--sequence-parallel", action="store_true")
     a("--context-parallel-size", type=int, default=1)
     a("--context-parallel-algo", choices=sorted(CP_ALGOS), default="megatron_cp_algo")
-    a("--cp-attention-mask-type", choices=["causal", "general"], default="causal")
+    a("--attention-mask-type", "--cp-attention-mask-type", choices=["causal", "general"], default="causal")
     a("--ulysses-degree-in-cp", type=int)
     a("--expert-model-parallel-size", type=int, default=1)
     a("--use-distributed-optimizer", action="store_true")
@@ -184,8 +201,6 @@ def _parser() -> _Parser:
     a("--use-fused-rmsnorm", action="store_true")
     a("--use-fused-swiglu", action="store_true")
     a("--use-fused-rotary-pos-emb", action="store_true")
-    a("--kernel-backend", choices=["auto", "reference", "npu", "cuda"], default="auto")
-    a("--kernel-override", action="append", default=[])
     # data
     a("--input")
     a("--handler-name", choices=sorted(HANDLER_FORMATS), default="GeneralPretrainHandler")
@@ -193,6 +208,7 @@ def _parser() -> _Parser:
     a("--prompt-type")
     a("--is-instruction-dataset", action="store_true")
     a("--finetune", action="store_true")
+    a("--pack", action="store_true")  # preprocess_data.py: the dataset is packed rows
     a("--reset-attention-mask", action="store_true")
     a("--reset-position-ids", action="store_true")
     a("--neat-pack", action="store_true")
@@ -205,7 +221,6 @@ def _parser() -> _Parser:
     a("--micro-batch-size", type=int, default=1)
     a("--global-batch-size", type=int, required=True)
     a("--train-iters", type=int)
-    a("--train-epochs", type=float)
     a("--lr", type=float, required=True)
     a("--min-lr", type=float, default=0.0)
     a("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
@@ -222,19 +237,22 @@ def _parser() -> _Parser:
     a("--exit-interval", type=int)  # Megatron: save and stop after this many iterations (pre-emptible jobs)
     a("--save")
     a("--load")
-    a("--export-hf")
-    a("--metrics-file")
     # LoRA
     a("--lora-r", type=int)
-    a("--lora-alpha", type=float, default=16.0)
-    a("--lora-dropout", type=float, default=0.0)
+    a("--lora-alpha", type=int, default=32)
     a("--lora-target-modules", nargs="+", default=["all"])
-    a("--lora-merge-on-export", action="store_true")
     return p
 
 
 def supported_flags() -> list[str]:
     return sorted(opt for action in _parser()._actions for opt in action.option_strings if opt.startswith("--"))
+
+
+# flags earlier renders used that no upstream parser defines: their settings live in the sidecar
+_IN_ENGINE_FILE = {"--model-id": "model_id", "--model-family": "model_family", "--load-hf": "load_hf",
+                   "--kernel-backend": "kernels.backend", "--kernel-override": "kernels.overrides",
+                   "--metrics-file": "metrics_file", "--export-hf": "export_hf", "--train-epochs": "train_epochs",
+                   "--lora-dropout": "lora.dropout", "--lora-merge-on-export": "lora.merge_on_export"}
 
 
 def _check_unknown(unknown: list[str]) -> None:
@@ -246,26 +264,135 @@ def _check_unknown(unknown: list[str]) -> None:
     for flag in flags or unknown:
         name = flag.split("=", 1)[0]
         close = difflib.get_close_matches(name, known, n=1)
-        lines.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        if name in _IN_ENGINE_FILE:
+            lines.append(f"{name} (not a MindSpeed-LLM flag: engine.yaml's {_IN_ENGINE_FILE[name]})")
+        else:
+            lines.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
     raise ConfigError("unsupported MindSpeed-LLM flag(s): " + ", ".join(lines)
                       + ". Supported flags: " + " ".join(known))
 
 
-def parse_args(argv: list[str]) -> LLMConfig:
+@dataclass
+class EngineFile:
+    """engine.yaml: AscendFactory's settings that MindSpeed-LLM has no flag for."""
+    model_id: str | None = None          # a model card (random init unless load_hf)
+    model_family: str | None = None
+    load_hf: str | None = None           # an HF model directory to start from
+    kernel_backend: str = "auto"
+    kernel_overrides: dict[str, str] = field(default_factory=dict)
+    metrics_file: str | None = None
+    export_hf: str | None = None         # write the trained model here in HF format
+    train_epochs: float | None = None    # instead of --train-iters
+    lora_dropout: float = 0.0
+    lora_merge_on_export: bool = False
+    source: str = "engine.yaml"
+
+
+_TEXT_KEYS = ("model_id", "model_family", "load_hf", "metrics_file", "export_hf")
+_ENGINE_KEYS = (*_TEXT_KEYS, "train_epochs", "kernels.backend", "kernels.overrides", "lora.dropout",
+                "lora.merge_on_export")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _engine_problem(key: str, value: Any) -> str | None:
+    """What is wrong with one sidecar setting (None: nothing)."""
+    if value is None:
+        return None
+    if key in _TEXT_KEYS and not isinstance(value, str):
+        return "a string"
+    if key == "train_epochs" and not (_is_number(value) and value > 0):
+        return "a positive number"
+    if key == "kernels.backend" and value not in KERNEL_BACKENDS:
+        return f"one of {', '.join(KERNEL_BACKENDS)}"
+    if key == "kernels.overrides" and not (isinstance(value, Mapping) and set(value.values()) <= set(KERNEL_BACKENDS)):
+        return f"a mapping op: backend ({', '.join(KERNEL_BACKENDS)})"
+    if key == "lora.dropout" and not (_is_number(value) and 0 <= value < 1):
+        return "a number in [0, 1)"
+    if key == "lora.merge_on_export" and not isinstance(value, bool):
+        return "true or false"
+    return None
+
+
+def read_engine_file(engine: Mapping | str | Path | None = None) -> EngineFile:
+    """The sidecar from a mapping, a path, or (None) the file $AF_ENGINE_FILE names; unset: defaults."""
+    source = "engine.yaml"
+    if engine is None:
+        engine = os.environ.get(ENGINE_FILE_ENV) or None
+        if engine is None:
+            return EngineFile(source=f"engine.yaml (${ENGINE_FILE_ENV} is not set)")
+    if not isinstance(engine, Mapping):
+        import yaml
+
+        source = str(engine)
+        try:
+            engine = yaml.safe_load(Path(engine).read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"{source} (${ENGINE_FILE_ENV}): cannot read it: {err}") from None
+        if not isinstance(engine, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of settings, got {type(engine).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in engine.items():
+        if key in ("kernels", "lora") and value is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: {key} must be a mapping, not {value!r}")
+            flat.update({f"{key}.{sub}": v for sub, v in value.items()})
+        else:
+            flat[str(key)] = value
+    unknown = sorted(set(flat) - set(_ENGINE_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_ENGINE_KEYS)}")
+    for key, value in flat.items():
+        want = _engine_problem(key, value)
+        if want:
+            raise ConfigError(f"{source}: {key} must be {want}, not {value!r}")
+    epochs, dropout = flat.get("train_epochs"), flat.get("lora.dropout")
+    return EngineFile(**{key: flat.get(key) or None for key in _TEXT_KEYS},
+                      kernel_backend=flat.get("kernels.backend") or "auto",
+                      kernel_overrides={str(k): v for k, v in (flat.get("kernels.overrides") or {}).items()},
+                      train_epochs=float(epochs) if epochs is not None else None,
+                      lora_dropout=float(dropout or 0.0), lora_merge_on_export=bool(flat.get("lora.merge_on_export")),
+                      source=source)
+
+
+def lora_targets(targets: list[str], linear_names: list[str]) -> list[str]:
+    """--lora-target-modules (MindSpeed-LLM's module names; HF names and 'all' also taken) → the HF
+    linear names of this model that inject_lora adapts."""
+    if [t.lower() for t in targets] in (["all"], ["all-linear"]):
+        return list(targets)
+    leaves = {name.rsplit(".", 1)[-1] for name in linear_names}
+    out: list[str] = []
+    for target in targets:
+        names = [n for n in MINDSPEED_LORA_TARGETS.get(target, (target,)) if n in leaves or n == target]
+        out += [n for n in names if n not in out]
+    if not out:
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: none of them is a linear layer of this model "
+                          f"(MindSpeed-LLM names: {' '.join(MINDSPEED_LORA_TARGETS)})")
+    return out
+
+
+def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
+    """The flags, plus the sidecar (`engine`: a mapping or a path; None: the file $AF_ENGINE_FILE names)."""
     ns, unknown = _parser().parse_known_args(argv)
     _check_unknown(unknown)
-    if ns.train_iters is None and ns.train_epochs is None:
-        raise ConfigError("give --train-iters or --train-epochs")
+    side = read_engine_file(engine)
+    if ns.train_iters is None and side.train_epochs is None:
+        raise ConfigError(f"give --train-iters, or train_epochs in {side.source}")
     if ns.bf16 and ns.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other")
-    if not ns.model_id and not ns.load_hf:
-        raise ConfigError("give --load-hf <HF model dir> or --model-id <card id> (random init)")
+    if not side.model_id and not side.load_hf:
+        raise ConfigError(f"no model: give load_hf (an HF model directory) or model_id (a model card, random "
+                          f"init) in {side.source}; `ascendfactory render` writes that file")
     overrides = {key: getattr(ns, flag) for key, flag in (
         ("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("ffn_hidden_size", "ffn_hidden_size"),
         ("num_attention_heads", "num_attention_heads"), ("num_kv_heads", "num_query_groups"),
         ("head_dim", "kv_channels"), ("vocab_size", "padded_vocab_size"),
         ("max_position_embeddings", "max_position_embeddings"), ("rope_theta", "rotary_base"),
     ) if getattr(ns, flag) is not None}
+    if "rope_theta" in overrides:  # an int on the command line (Megatron's type), a float in the model
+        overrides["rope_theta"] = float(overrides["rope_theta"])
     moe = {key: getattr(ns, flag) for key, flag in (
         ("num_experts", "num_experts"), ("experts_per_token", "moe_router_topk"),
         ("moe_ffn_hidden_size", "moe_ffn_hidden_size"), ("shared_experts", "n_shared_experts"),
@@ -279,23 +406,19 @@ def parse_args(argv: list[str]) -> LLMConfig:
     ) if getattr(ns, flag) is not None}
     if mla:
         overrides["mla"] = mla
-    if ns.model_id:  # architecture switches the renderer spells out only when they are on
+    if side.model_id and not side.load_hf:  # architecture switches the renderer spells out only when they are on
         overrides["tie_word_embeddings"] = not ns.untie_embeddings_and_output_weights
         overrides["qkv_bias"] = bool(ns.add_qkv_bias)
         overrides["qk_norm"] = bool(ns.qk_layernorm)
     fmt = HANDLER_FORMATS[ns.handler_name]
+    template = PROMPT_TYPE_TEMPLATES.get(ns.prompt_type, ns.prompt_type)
     lora = None
     if ns.lora_r:
-        lora = LoraArgs(ns.lora_r, ns.lora_alpha, ns.lora_dropout, list(ns.lora_target_modules),
-                        ns.lora_merge_on_export)
-    overrides_k = {}
-    for item in ns.kernel_override:
-        op, _, impl = item.partition("=")
-        if not impl:
-            raise ConfigError(f"--kernel-override {item!r}: write op=backend, e.g. attention=reference")
-        overrides_k[op] = impl
+        lora = LoraArgs(ns.lora_r, float(ns.lora_alpha), side.lora_dropout, list(ns.lora_target_modules),
+                        side.lora_merge_on_export)
     return LLMConfig(
-        model=ModelArgs(ns.model_id, ns.model_family, ns.load_hf, ns.tokenizer_name_or_path or ns.load_hf, overrides),
+        model=ModelArgs(side.model_id, side.model_family, side.load_hf, ns.tokenizer_name_or_path or side.load_hf,
+                        overrides),
         parallel=ParallelArgs(
             tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, pp_layers=ns.num_layer_list,
             vpp_layers=ns.num_layers_per_virtual_pipeline_stage, sp=ns.sequence_parallel,
@@ -305,26 +428,26 @@ def parse_args(argv: list[str]) -> LLMConfig:
             fsdp=ns.use_torch_fsdp2, recompute=ns.recompute_granularity or "none",
             recompute_method=ns.recompute_method, recompute_num_layers=ns.recompute_num_layers),
         data=DataArgs(
-            input=ns.input, fmt=fmt, prefix=ns.data_path, template=ns.prompt_type,
+            input=ns.input, fmt=fmt, prefix=ns.data_path, template=template,
             instruction=ns.is_instruction_dataset or fmt in ("alpaca", "sharegpt"),
-            packing=ns.reset_attention_mask, neat_pack=ns.neat_pack, dynamic=ns.variable_seq_lengths,
+            packing=ns.reset_attention_mask or ns.pack, neat_pack=ns.neat_pack, dynamic=ns.variable_seq_lengths,
             pad_to_multiple_of=ns.pad_to_multiple_of, shuffle=not ns.no_shuffle, max_samples=ns.max_samples,
             seq_len=ns.seq_length),
         train=TrainArgs(
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
-            epochs=ns.train_epochs, lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,
+            epochs=side.train_epochs, lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,
             warmup=ns.lr_warmup_iters, weight_decay=ns.weight_decay, betas=(ns.adam_beta1, ns.adam_beta2),
             grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
             seed=ns.seed, log_interval=ns.log_interval, save_interval=ns.save_interval,
             moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval),
         lora=lora,
-        kernel_backend=ns.kernel_backend,
-        kernel_overrides=overrides_k,
+        kernel_backend=side.kernel_backend,
+        kernel_overrides=side.kernel_overrides,
         fused_ops=ns.use_fused_rmsnorm or ns.use_fused_swiglu or ns.use_fused_rotary_pos_emb,
         flash_attention=ns.use_flash_attn,
         save=ns.save,
         load=ns.load or None,
-        export_hf=ns.export_hf,
-        metrics_file=ns.metrics_file,
+        export_hf=side.export_hf,
+        metrics_file=side.metrics_file,
         finetune=ns.finetune,
     )

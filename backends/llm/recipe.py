@@ -17,7 +17,7 @@ from backends.common.distributed import barrier
 from backends.common.parallel import data_parallel
 from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
 from backends.llm import parallelize
-from backends.llm.config import ConfigError, LLMConfig, parse_args
+from backends.llm.config import ConfigError, LLMConfig, lora_targets, parse_args
 
 log = logging.getLogger("backends.llm")
 
@@ -95,8 +95,8 @@ def kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
 
 def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
     """The decoder on the meta device (no memory yet): the parallel plans are applied to it, then
-    backends.llm.loading.materialize gives each rank its own slices (read from --load-hf, or the
-    layout-invariant seeded init)."""
+    backends.llm.loading.materialize gives each rank its own slices (read from engine.yaml's load_hf,
+    or the layout-invariant seeded init)."""
     from backends.llm import loading, models
 
     if not cfg.model.load_hf:
@@ -109,7 +109,7 @@ def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
         if key not in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or not hasattr(have, key):
             continue
         if getattr(have, key) != value:
-            raise ConfigError(f"--load-hf {cfg.model.load_hf}: config.json has {key}={getattr(have, key)!r} "
+            raise ConfigError(f"load_hf {cfg.model.load_hf}: config.json has {key}={getattr(have, key)!r} "
                               f"but the flags say {value!r}; re-render the job from this model directory")
     return loading.meta_decoder(have)
 
@@ -163,8 +163,10 @@ class LLMRecipe(Recipe):
         seed_everything(t.seed)
         decoder = build_decoder(cfg)
         if cfg.lora:
-            from backends.common.lora import inject_lora
+            from backends.common.lora import inject_lora, linear_names
 
+            # MindSpeed-LLM's module names → this decoder's HF linears (the HF export names those too)
+            cfg.lora.targets = lora_targets(cfg.lora.targets, linear_names(decoder))
             adapted = inject_lora(decoder, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                   targets=cfg.lora.targets)
             log.info("LoRA r=%d on %d linear layers", cfg.lora.rank, len(adapted))

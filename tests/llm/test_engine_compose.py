@@ -176,7 +176,8 @@ def test_refused_combination_stops_run_and_engine(tmp_path, tiny_model, fields):
     assert why in said and all(f in said for f in fields) and "Traceback" not in said, said
     assert not (tmp_path / "out" / "logs").exists()  # nothing was launched
     plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
-    args = shlex.split(render(plan, tmp_path / "render").files["mindspeed_llm_args.sh"], comments=True)
+    files = render(plan, tmp_path / "render").files
+    args = shlex.split(files["mindspeed_llm_args.sh"], comments=True)
     with pytest.raises(ConfigError) as err:
-        refuse_unbuilt_parallelism(parse_args(args))
+        refuse_unbuilt_parallelism(parse_args(args, engine=yaml.safe_load(files["engine.yaml"])))
     assert why in str(err.value) and all(f in str(err.value) for f in fields)

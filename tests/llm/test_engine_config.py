@@ -1,29 +1,32 @@
-"""The MindSpeed-LLM flag dialect: what the template renders, the engine parses."""
+"""The MindSpeed-LLM flag dialect: what the template renders (flags + engine.yaml), the engine parses."""
 
 import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
 from ascendfactory.spec import load_job, parse_job
-from backends.llm.config import ConfigError, parse_args
+from backends.llm.config import ConfigError, lora_targets, parse_args, read_engine_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LLM_EXAMPLES = [p for p in sorted((ROOT / "examples").rglob("*.yaml")) if load_job(p).framework == "mindspeed-llm"]
 
 
-def _engine_args(plan, tmp_path):
+def _parsed(plan, tmp_path):
+    """The engine's config from the rendered flags file and sidecar, as written to the run directory."""
     r = render(plan, tmp_path / "run")
-    return shlex.split(r.files["mindspeed_llm_args.sh"], comments=True)
+    return parse_args(shlex.split(r.files["mindspeed_llm_args.sh"], comments=True),
+                      engine=yaml.safe_load(r.files["engine.yaml"]))
 
 
 @pytest.mark.parametrize("path", LLM_EXAMPLES, ids=lambda p: p.stem)
 def test_every_rendered_example_parses(path, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     plan = make_plan(load_job(path), check_memory=False)
-    cfg = parse_args(_engine_args(plan, tmp_path))
+    cfg = _parsed(plan, tmp_path)
     job = plan.job
     assert cfg.parallel.tp == job.parallel.tp and cfg.parallel.pp == job.parallel.pp
     assert cfg.parallel.cp == job.parallel.cp and cfg.parallel.ep == job.parallel.ep
@@ -31,21 +34,25 @@ def test_every_rendered_example_parses(path, tmp_path, monkeypatch):
     assert cfg.train.global_batch == job.train.global_batch and cfg.train.lr == job.train.lr
     assert (cfg.lora is not None) == (job.finetuning == "lora")
     assert cfg.train.precision == job.train.precision
+    assert cfg.model.model_id == plan.model_id and cfg.model.load_hf == job.model_path
+    assert cfg.metrics_file == str((tmp_path / "run").resolve() / "metrics.jsonl")
 
 
 def test_every_job_setting_reaches_the_engine(job_text, tmp_path):
     job = parse_job(job_text(model="mixtral-8x7b-instruct-v0.1", finetuning="lora",
-                             lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"], "merge_on_export": True},
+                             lora={"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "k_proj", "v_proj"],
+                                   "merge_on_export": True},
                              parallel={"moe_dispatcher": "alltoall_seq", "recompute": "selective", "fsdp": True},
                              data={"dynamic_seq_len": True, "pad_to_multiple_of": 16, "max_samples": 10,
                                    "shuffle": False, "template": "qwen3"},
-                             train={"steps": 7, "warmup_steps": 2, "schedule": "linear", "min_lr": 1e-6,
-                                    "weight_decay": 0.01, "grad_clip": 0.5, "precision": "bf16", "seed": 3,
-                                    "moe_aux_loss_coeff": 0.01, "save_interval": 3},
+                             train={"steps": 7, "warmup_steps": 2, "export_hf": False, "schedule": "linear",
+                                    "min_lr": 1e-6, "weight_decay": 0.01, "grad_clip": 0.5, "precision": "bf16",
+                                    "seed": 3, "moe_aux_loss_coeff": 0.01, "save_interval": 3},
                              kernels={"backend": "reference", "overrides": {"attention": "reference"}}))
-    cfg = parse_args(_engine_args(make_plan(job, check_memory=False), tmp_path))
-    assert cfg.lora.rank == 4 and cfg.lora.alpha == 8 and cfg.lora.targets == ["q_proj", "v_proj"]
-    assert cfg.lora.merge_on_export and cfg.parallel.moe_dispatcher == "alltoall_seq"
+    cfg = _parsed(make_plan(job, check_memory=False), tmp_path)
+    assert cfg.lora.rank == 4 and cfg.lora.alpha == 8 and cfg.lora.targets == ["linear_qkv"]
+    assert cfg.lora.dropout == 0.1 and cfg.lora.merge_on_export and cfg.parallel.moe_dispatcher == "alltoall_seq"
+    assert cfg.export_hf is None and cfg.model.model_id == "mixtral-8x7b-instruct-v0.1"
     assert cfg.parallel.recompute == "selective" and cfg.parallel.fsdp
     assert cfg.data.dynamic and cfg.data.pad_to_multiple_of == 16 and cfg.data.max_samples == 10
     assert not cfg.data.shuffle and cfg.data.template == "qwen3"
@@ -57,16 +64,73 @@ def test_every_job_setting_reaches_the_engine(job_text, tmp_path):
     assert cfg.model.overrides["moe"]["num_experts"] == 8 and cfg.model.overrides["moe"]["experts_per_token"] == 2
 
 
+BASE = ["--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
+CARD = {"model_id": "qwen3-8b"}
+
+
 def test_unknown_flag_names_the_closest_and_lists_the_supported():
-    base = ["--model-id", "qwen3-8b", "--data-path", "x", "--seq-length", "8", "--global-batch-size", "1",
-            "--lr", "1e-4", "--train-iters", "1"]
     with pytest.raises(ConfigError) as err:
-        parse_args(base + ["--tensor-parallel-size", "2"])
+        parse_args(BASE + ["--tensor-parallel-size", "2"], engine=CARD)
     assert "did you mean --tensor-model-parallel-size" in str(err.value) and "--seq-length" in str(err.value)
-    with pytest.raises(ConfigError, match="--train-iters or --train-epochs"):
-        parse_args(base[:-2])
-    with pytest.raises(ConfigError, match="--load-hf"):
-        parse_args(base[2:])
+    with pytest.raises(ConfigError, match="give --train-iters, or train_epochs in engine.yaml"):
+        parse_args(BASE[:-2], engine=CARD)
+    assert parse_args(BASE[:-2], engine={**CARD, "train_epochs": 2}).train.epochs == 2.0
+    with pytest.raises(ConfigError, match="load_hf .* or model_id"):
+        parse_args(BASE, engine={})
+    # what AscendFactory alone needs is no flag: the engine refuses it on the command line
+    with pytest.raises(ConfigError, match="--metrics-file \\(not a MindSpeed-LLM flag: engine.yaml's metrics_file"):
+        parse_args(BASE + ["--metrics-file", "m.jsonl"], engine=CARD)
+
+
+def test_upstream_types_and_current_names():
+    cfg = parse_args(BASE + ["--rotary-base", "1000000", "--lora-r", "8", "--lora-alpha", "16",
+                             "--attention-mask-type", "causal", "--multi-latent-attention", "--pack",
+                             "--prompt-type", "deepseek3"], engine=CARD)
+    assert cfg.model.overrides["rope_theta"] == 1e6 and isinstance(cfg.model.overrides["rope_theta"], float)
+    assert cfg.lora.alpha == 16.0 and cfg.data.packing and cfg.data.template == "deepseek"
+    with pytest.raises(ConfigError, match="invalid int value: '1000000.0'"):
+        parse_args(BASE + ["--rotary-base", "1000000.0"], engine=CARD)
+    # the old spellings MindSpeed-LLM still takes (deprecated_args.py) are taken too
+    parse_args(BASE + ["--cp-attention-mask-type", "causal", "--multi-head-latent-attention"], engine=CARD)
+
+
+def test_sidecar_is_read_from_af_engine_file_and_checked(tmp_path, monkeypatch):
+    side = tmp_path / "engine.yaml"
+    side.write_text("model_id: qwen3-8b\nkernels: {backend: reference, overrides: {attention: cuda}}\n"
+                    "metrics_file: m.jsonl\nexport_hf: hf\nlora: {dropout: 0.05, merge_on_export: true}\n")
+    monkeypatch.setenv("AF_ENGINE_FILE", str(side))
+    cfg = parse_args(BASE + ["--lora-r", "4"])
+    assert (cfg.model.model_id, cfg.kernel_backend, cfg.kernel_overrides) == ("qwen3-8b", "reference",
+                                                                              {"attention": "cuda"})
+    assert (cfg.metrics_file, cfg.export_hf, cfg.lora.dropout, cfg.lora.merge_on_export) == \
+        ("m.jsonl", "hf", 0.05, True)
+    for text, said in [("model_id: x\nmetric_file: m\n", r"unknown setting\(s\) metric_file"),
+                       ("model_id: x\nkernels: {backend: gpu}\n", "kernels.backend must be one of"),
+                       ("model_id: x\nlora: {dropout: 1.5}\n", "lora.dropout must be a number in"),
+                       ("model_id: x\ntrain_epochs: -1\n", "train_epochs must be a positive number"),
+                       ("[1, 2]\n", "expected a mapping")]:
+        side.write_text(text)
+        with pytest.raises(ConfigError, match=said) as err:
+            read_engine_file()
+        assert str(side) in str(err.value)
+    monkeypatch.setenv("AF_ENGINE_FILE", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="missing.yaml .*cannot read it"):
+        read_engine_file()
+
+
+def test_mindspeed_lora_names_map_to_the_decoders_linears():
+    dense = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+             "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+             "model.layers.0.mlp.down_proj"]
+    assert lora_targets(["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], dense) == \
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    mla = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa",
+           "model.layers.0.self_attn.kv_b_proj", "model.layers.0.mlp.gate_up_proj"]
+    assert lora_targets(["linear_qkv", "linear_qb", "linear_kvb", "linear_fc1"], mla) == \
+        ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_up_proj"]
+    assert lora_targets(["all"], dense) == ["all"] and lora_targets(["q_proj"], dense) == ["q_proj"]
+    with pytest.raises(ConfigError, match="none of them"):
+        lora_targets(["linear_qb"], dense)
 
 
 def test_recompute_method_and_num_layers_are_honoured_or_refused():
@@ -77,13 +141,11 @@ def test_recompute_method_and_num_layers_are_honoured_or_refused():
     from backends.llm import models, parallelize
     from tests.helpers.tiny_hf import _COMMON, TINY
 
-    base = ["--model-id", "qwen3-8b", "--data-path", "d", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1",
-            "--lr", "1e-3", "--train-iters", "1"]
     cfg = models.ModelConfig.from_hf({"model_type": "qwen3", **_COMMON, **TINY["qwen3"][2], "num_hidden_layers": 4})
 
     def checkpointed(flags):
         decoder = models.build_model(cfg)
-        p = parse_args(base + flags).parallel
+        p = parse_args(BASE + flags, engine=CARD).parallel
         parallelize._recompute(decoder, p, single_process(None))
         return [isinstance(layer.__dict__.get("forward"), Recomputed) for layer in decoder.model.layers]
 

@@ -97,13 +97,16 @@ def test_checkpoints_reshard_between_ep2_and_ep1(tmp_path, reference):
     assert_ep_matches(out, ref)
 
 
-def _engine_args(spec: dict, tmp_path) -> list[str]:
+def _engine_args(spec: dict, tmp_path) -> tuple[list[str], str]:
+    """The rendered flags, and the engine.yaml (written) that goes with them."""
     from ascendfactory.plan import make_plan
-    from ascendfactory.render import render
+    from ascendfactory.render import render, write_files
     from ascendfactory.spec import parse_job
 
     plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
-    return shlex.split(render(plan, tmp_path / "render").files["mindspeed_llm_args.sh"], comments=True)
+    rendered = render(plan, tmp_path / "render")
+    write_files(rendered, rendered.run_dir)
+    return shlex.split(rendered.files["mindspeed_llm_args.sh"], comments=True), rendered.env["AF_ENGINE_FILE"]
 
 
 def test_bad_expert_layout_fails_with_exit_code_2(tmp_path, tiny_model):
@@ -116,9 +119,9 @@ def test_bad_expert_layout_fails_with_exit_code_2(tmp_path, tiny_model):
     res = run_cli("run", path)
     assert res.returncode == 2 and "parallel.ep" in res.stdout + res.stderr, res.stdout + res.stderr
     # the engine on one process: 4 experts over ep=3 (and ep=3 over dp=1)
-    args = _engine_args(ejob(tmp_path / "ok", model, "mixtral", parallel={"ep": 2}, **torchrun(2)), tmp_path)
+    args, sidecar = _engine_args(ejob(tmp_path / "ok", model, "mixtral", parallel={"ep": 2}, **torchrun(2)), tmp_path)
     args[args.index("--expert-model-parallel-size") + 1] = "3"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "AF_ENGINE_FILE": sidecar}
     res = subprocess.run([sys.executable, "-m", "backends.llm", *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 2, res.stdout + res.stderr

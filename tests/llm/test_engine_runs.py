@@ -178,12 +178,12 @@ def test_flash_and_fused_switches_choose_the_plain_ops():
     from backends.llm.config import parse_args
     from backends.llm.recipe import kernel_overrides
 
-    base = ["--model-id", "qwen3-8b", "--data-path", "x", "--seq-length", "8", "--global-batch-size", "1",
-            "--lr", "1e-4", "--train-iters", "1"]
+    base = ["--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
+    card = {"model_id": "qwen3-8b"}
     fused = base + ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
-    assert kernel_overrides(parse_args(fused)) == {}  # auto: the fused kernel of the device
-    assert kernel_overrides(parse_args(base)) == {"attention": "reference", "rms_norm": "reference",
-                                                   "apply_rotary": "reference", "swiglu": "reference"}
-    mine = parse_args(base + ["--use-flash-attn", "--kernel-override", "attention=cuda"])
+    assert kernel_overrides(parse_args(fused, engine=card)) == {}  # auto: the fused kernel of the device
+    assert kernel_overrides(parse_args(base, engine=card)) == {"attention": "reference", "rms_norm": "reference",
+                                                                "apply_rotary": "reference", "swiglu": "reference"}
+    mine = parse_args(base + ["--use-flash-attn"], engine={**card, "kernels": {"overrides": {"attention": "cuda"}}})
     assert kernel_overrides(mine) == {"attention": "cuda", "rms_norm": "reference", "apply_rotary": "reference",
                                        "swiglu": "reference"}
