@@ -1,4 +1,4 @@
-"""Leave a torchrun test worker without the interpreter's teardown (as backends/llm/__main__ does):
+"""Leave a torchrun test worker without the interpreter's teardown (as backends.common.trainer.leave_process does):
 destroying gloo state at exit can abort a worker that finished fine ("terminate called without an
 active exception"), which turns a passing multi-process test into a flaky failure."""
 
