@@ -69,17 +69,30 @@ OVERRIDES = typer.Argument(None, help="key.sub=value overrides, e.g. train.lr=2e
 ALLOW = typer.Option(False, "--allow-unsupported", help="proceed past ❌ cells with a loud warning")
 
 
+def _split_overrides(args: List[str]) -> tuple[List[Path], List[str]]:
+    """`validate a.yaml b.yaml train.lr=2e-5`: an argument with `=` that is not a file is an override."""
+    files = [Path(a) for a in args if "=" not in a or Path(a).exists()]
+    overrides = [a for a in args if "=" in a and not Path(a).exists()]
+    if not files:
+        _console(stderr=True).print("[bold red]error:[/] no job file given; usage: ascendfactory validate "
+                                    "JOB.yaml [JOB.yaml…] [key.sub=value…]")
+        raise typer.Exit(2)
+    return files, overrides
+
+
 @app.command()
-def validate(job_files: List[Path] = typer.Argument(..., help="one or more job files"),
+def validate(args: List[str] = typer.Argument(..., help="job files, then key.sub=value overrides for all of them",
+                                             metavar="JOB... [KEY=VALUE...]"),
              allow_unsupported: bool = ALLOW) -> None:
     """Check job files: schema, capability matrix, layout and memory. Exit 2 if any fails."""
     from ascendfactory.plan import make_plan
     from ascendfactory.spec import load_job
 
+    job_files, overrides = _split_overrides(args)
     con, failed = _console(), 0
     for path in job_files:
         try:
-            plan = make_plan(load_job(path), allow_unsupported=allow_unsupported)
+            plan = make_plan(load_job(path, overrides), allow_unsupported=allow_unsupported)
         except JobError as err:
             failed += 1
             _console(stderr=True).print(f"[bold red]✗[/] {_escape(str(path))}\n{_escape(err.render())}")

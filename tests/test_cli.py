@@ -80,6 +80,19 @@ def test_validate_many_files(tmp_path, job_text):
     assert res.exit_code == 2 and "✓" in res.output and "✗" in res.output and "tp=3" in res.output
 
 
+def test_validate_takes_overrides_for_every_file(tmp_path, job_text):
+    good = write(tmp_path, job_text(), "good.yaml")
+    other = write(tmp_path, job_text(model="qwen3-0.6b"), "other.yaml")
+    res = invoke("validate", good, other, "parallel.tp=4")
+    assert res.exit_code == 0 and res.output.count("tp 4") == 2, res.output
+    res = invoke("validate", good, other, "parallel.tp=3")  # the override reaches both files
+    assert res.exit_code == 2 and res.output.count("✗") == 2, res.output
+    res = invoke("validate", good, "parallel.tpp=2")
+    assert res.exit_code == 2 and "parallel.tpp" in res.output and "did you mean 'tp'" in res.output
+    res = invoke("validate", "train.lr=1e-5")
+    assert res.exit_code == 2 and "no job file given" in res.output
+
+
 def test_plan_prints_layout_estimate_and_effective_config(tmp_path, job_text):
     job = write(tmp_path, job_text(parallel={"tp": 2, "pp": 2}))
     res = invoke("plan", job, "train.micro_batch=2")
