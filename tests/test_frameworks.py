@@ -79,3 +79,19 @@ def test_stage_refusal_names_the_frameworks_that_train_it(plan_of):
         plan_of(framework="mindspeed-mm", model="qwen2.5-vl-7b", stage="dpo")
     assert "mindspeed-mm does not train stage dpo" in err.value.render()
     assert "use framework: llamafactory" in err.value.render()
+
+
+@pytest.mark.parametrize("fmt", ["pairwise", "prompt"])
+def test_mindspeed_llm_refuses_formats_its_preprocessing_cannot_read(plan_of, fmt):
+    from ascendfactory.errors import JobError
+
+    with pytest.raises(JobError) as err:
+        plan_of(data={"path": "d.json", "seq_len": 4096, "format": fmt})
+    assert "data.format" in err.value.render() and fmt in err.value.render()
+
+
+def test_mindspeed_llm_formats_are_the_engines():
+    from ascendfactory.frameworks.mindspeed_llm import DATA_FORMATS
+    from backends.common.data.formats import FORMATS
+
+    assert set(DATA_FORMATS) == set(FORMATS)

@@ -11,6 +11,8 @@ from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_templa
 # --prompt-type of the same format (both follow LLaMA-Factory's templates of those names)
 PROMPT_TYPES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "glm4", "mistral": "mistral",
                 "deepseek": "deepseek3", "deepseek3": "deepseek3"}
+# the record formats the engine's preprocessing reads (backends.common.data.formats.FORMATS)
+DATA_FORMATS = ("alpaca", "sharegpt", "text")
 # MindSpeed-LLM names a decoder layer's linears by their Megatron modules; LoRA targets use those
 # names. linear_qkv is one fused module (q, k, v; MLA: the down-projections), linear_fc1 is gate + up.
 _DENSE_GROUPS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
@@ -64,10 +66,16 @@ class MindSpeedLLM(Adapter):
     preprocess_module = "backends.llm.preprocess"
 
     def limits(self, job):
+        out = []
         if job.parallel.zero:
-            return [self.refuse("parallel.zero", "has no ZeRO stages",
-                                "use parallel.distributed_optimizer: true (ZeRO-1 style) or fsdp: true")]
-        return []
+            out.append(self.refuse("parallel.zero", "has no ZeRO stages",
+                                   "use parallel.distributed_optimizer: true (ZeRO-1 style) or fsdp: true"))
+        if job.data.format not in DATA_FORMATS:
+            out.append(self.refuse("data.format", f"preprocesses {', '.join(DATA_FORMATS)} records, not "
+                                   f"{job.data.format} (its --handler-name choices for stages pt and sft)",
+                                   "convert the data, or use a framework that trains on it: pairwise → "
+                                   "llamafactory (stage: dpo), prompt → verl or mindspeed-rl"))
+        return out
 
     def features_used(self, job, distributed):
         p, uses = job.parallel, []
