@@ -1,8 +1,25 @@
 """What backends.llm implements, by (framework, feature, family); read by `ascendfactory matrix check`.
 
-Imports nothing: the orchestrator reads this module without torch. Each declaration is proven by
-a smoke test in tests/llm/test_smoke.py that runs one optimizer step through `ascendfactory run`
-(moe_parallel: tests/llm/test_engine_expert_parallel.py, ep over 2 and 4 processes against one).
+Imports nothing: the orchestrator reads this module without torch. Every family × feature declared
+here runs one optimizer step through `ascendfactory run` in tests/llm/test_smoke.py (without
+--allow-unsupported, except where the documented table marks the cell ❌). What proves each feature
+works, i.e. fails when it is broken:
+
+- pretrain_full: the native decoders' logits and grads equal transformers' (test_models_parity.py);
+  the loop's losses are held against resumed and multi-process runs (test_engine_runs.py, faults);
+- lora: only the adapters change, base weights stay bit-identical (test_feature_proofs.py); the
+  exported adapter loads in peft and merges to the trained model (test_engine_runs.py);
+- packing: a changed document leaves the others in its row unchanged, each equals itself alone
+  (test_feature_proofs.py); packed = separate documents against transformers (test_models_parity.py);
+- flash_attention: the packed path equals per-document SDPA, and the kernel table names the path
+  that ran (tests/kernels/test_kernel_attention.py);
+- dynamic_seq_len: every trained micro-batch is as wide as its longest sample, rounded up to the
+  multiple (test_feature_proofs.py);
+- long_seq: ring / Ulysses / hybrid context parallel equal one process (test_engine_parallel.py,
+  tests/parallel/test_context_parallel.py);
+- sptd: tp / sp / pp / vpp / distributed optimizer / FSDP2 equal one process (test_engine_parallel.py,
+  test_engine_pipeline.py, test_engine_compose.py);
+- moe_parallel: ep over 2 and 4 processes equals one (test_engine_expert_parallel.py).
 """
 
 FAMILIES = ["qwen2", "qwen3", "llama", "glm", "glm4", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
