@@ -8,10 +8,26 @@ each naming the job-file field it belongs to.
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
 CP_ALGOS = ("ring", "ulysses", "hybrid")
+
+# Upper bounds of the numbers a layout is made of. Rules below build lists as long as pp and
+# loop over layers, so every number is held against these first: a typo such as pp: 2**63 is one
+# clear error, not minutes of work. They sit far above any real cluster or model; the job schema
+# (ascendfactory.spec) applies the same bounds when it reads the file.
+MAX_PARALLEL = 65536           # tp, pp, vpp, cp, ep, ulysses_degree
+MAX_NODES = 65536
+MAX_DEVICES_PER_NODE = 1024
+MAX_WORLD = 1 << 20            # ranks in one job
+MAX_LAYERS = 1 << 16
+MAX_HEADS = 1 << 16            # attention and KV heads
+MAX_EXPERTS = 1 << 16
+MAX_SEQ_LEN = 1 << 24
+MAX_BATCH = 1 << 24            # samples: micro and global batch
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,11 @@ def solve(*, world: int, heads: int, kv_heads: int, layers: int, experts: int = 
     def bad(field: str, message: str, hint: str | None = None) -> None:
         problems.append(LayoutProblem(field, message, hint))
 
+    _bounds(bad, world=world, nnodes=nnodes, heads=heads, kv_heads=kv_heads, layers=layers, experts=experts, tp=tp,
+            pp=pp, vpp=vpp, vpp_layers=vpp_layers, pp_layers=pp_layers, cp=cp, ulysses_degree=ulysses_degree, ep=ep,
+            seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch)
+    if problems:  # nothing below is safe to build from an out-of-range number
+        return None, problems
     devices_per_node = world // nnodes if nnodes and world % nnodes == 0 else world
     model_par = tp * pp * cp
     dp = world // model_par if world % model_par == 0 else 0
@@ -112,10 +133,64 @@ def check(**numbers) -> Layout:
     return layout
 
 
+# field → (job-file field, lowest, highest, what to do); None values are not given, not checked
+_BOUNDS = {
+    "world": ("resources", 1, MAX_WORLD, "lower resources.nnodes or resources.devices_per_node"),
+    "nnodes": ("resources.nnodes", 1, MAX_NODES, "set resources.nnodes to the number of machines"),
+    "heads": ("model_overrides.num_attention_heads", 1, MAX_HEADS, "check the model's config or model_overrides"),
+    "kv_heads": ("model_overrides.num_kv_heads", 1, MAX_HEADS, "check the model's config or model_overrides"),
+    "layers": ("model_overrides.num_layers", 1, MAX_LAYERS, "check the model's config or model_overrides"),
+    "experts": ("model_overrides.num_experts", 0, MAX_EXPERTS, "check the model's config or model_overrides"),
+    "tp": ("parallel.tp", 1, MAX_PARALLEL, "a parallel size is at most the number of devices: lower it"),
+    "pp": ("parallel.pp", 1, MAX_PARALLEL, "use at most one pipeline stage per layer"),
+    "vpp": ("parallel.vpp", 1, MAX_PARALLEL, "use a vpp that divides every pipeline stage's layers"),
+    "vpp_layers": ("parallel.vpp", 1, MAX_LAYERS, "use a layer count per virtual stage that divides the layers"),
+    "cp": ("parallel.cp", 1, MAX_PARALLEL, "a parallel size is at most the number of devices: lower it"),
+    "ulysses_degree": ("parallel.ulysses_degree", 1, MAX_PARALLEL, "use a divisor of parallel.cp"),
+    "ep": ("parallel.ep", 1, MAX_PARALLEL, "use an ep that divides the expert count"),
+    "seq_len": ("data.seq_len", 1, MAX_SEQ_LEN, "lower data.seq_len"),
+    "micro_batch": ("train.micro_batch", 1, MAX_BATCH, "lower train.micro_batch"),
+    "global_batch": ("train.global_batch", 1, MAX_BATCH, "lower train.global_batch"),
+}
+
+
+_OPTIONAL = ("vpp_layers", "ulysses_degree", "seq_len", "micro_batch", "global_batch")
+
+
+def _whole_in(value, lo: int, hi: int) -> bool:
+    try:
+        return lo <= operator.index(value) <= hi
+    except TypeError:
+        return False
+
+
+def _bounds(bad, pp_layers, **numbers) -> None:
+    for name, value in numbers.items():
+        field, lo, hi, what = _BOUNDS[name]
+        if name in _OPTIONAL and (value is None or (name == "vpp_layers" and value == 0)):  # not given
+            continue
+        if not _whole_in(value, lo, hi):
+            bad(field, f"{show_number(value)} is out of range: allowed whole numbers {lo} … {hi}", what)
+    if pp_layers is not None:
+        if len(pp_layers) > MAX_PARALLEL or not all(_whole_in(n, 1, MAX_LAYERS) for n in pp_layers):
+            bad("parallel.pp_layers", f"needs at most {MAX_PARALLEL} whole numbers of layers, each 1 … {MAX_LAYERS}",
+                "give one layer count per pipeline stage")
+
+
+def show_number(value) -> str:
+    """A number for an error message: a huge one by its size, not by thousands of digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        # str() refuses ints of more than 4300 digits: beyond that, the size from the logarithm
+        digits = len(str(abs(value))) if value.bit_length() < 13000 else math.floor(math.log10(abs(value))) + 1
+        return f"a{' negative' if value < 0 else ''} number of about {digits} digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _heads_over_tp(bad, heads: int, kv: int, tp: int, sp: bool) -> None:
     if heads % tp:
         bad("parallel.tp", f"{heads} attention heads do not split over tp={tp}",
-            f"use a tp that divides {heads}: {', '.join(str(x) for x in divisors(heads) if x <= 64)}")
+            f"use a tp that divides {heads}: {', '.join(map(str, divisors(heads, upto=64)))}")
     if kv >= tp and kv % tp:
         bad("parallel.tp", f"{kv} KV heads do not split evenly over tp={tp}", f"use a tp that divides {kv}")
     if kv < tp and tp % kv:
@@ -245,8 +320,18 @@ def _batches(bad, dp: int, pp: int, vpp: int, micro: int | None, global_batch: i
     return accum
 
 
-def divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
+def divisors(n: int, upto: int | None = None) -> list[int]:
+    """Divisors of n in increasing order (those ≤ upto); O(√n) work, bounded by upto when given."""
+    small, large = [], []
+    i = 1
+    while i * i <= n and (upto is None or i <= upto):
+        if n % i == 0:
+            small.append(i)
+            if i * i != n:
+                large.append(n // i)
+        i += 1
+    out = small + large[::-1]
+    return [d for d in out if upto is None or d <= upto]
 
 
 def round_up(x: int, m: int) -> int:
@@ -255,5 +340,7 @@ def round_up(x: int, m: int) -> int:
 
 def even_split(layers: int, pp: int) -> list[int]:
     """Layers per stage, the remainder on the last stages (they hold no embedding)."""
+    if not 1 <= pp <= MAX_PARALLEL:
+        raise ValueError(f"pipeline size {show_number(pp)} is out of range 1 … {MAX_PARALLEL}")
     base, extra = divmod(layers, pp)
     return [base + (1 if i >= pp - extra else 0) for i in range(pp)]

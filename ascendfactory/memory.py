@@ -83,6 +83,11 @@ def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_mem
 
     from ascendfactory.frameworks import adapter
 
+    from ascendfactory.layout import MAX_LAYERS
+
+    # the parameter count walks every layer: a layer count the layout rules would refuse stops here too
+    if not isinstance(arch.get("num_layers"), int) or not 1 <= arch["num_layers"] <= MAX_LAYERS:
+        raise ValueError(f"num_layers {arch.get('num_layers')!r} is outside 1 … {MAX_LAYERS}; check the layout first")
     p, t = job.parallel, job.train
     est = MemoryEstimate(device_memory_gib=device_memory_gib)
     c = 4 if t.precision == "fp32" else 2
