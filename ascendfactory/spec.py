@@ -6,11 +6,14 @@ problem of the file is collected into one JobError (dotted path, YAML line, did-
 
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
+from ascendfactory import layout as L
 from ascendfactory.errors import JobError, Problem, did_you_mean
 from ascendfactory.frameworks import FRAMEWORKS
 from ascendfactory.frameworks.rl import RL_STAGES, TRAINED_ROLES
@@ -20,12 +23,62 @@ Stage = Literal["pt", "sft", "dpo", "grpo", "dapo", "ppo"]
 ROLES = ("actor", "reference", "critic", "rollout", "reward")
 
 
+# ---------------------------------------------------------------- bounded integers
+# Every integer of a job has an upper bound, checked while the file is read: the planner builds
+# lists as long as pp and loops over layers, so a stray 2**63 must stop here. The layout bounds
+# come from ascendfactory.layout (one source of truth); the others sit far above any real run.
+MAX_STEPS = 10 ** 9
+MAX_SAMPLES = 10 ** 12
+MAX_LORA_RANK = 1 << 14
+MAX_SEED = 2 ** 32 - 1          # numpy's seeds stop here
+MAX_ARCH_NUMBER = 1 << 40       # any architecture number in model_overrides
+
+
+def _out_of_range(value: int, lo: int, hi: int, hint: str) -> PydanticCustomError:
+    return PydanticCustomError("int_out_of_range", "{shown} is out of range: allowed whole numbers {lo} … {hi}",
+                               {"shown": L.show_number(value), "lo": lo, "hi": hi, "hint": hint})
+
+
+def bounded(lo: int, hi: int, hint: str):
+    """An int type that holds its value to lo … hi, with what to do when it does not."""
+    def check(value: int) -> int:
+        if not lo <= value <= hi:
+            raise _out_of_range(value, lo, hi, hint)
+        return value
+
+    return Annotated[int, AfterValidator(check), Field(json_schema_extra={"minimum": lo, "maximum": hi})]
+
+
+ParallelSize = bounded(1, L.MAX_PARALLEL, "a parallel size is at most the number of devices: lower it")
+SeqLen = bounded(8, L.MAX_SEQ_LEN, "tokens per sample; lower it")
+Tokens = bounded(1, L.MAX_SEQ_LEN, "a token count, at most one sequence length: lower it")
+Batch = bounded(1, L.MAX_BATCH, "samples per step; lower it")
+Steps = bounded(1, MAX_STEPS, "a step count; lower it")
+Count = bounded(1, 10 ** 6, "a repeat count; lower it")
+StageLayers = bounded(1, L.MAX_LAYERS, "give each pipeline stage its layer count")
+
+
+# architecture numbers model_overrides may set: (lowest, highest); other numbers: ± MAX_ARCH_NUMBER
+_ARCH_BOUNDS = {
+    "num_layers": (1, L.MAX_LAYERS), "num_attention_heads": (1, L.MAX_HEADS), "num_kv_heads": (1, L.MAX_HEADS),
+    "num_experts": (1, L.MAX_EXPERTS), "experts_per_token": (1, L.MAX_EXPERTS),
+    **{k: (1, MAX_ARCH_NUMBER) for k in ("hidden_size", "ffn_hidden_size", "head_dim", "vocab_size",
+                                         "max_position_embeddings", "moe_ffn_hidden_size", "moe_layer_freq",
+                                         "norms_per_layer")},
+    **{k: (0, MAX_ARCH_NUMBER) for k in ("shared_experts", "first_k_dense", "num_nextn_predict_layers",
+                                         "sliding_window", "sliding_window_pattern", "n_group", "topk_group",
+                                         "query_pre_attn_scalar")},
+}
+
+
 class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf / nan in a float field is a typo, never a setting (and breaks the arithmetic of the plan)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class LoraSpec(_Block):
-    rank: int = Field(8, ge=1, description="LoRA rank r (MindSpeed --lora-r, LLaMA-Factory lora_rank)")
+    rank: bounded(1, MAX_LORA_RANK, "LoRA ranks above the hidden size add nothing: lower it") = Field(
+        8, description="LoRA rank r (MindSpeed --lora-r, LLaMA-Factory lora_rank)")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: list[str] = Field(
@@ -39,33 +92,35 @@ class DataSpec(_Block):
     path: str = Field(..., description="data file or directory (JSON/JSONL/parquet), or a Megatron prefix")
     format: Literal["alpaca", "sharegpt", "text", "pairwise", "prompt"] = "alpaca"
     template: Optional[str] = Field(None, description="chat template name; default: the model's own")
-    seq_len: int = Field(2048, ge=8, description="sequence length (cutoff_len / --seq-length)")
+    seq_len: SeqLen = Field(2048, description="sequence length (cutoff_len / --seq-length)")
     packing: bool = Field(False, description="pack several samples into one row (documents stay separate)")
     neat_packing: bool = Field(False, description="packing without cross-document attention (needs packing)")
     dynamic_seq_len: bool = Field(False, description="pad each batch only to its longest sample")
-    pad_to_multiple_of: int = Field(8, ge=1)
+    pad_to_multiple_of: bounded(1, L.MAX_SEQ_LEN, "a small power of two such as 8 or 64") = 8
     shuffle: bool = True
-    max_samples: Optional[int] = Field(None, ge=1)
+    max_samples: Optional[bounded(1, MAX_SAMPLES, "lower it, or leave it out for the whole data set")] = None
     answer_key: Optional[str] = Field(None, description="RL prompts: field that holds the reference answer")
 
 
 class LayoutSpec(_Block):
     """How one model is split over the devices (ascendfactory.layout checks it)."""
-    tp: int = Field(1, ge=1, description="tensor parallel size")
-    pp: int = Field(1, ge=1, description="pipeline parallel size")
-    vpp: int = Field(1, ge=1, description="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
-    pp_layers: Optional[list[int]] = Field(None, description="explicit layers per pipeline stage")
-    cp: int = Field(1, ge=1, description="context parallel size")
+    tp: ParallelSize = Field(1, description="tensor parallel size")
+    pp: ParallelSize = Field(1, description="pipeline parallel size")
+    vpp: ParallelSize = Field(1, description="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
+    pp_layers: Optional[Annotated[list[StageLayers], Field(max_length=L.MAX_PARALLEL)]] = Field(
+        None, description="explicit layers per pipeline stage")
+    cp: ParallelSize = Field(1, description="context parallel size")
     cp_algo: Literal["ring", "ulysses", "hybrid"] = "ring"
-    ulysses_degree: Optional[int] = Field(None, ge=1, description="Ulysses group size inside CP (hybrid)")
-    ep: int = Field(1, ge=1, description="expert parallel size")
+    ulysses_degree: Optional[ParallelSize] = Field(None, description="Ulysses group size inside CP (hybrid)")
+    ep: ParallelSize = Field(1, description="expert parallel size")
     sp: bool = Field(False, description="sequence parallel (needs tp > 1)")
 
 
 class ParallelSpec(LayoutSpec):
     moe_dispatcher: Literal["alltoall", "alltoall_seq", "allgather"] = Field(
         "alltoall", description="MoE token dispatcher (--moe-token-dispatcher-type); LoRA on MoE needs alltoall_seq")
-    zero: int = Field(0, ge=0, le=3, description="ZeRO stage (LLaMA-Factory's DeepSpeed stages)")
+    zero: bounded(0, 3, "ZeRO stages are 0, 1, 2 and 3") = Field(
+        0, description="ZeRO stage (LLaMA-Factory's DeepSpeed stages)")
     fsdp: bool = Field(False, description="shard parameters, gradients and optimizer states with FSDP2")
     distributed_optimizer: bool = Field(False, description="shard optimizer states over data parallel")
     recompute: Literal["none", "selective", "full"] = "none"
@@ -82,18 +137,18 @@ class TrainSpec(_Block):
     lr: float = Field(1e-5, gt=0)
     min_lr: float = Field(0.0, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: bounded(0, MAX_STEPS, "a step count; lower it") = 0
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(0.9, gt=0, lt=1)
     adam_beta2: float = Field(0.95, gt=0, lt=1)
-    global_batch: int = Field(8, ge=1, description="samples per optimizer step over all data-parallel ranks")
-    micro_batch: int = Field(1, ge=1, description="samples per forward pass on one rank")
-    steps: Optional[int] = Field(None, ge=1, description="optimizer steps (or give epochs)")
-    epochs: Optional[float] = Field(None, gt=0)
+    global_batch: Batch = Field(8, description="samples per optimizer step over all data-parallel ranks")
+    micro_batch: Batch = Field(1, description="samples per forward pass on one rank")
+    steps: Optional[Steps] = Field(None, description="optimizer steps (or give epochs)")
+    epochs: Optional[float] = Field(None, gt=0, le=10 ** 6)
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    seed: int = 42
-    log_interval: int = Field(1, ge=1)
-    save_interval: Optional[int] = Field(None, ge=1, description="steps between resume checkpoints")
+    seed: bounded(0, MAX_SEED, "use a seed in 0 … 2**32-1") = 42
+    log_interval: Steps = 1
+    save_interval: Optional[Steps] = Field(None, description="steps between resume checkpoints")
     grad_clip: Optional[float] = Field(1.0, gt=0)
     moe_aux_loss_coeff: float = Field(0.01, ge=0)
     export_hf: bool = Field(True, description="write a Hugging Face export at the end")
@@ -117,17 +172,17 @@ class TrainedRoleSpec(RoleSpec):
 
 
 class RolloutLayoutSpec(_Block):
-    tp: int = Field(1, ge=1, description="tensor parallel size of the generation engine")
-    pp: int = Field(1, ge=1, description="pipeline parallel size of the generation engine")
-    ep: int = Field(1, ge=1, description="expert parallel size of the generation engine")
+    tp: ParallelSize = Field(1, description="tensor parallel size of the generation engine")
+    pp: ParallelSize = Field(1, description="pipeline parallel size of the generation engine")
+    ep: ParallelSize = Field(1, description="expert parallel size of the generation engine")
 
 
 class RolloutSpec(_Block):
     parallel: Optional[RolloutLayoutSpec] = Field(None, description="the generation engine's layout; keys left "
                                                                     "out: the job's parallel tp / pp / ep")
-    n: int = Field(8, ge=1, description="responses sampled per prompt")
+    n: bounded(1, 1 << 16, "responses per prompt; lower it") = Field(8, description="responses sampled per prompt")
     engine: Literal["vllm", "sglang", "hf"] = "vllm"
-    max_new_tokens: int = Field(512, ge=1, description="longest response")
+    max_new_tokens: Tokens = Field(512, description="longest response")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
 
@@ -164,10 +219,10 @@ class RLSpec(_Block):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
-    ppo_epochs: int = Field(1, ge=1)
-    mini_batch: Optional[int] = Field(None, ge=1, description="prompts per policy update (default: global)")
-    overlong_buffer: Optional[int] = Field(None, ge=1, description="DAPO soft overlong punishment buffer")
-    max_gen_rounds: int = Field(3, ge=1, description="DAPO dynamic sampling: generation rounds at most")
+    ppo_epochs: Count = 1
+    mini_batch: Optional[Batch] = Field(None, description="prompts per policy update (default: global)")
+    overlong_buffer: Optional[Tokens] = Field(None, description="DAPO soft overlong punishment buffer")
+    max_gen_rounds: Count = Field(3, description="DAPO dynamic sampling: generation rounds at most")
     actor: TrainedRoleSpec = Field(default_factory=TrainedRoleSpec, description="the policy that trains")
     reference: RoleSpec = Field(default_factory=RoleSpec, description="the frozen policy the KL term compares to")
     critic: Optional[TrainedRoleSpec] = Field(None, description="the value model (ppo only)")
@@ -193,11 +248,11 @@ class RLSpec(_Block):
 
 class ResourceSpec(_Block):
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
-    nnodes: int = Field(1, ge=1)
-    devices_per_node: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
+    nnodes: bounded(1, L.MAX_NODES, "the number of machines") = 1
+    devices_per_node: bounded(1, L.MAX_DEVICES_PER_NODE, "accelerators (or CPU processes) per machine") = 1
+    node_rank: bounded(0, L.MAX_NODES - 1, "this machine's index, below resources.nnodes") = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = Field(29500, ge=1, le=65535)
+    master_port: bounded(1, 65535, "a TCP port") = 29500
     device_memory_gib: Optional[float] = Field(
         None, gt=0, description="memory of one device; default 64 (npu), 80 (cuda), none (cpu)")
 
@@ -256,6 +311,23 @@ class JobSpec(_Block):
             raise ValueError(f"environment variable names must be letters, digits and _: {', '.join(map(repr, bad))}")
         return value
 
+    @field_validator("model_overrides")
+    @classmethod
+    def _arch_numbers(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problems = []
+        for key, number in value.items():
+            lo, hi = _ARCH_BOUNDS.get(key, (None, MAX_ARCH_NUMBER))
+            if lo is None:
+                if isinstance(number, int) and not isinstance(number, bool) and abs(number) > hi:
+                    problems.append(f"{key}: {L.show_number(number)} is out of range: allowed -{hi} … {hi}")
+            elif number is None and lo == 0:
+                continue  # an optional feature switched off (sliding_window: null)
+            elif isinstance(number, bool) or not isinstance(number, int) or not lo <= number <= hi:
+                problems.append(f"{key}: {_short(number)} is out of range: allowed whole numbers {lo} … {hi}")
+        if problems:
+            raise ValueError("; ".join(problems) + " (architecture numbers are sizes and counts of the model)")
+        return value
+
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
@@ -264,7 +336,7 @@ class JobSpec(_Block):
         model_id = resolve_model(value)
         if model_id is None:
             close = closest_models(value)
-            raise ValueError(f"unknown model '{value}'" + (f"; did you mean {', '.join(close)}?" if close else
+            raise ValueError(f"unknown model {_short(value)}" + (f"; did you mean {', '.join(close)}?" if close else
                                                              "; run `ascendfactory models` for the list"))
         return model_id
 
@@ -390,11 +462,20 @@ def _block_fields(loc: tuple) -> list[str]:
     return list(model.model_fields) if hasattr(model, "model_fields") else []
 
 
+def _short(value: Any) -> str:
+    """A value as an error message shows it: huge numbers by size, long text cut."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return L.show_number(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _problems_from(err: ValidationError, lines: dict[tuple, int], overridden: set[tuple]) -> list[Problem]:
     problems = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        where = ".".join(str(p) for p in loc)
+        # a key with a newline or control character would break the one-line location: show its repr
+        where = ".".join(p if isinstance(p, str) and len(p) <= 60 and p.isprintable() else _short(p) for p in loc)
         line = None if loc in overridden else lines.get(loc)
         if line is None and loc not in overridden:
             for i in range(len(loc) - 1, 0, -1):
@@ -403,8 +484,11 @@ def _problems_from(err: ValidationError, lines: dict[tuple, int], overridden: se
                     break
         origin = " (from a command-line override)" if loc in overridden else ""
         hint = None
-        if e["type"] == "extra_forbidden":
-            msg = f"unknown key '{loc[-1]}'{origin}"
+        if e["type"] == "int_out_of_range":
+            ctx = e["ctx"]
+            msg, hint = e["msg"] + origin, ctx["hint"]
+        elif e["type"] == "extra_forbidden":
+            msg = f"unknown key {_short(loc[-1])}{origin}"
             options = _block_fields(loc)
             guess = did_you_mean(loc[-1], options)
             hint = f"did you mean '{guess}'?" if guess else (
@@ -414,14 +498,14 @@ def _problems_from(err: ValidationError, lines: dict[tuple, int], overridden: se
         elif e["type"] == "literal_error":
             expected = e.get("ctx", {}).get("expected", "")
             got = e.get("input")
-            msg = f"'{got}' is not allowed{origin}; expected {expected}"
+            msg = f"{_short(got)} is not allowed{origin}; expected {expected}"
             choices = [c.strip(" '") for c in str(expected).replace(" or ", ",").split(",")]
             guess = did_you_mean(got, choices)
             hint = f"did you mean '{guess}'?" if guess else None
         else:
             msg = e["msg"].removeprefix("Value error, ") + origin
             if e["type"] not in ("value_error", "assertion_error") and "input" in e and not isinstance(e["input"], dict):
-                msg += f" (got {e['input']!r})"
+                msg += f" (got {_short(e['input'])})"
         problems.append(Problem(where or "(job)", msg, line=line, hint=hint))
     return sorted(problems, key=lambda p: (p.line is None, p.line or 0))
 
@@ -435,8 +519,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not path:
         raise JobError("Bad override", [Problem(item, "empty key")])
     try:
+        _yaml_guard(raw)
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, OverflowError):
         value = raw
     return path, value
 
@@ -468,17 +553,73 @@ def read_job_text(path: str | Path) -> str:
         raise JobError(f"Cannot read job file {p}", [Problem("(file)", str(exc))]) from None
 
 
-def parse_job(text: str, overrides: list[str] | None = None, source: str = "job") -> JobSpec:
+# A job file is a few kB of YAML. These bounds stop what would exhaust memory or the stack before
+# anything is built: aliases that expand to billions of nodes ("billion laughs"), nesting deeper
+# than the recursive composer survives, megabytes of text.
+MAX_JOB_CHARS = 1 << 20
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 100_000   # after expanding every alias
+
+
+def _yaml_guard(text: str) -> None:
+    """Walk the event stream (iterative, builds nothing) and refuse a document too big or deep."""
+    if len(text) > MAX_JOB_CHARS:
+        raise JobError("The job file is too large", [Problem(
+            "(file)", f"{len(text)} characters; a job file is at most {MAX_JOB_CHARS}",
+            hint="keep data in data files; a job file names them")])
+    anchors: dict[str, int] = {}
+    sizes: list[list] = []  # open collections: [anchor, expanded size so far]
+    total = 0
+
+    def refuse(what: str, event, hint: str) -> None:
+        raise JobError("The job file's YAML is refused", [Problem(
+            "(yaml)", what, line=event.start_mark.line + 1 if event.start_mark else None, hint=hint)])
+
+    for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            sizes.append([event.anchor, 1])
+            total += 1
+            if len(sizes) > MAX_YAML_DEPTH:
+                refuse(f"nested more than {MAX_YAML_DEPTH} levels deep", event, "flatten the structure")
+            continue
+        if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            anchor, size = sizes.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            anchor, size = event.anchor, 1
+            total += 1
+        elif isinstance(event, yaml.AliasEvent):
+            anchor, size = None, anchors.get(event.anchor, 1)
+            total += size
+        else:
+            continue
+        if anchor is not None:
+            anchors[anchor] = size
+        if sizes:
+            sizes[-1][1] += size
+        if total > MAX_YAML_NODES:
+            refuse(f"expands to more than {MAX_YAML_NODES} values (anchors and aliases count once per use)",
+                   event, "write the job without deeply repeated aliases")
+
+
+def _load_yaml(text: str, source: str) -> Any:
     from ascendfactory.catalog import load_yaml_unique
 
     try:
-        data = load_yaml_unique(text) if text.strip() else {}
+        _yaml_guard(text)
+        return load_yaml_unique(text) if text.strip() else {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = mark.line + 1 if mark is not None else None
         what = getattr(exc, "problem", None) or str(exc)
         raise JobError(f"{source} is not valid YAML", [Problem("(yaml)", str(what), line=line,
                                                                hint="fix the YAML syntax at that line")]) from None
+    except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python reads
+        raise JobError(f"{source} holds a value that cannot be read", [Problem(
+            "(yaml)", str(exc), hint="look for a number thousands of digits long")]) from None
+
+
+def parse_job(text: str, overrides: list[str] | None = None, source: str = "job") -> JobSpec:
+    data = _load_yaml(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
