@@ -178,3 +178,113 @@ def test_reward_kinds(job_text):
     assert job.role_layouts()["reward"].tp == 1
     err = problems_of(rl_job(job_text, actor={"parallel": {"tpp": 2}}))
     assert "did you mean 'tp'" in err.render()
+
+
+# ---------------------------------------------------------------- bounds: every integer, every alias
+
+def _integer_fields(model, prefix=""):
+    """Dotted path of every int field of the schema (Optional or not), nested blocks included."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        args = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
+                for a in (typing.get_args(info.annotation) or (info.annotation,))]
+        blocks = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if blocks:
+            yield from _integer_fields(blocks[0], path + ".")
+        elif int in args or info.annotation is int:
+            yield path
+
+
+def test_every_integer_field_refuses_two_to_the_63(job_text):
+    """Found by walking the schema, so a new integer field without a bound fails here."""
+    from ascendfactory.spec import JobSpec
+
+    fields = list(_integer_fields(JobSpec))
+    for name in ("parallel.pp", "parallel.vpp", "data.seq_len", "train.steps", "lora.rank", "resources.nnodes",
+                 "rl.rollout.n", "rl.actor.parallel.tp", "rl.critic.parallel.cp", "rl.rollout.parallel.ep",
+                 "rl.reward.parallel.pp", "rl.max_gen_rounds", "train.seed", "resources.master_port"):
+        assert name in fields, name
+    for field in fields:
+        text = job_text()
+        if field.startswith("rl."):
+            text = job_text(framework="verl", stage="ppo", data={"format": "prompt"})
+        elif field.startswith("lora."):
+            text = job_text(finetuning="lora")
+        for value in (2 ** 63, -2 ** 63):
+            err = problems_of(text, [f"{field}={value}"])
+            assert [p.where for p in err.problems] == [field], (field, err.render())
+            assert "out of range" in err.problems[0].message and err.problems[0].hint, err.render()
+    schema = json_schema()["$defs"]["LayoutSpec"]["properties"]["pp"]
+    assert schema["minimum"] == 1 and schema["maximum"] == 65536
+
+
+@pytest.mark.parametrize("override,where,allowed", [
+    ("parallel.pp=9223372036854775808", "parallel.pp", "1 … 65536"),
+    ("parallel.tp=0", "parallel.tp", "1 … 65536"),
+    ("data.seq_len=16777217", "data.seq_len", "8 … 16777216"),
+    ("train.steps=1000000001", "train.steps", "1 … 1000000000"),
+    ("train.seed=-1", "train.seed", "0 … 4294967295"),
+    ("resources.devices_per_node=1025", "resources.devices_per_node", "1 … 1024"),
+    ("rl.rollout.parallel.tp=100000", "rl.rollout.parallel.tp", "1 … 65536"),
+])
+def test_out_of_range_integer_names_field_value_range_and_fix(job_text, override, where, allowed):
+    text = job_text(stage="grpo", framework="verl") if override.startswith("rl.") else job_text()
+    err = problems_of(text, [override])
+    assert [p.where for p in err.problems] == [where]
+    problem = err.problems[0]
+    assert override.partition("=")[2].lstrip("-") in problem.message and allowed in problem.message
+    assert problem.hint  # what to do
+
+
+def test_a_huge_integer_is_shown_by_its_size(job_text):
+    err = problems_of(job_text(), ["parallel.pp=" + "9" * 200])
+    assert "a number of about 200 digits" in err.problems[0].message and len(err.render()) < 400
+
+
+def test_model_overrides_numbers_are_bounded(job_text):
+    err = problems_of(job_text(model_overrides={"num_layers": 2 ** 63, "hidden_size": 0, "rope_theta": 1e6}))
+    assert [p.where for p in err.problems] == ["model_overrides"]
+    assert "num_layers" in err.problems[0].message and "hidden_size" in err.problems[0].message
+    assert "rope_theta" not in err.problems[0].message
+    parse_job(job_text(model_overrides={"num_layers": 2, "sliding_window": None}))
+
+
+def test_inf_and_nan_are_refused_in_float_fields(job_text):
+    err = problems_of(job_text(), ["train.lr=.inf", "resources.device_memory_gib=.nan"])
+    assert sorted(p.where for p in err.problems) == ["resources.device_memory_gib", "train.lr"]
+
+
+def test_billion_laughs_is_refused_before_it_expands(job_text):
+    bomb = "backend_overrides:\n  a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"  {n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+    err = problems_of(job_text() + bomb)
+    assert err.problems[0].where == "(yaml)" and "expands to more than" in err.problems[0].message
+    small = "backend_overrides:\n  a: &a {x: 1}\n  b: *a\n"  # an ordinary alias still works
+    assert parse_job(job_text() + small).backend_overrides == {"a": {"x": 1}, "b": {"x": 1}}
+    err = problems_of(job_text(), ["backend_overrides.x=[&a [1,1,1,1,1,1,1,1,1,1]" + ", &b [*a,*a,*a,*a,*a,*a,*a,"
+                                   "*a,*a,*a]" * 1 + "".join(", [" + ",".join(["*b"] * 10) + "]" for _ in range(100))
+                                   + "]"])
+    assert err.problems[0].where == "(yaml)"
+
+
+def test_deep_nesting_long_numbers_and_huge_files_are_refused(job_text):
+    err = problems_of(job_text() + "backend_overrides: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert err.problems[0].where == "(yaml)" and "nested more than" in err.problems[0].message
+    err = problems_of(job_text().replace("seq_len: 4096", "seq_len: " + "1" * 5000))
+    assert err.problems[0].where == "(yaml)" and "digits" in err.render()
+    err = problems_of(job_text() + "name: " + "x" * (1 << 20) + "\n")
+    assert err.problems[0].where == "(file)" and "too large" in err.title
+
+
+def test_hostile_strings_are_cut_in_messages(job_text):
+    err = problems_of(job_text(model="x" * 100_000, stage="s" * 100_000))
+    assert len(err.render()) < 2000 and {p.where for p in err.problems} == {"model", "stage"}
+
+
+def test_a_key_with_a_newline_keeps_the_location_on_one_line(job_text):
+    err = problems_of(job_text() + "? \"\\ns\"\n: 1\n")  # found by the 20,000-case fuzz
+    assert [p.where for p in err.problems] == ["'\\ns'"] and "\n  '\\ns'" in err.render()
