@@ -79,13 +79,13 @@ def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, li
     for key, value in job.model_overrides.items():
         target = arch
         if key in ("num_experts", "experts_per_token", "moe_ffn_hidden_size", "shared_experts", "first_k_dense"):
-            if "moe" not in arch:
+            if not arch.get("moe"):  # dense cards carry moe: None
                 problems.append(Problem(f"model_overrides.{key}", f"{job.model} is not a MoE model"))
                 continue
             target = arch["moe"]
         elif key not in arch:
             from ascendfactory.errors import did_you_mean
-            guess = did_you_mean(key, list(arch) + list(arch.get("moe", {})))
+            guess = did_you_mean(key, list(arch) + list(arch.get("moe") or {}))
             problems.append(Problem(f"model_overrides.{key}", f"unknown architecture key '{key}'",
                                     hint=f"did you mean '{guess}'?" if guess else "keys: " + ", ".join(arch)))
             continue
