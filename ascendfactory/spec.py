@@ -71,6 +71,11 @@ _ARCH_BOUNDS = {
 }
 
 
+# architecture entries that are blocks, not numbers, with numbers in them model_overrides can set
+_ARCH_BLOCKS = {"moe": "set the numbers in it instead, e.g. num_experts: 8",
+                **{k: "point model_path at a config.json that has it" for k in ("mla", "rope_scaling", "mrope_section")}}
+
+
 class _Block(BaseModel):
     # inf / nan in a float field is a typo, never a setting (and breaks the arithmetic of the plan)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -316,6 +321,9 @@ class JobSpec(_Block):
     def _arch_numbers(cls, value: dict[str, Any]) -> dict[str, Any]:
         problems = []
         for key, number in value.items():
+            if key in _ARCH_BLOCKS:
+                problems.append(f"{key} is a block of the architecture, not one number: {_ARCH_BLOCKS[key]}")
+                continue
             lo, hi = _ARCH_BOUNDS.get(key, (None, MAX_ARCH_NUMBER))
             if lo is None:
                 if isinstance(number, int) and not isinstance(number, bool) and abs(number) > hi:

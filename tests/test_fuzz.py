@@ -169,7 +169,17 @@ def _fields(model, prefix=(), depth=0):
                 break
 
 
-SCHEMA_PATHS = list(_fields(JobSpec))
+def _arch_keys() -> list[str]:
+    from ascendfactory import catalog
+
+    keys = set()
+    for card in catalog.models().values():
+        keys |= set(card["arch"]) | set(card["arch"].get("moe") or {})
+    return sorted(keys)
+
+
+ARCH_KEYS = _arch_keys()
+SCHEMA_PATHS = list(_fields(JobSpec)) + [("model_overrides", key) for key in ARCH_KEYS]
 
 
 def _paths(tree, prefix=()):
@@ -258,6 +268,16 @@ def mutate(example: str, seed: int) -> tuple[str, list[str]]:
 @given(seed=st.integers(0, 2 ** 32 - 1))
 def test_mutated_examples_fail_cleanly(example, seed):
     validate(*mutate(example, seed))
+
+
+def test_every_architecture_override_fails_cleanly():
+    """Each key model_overrides takes, with odd values, on a dense and a MoE model (a dense card's
+    moe: None once made the planner raise TypeError)."""
+    cases = [((ROOT / example).read_text(), [f"model_overrides.{key}={value}"])
+             for example in ("examples/mindspeed-llm/sft.yaml", "examples/mindspeed-llm/long-seq-moe.yaml")
+             for key in ARCH_KEYS for value in ("0", "-1", "2.5", "9223372036854775808", "x", "[1]")]
+    for case, outcome in run_cases(cases):
+        check_clean(case, outcome)
 
 
 def test_every_framework_and_launcher_is_fuzzed():
@@ -392,3 +412,25 @@ def test_memory_estimate_called_directly_refuses_a_runaway_layer_count(plan_of):
     arch = {**plan.arch, "num_layers": 2 ** 63}
     with pytest.raises(ValueError, match="num_layers"):
         estimate(plan.job, arch, plan.layout, plan.card)
+
+
+# ---------------------------------------------------------------- YAML that would expand or recurse
+
+def test_billion_laughs_is_refused_before_it_expands():
+    base = (ROOT / "examples/mindspeed-llm/sft.yaml").read_text()
+    outcome = validate(_bomb(9) + base)  # 9**9 values once expanded
+    assert outcome["where"] == ["(yaml)"] and "expands to more than" in outcome["render"], outcome
+    small = "backend_overrides:\n  a: &a {x: 1}\n  b: *a\n"  # an ordinary alias still works
+    assert parse_job(base + small).backend_overrides == {"a": {"x": 1}, "b": {"x": 1}}
+    bomb = "[&a [1,1,1,1,1,1,1,1,1,1], &b [" + ",".join(["*a"] * 10) + "]" + (", [" + ",".join(["*b"] * 10) + "]") * 200
+    outcome = validate(base, [f"backend_overrides.x={bomb}]"])  # through a command-line override too
+    assert outcome["where"] == ["(yaml)"], outcome
+
+
+@pytest.mark.parametrize("depth", [65, 5000, 100_000])
+def test_deep_nesting_is_refused(depth):
+    base = (ROOT / "examples/mindspeed-llm/sft.yaml").read_text()
+    outcome = validate(base + "backend_overrides: " + "[" * depth + "]" * depth + "\n")
+    assert outcome["where"] == ["(yaml)"] and "nested more than 64 levels" in outcome["render"], outcome
+    outcome = validate(base + "backend_overrides: {x: " + "[" * 60 + "]" * 60 + "}\n")  # 62 levels: read
+    assert "(yaml)" not in outcome.get("where", []), outcome

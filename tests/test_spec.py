@@ -251,6 +251,8 @@ def test_model_overrides_numbers_are_bounded(job_text):
     assert "num_layers" in err.problems[0].message and "hidden_size" in err.problems[0].message
     assert "rope_theta" not in err.problems[0].message
     parse_job(job_text(model_overrides={"num_layers": 2, "sliding_window": None}))
+    err = problems_of(job_text(model_overrides={"moe": 3, "mla": None}))
+    assert "moe is a block" in err.render() and "num_experts" in err.render() and "mla is a block" in err.render()
 
 
 def test_inf_and_nan_are_refused_in_float_fields(job_text):
@@ -258,26 +260,12 @@ def test_inf_and_nan_are_refused_in_float_fields(job_text):
     assert sorted(p.where for p in err.problems) == ["resources.device_memory_gib", "train.lr"]
 
 
-def test_billion_laughs_is_refused_before_it_expands(job_text):
-    bomb = "backend_overrides:\n  a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"  {n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
-    err = problems_of(job_text() + bomb)
-    assert err.problems[0].where == "(yaml)" and "expands to more than" in err.problems[0].message
-    small = "backend_overrides:\n  a: &a {x: 1}\n  b: *a\n"  # an ordinary alias still works
-    assert parse_job(job_text() + small).backend_overrides == {"a": {"x": 1}, "b": {"x": 1}}
-    err = problems_of(job_text(), ["backend_overrides.x=[&a [1,1,1,1,1,1,1,1,1,1]" + ", &b [*a,*a,*a,*a,*a,*a,*a,"
-                                   "*a,*a,*a]" * 1 + "".join(", [" + ",".join(["*b"] * 10) + "]" for _ in range(100))
-                                   + "]"])
-    assert err.problems[0].where == "(yaml)"
-
-
-def test_deep_nesting_long_numbers_and_huge_files_are_refused(job_text):
-    err = problems_of(job_text() + "backend_overrides: " + "[" * 5000 + "]" * 5000 + "\n")
-    assert err.problems[0].where == "(yaml)" and "nested more than" in err.problems[0].message
+def test_long_numbers_and_huge_files_are_refused(job_text):
     err = problems_of(job_text().replace("seq_len: 4096", "seq_len: " + "1" * 5000))
     assert err.problems[0].where == "(yaml)" and "digits" in err.render()
     err = problems_of(job_text() + "name: " + "x" * (1 << 20) + "\n")
     assert err.problems[0].where == "(file)" and "too large" in err.title
+    # (alias bombs and deep nesting: tests/test_fuzz.py, in a child that a hang cannot stall)
 
 
 def test_hostile_strings_are_cut_in_messages(job_text):
