@@ -111,7 +111,8 @@ class LayoutSpec(_Block):
     """How one model is split over the devices (ascendfactory.layout checks it)."""
     tp: ParallelSize = Field(1, description="tensor parallel size")
     pp: ParallelSize = Field(1, description="pipeline parallel size")
-    vpp: ParallelSize = Field(1, description="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
+    vpp: bounded(1, L.MAX_PARALLEL, "model chunks per pipeline rank: a divisor of each stage's layers") = Field(
+        1, description="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
     pp_layers: Optional[Annotated[list[StageLayers], Field(max_length=L.MAX_PARALLEL)]] = Field(
         None, description="explicit layers per pipeline stage")
     cp: ParallelSize = Field(1, description="context parallel size")
