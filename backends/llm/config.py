@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -107,6 +108,8 @@ class TrainArgs:
     save_interval: int | None
     moe_aux_loss_coeff: float
     exit_interval: int | None = None
+    warmup_fraction: float | None = None   # --lr-warmup-fraction: of the total steps
+    decay_steps: int | None = None        # --lr-decay-iters
 
 
 @dataclass
@@ -116,6 +119,15 @@ class LoraArgs:
     dropout: float
     targets: list[str]
     merge_on_export: bool
+
+
+@dataclass
+class LoadArgs:
+    """What --load may restore from an engine checkpoint (Megatron's --finetune / --no-load-*)."""
+    finetune: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    exit_on_missing: bool = False
 
 
 @dataclass
@@ -133,8 +145,13 @@ class LLMConfig:
     load: str | None
     export_hf: str | None
     metrics_file: str | None
-    finetune: bool
-    extra: dict[str, Any] = field(default_factory=dict)
+    load_args: LoadArgs = field(default_factory=LoadArgs)
+    checks: dict[str, tuple[str, Any]] = field(default_factory=dict)  # flag → (model attr, value)
+    hf2mg: bool = False
+    model_type_hf: str | None = None
+    tokenizer_use_fast: bool = True
+    enable_thinking: bool | None = None  # a reasoning template's empty thinking block: trained (True) or not
+    moe_fusions: tuple[bool, bool] = (False, False)  # --moe-grouped-gemm, --moe-permute-fusion
 
 
 class _Parser(argparse.ArgumentParser):
@@ -188,6 +205,7 @@ def _parser() -> _Parser:
     a("--sequence-parallel", action="store_true")
     a("--context-parallel-size", type=int, default=1)
     a("--context-parallel-algo", choices=sorted(CP_ALGOS), default="megatron_cp_algo")
+    # general: a per-document mask (packed rows); the packed path always applies each document's causal mask
     a("--attention-mask-type", "--cp-attention-mask-type", choices=["causal", "general"], default="causal")
     a("--ulysses-degree-in-cp", type=int)
     a("--expert-model-parallel-size", type=int, default=1)
@@ -241,7 +259,92 @@ def _parser() -> _Parser:
     a("--lora-r", type=int)
     a("--lora-alpha", type=int, default=32)
     a("--lora-target-modules", nargs="+", default=["all"])
+    _published_script_flags(a)
     return p
+
+
+def _published_script_flags(a) -> None:
+    """The rest of what MindSpeed-LLM's published pretrain / tune scripts pass (types as upstream)."""
+    # the model: the native decoder of the family stands for every Megatron build of it
+    a("--use-mcore-models", action="store_true")
+    a("--spec", nargs="*")
+    a("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
+    a("--use-rotary-position-embeddings", action="store_true")
+    a("--make-vocab-size-divisible-by", type=int, default=128)
+    a("--vocab-size", type=int)
+    a("--enable-hf2mg-convert", action="store_true")
+    a("--model-type-hf")
+    a("--tokenizer-not-use-fast", action="store_false", dest="tokenizer_use_fast")
+    a("--enable-thinking", type=_true_false_none)
+    a("--distributed-backend", choices=["nccl", "gloo"], default="nccl")
+    a("--hidden-dropout", type=float)
+    a("--attention-dropout", type=float)
+    # facts about the architecture: checked against the model (config.json or card), see MODEL_FACTS
+    a("--norm-epsilon", type=float)
+    a("--init-method-std", type=float)
+    a("--moe-router-topk-scaling-factor", type=float)
+    a("--norm-topk-prob", action="store_true")
+    a("--moe-router-num-groups", type=int)
+    a("--moe-router-group-topk", type=int)
+    a("--moe-layer-freq")  # an integer: the model's config.json / card places its MoE layers
+    a("--moe-router-load-balancing-type", default="aux_loss")
+    a("--seq-aux", action="store_true")
+    a("--rope-scaling-type", choices=["yarn"])
+    a("--rope-scaling-factor", type=float, default=8.0)
+    a("--beta-fast", type=int, default=32)
+    a("--beta-slow", type=int, default=1)
+    a("--rope-scaling-mscale", type=float, default=1.0)
+    a("--rope-scaling-mscale-all-dim", type=float, default=0.0)
+    a("--rope-scaling-original-max-position-embeddings", type=int)
+    # schedule, data split, evaluation, checkpoints
+    a("--lr-warmup-fraction", type=float)
+    a("--lr-decay-iters", type=int)
+    a("--split")
+    a("--eval-interval", type=int, default=1000)
+    a("--eval-iters", type=int, default=100)
+    a("--stage", choices=["sft", "dpo", "ray_ppo", "ray_online_dpo", "ray_grpo"])
+    a("--no-pad-to-seq-lengths", action="store_true")
+    a("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp"], default="torch_dist")
+    a("--no-load-optim", action="store_true")
+    a("--no-load-rng", action="store_true")
+    a("--exit-on-missing-checkpoint", action="store_true")
+    a("--dataloader-type", choices=["single", "cyclic", "external"])
+    a("--initial-loss-scale", type=float)
+    # how a step is scheduled, overlapped or fused: no effect on the numbers (see NO_EFFECT)
+    for flag in NO_EFFECT:
+        a(flag, action="store_true")
+    a("--manual-gc-interval", type=int, default=0)
+    a("--num-workers", type=int, default=2)
+    a("--shape-order", choices=["SBH", "BSH", "BSND", "BNSD"], default="SBH")
+    a("--workers", type=int, default=1)  # preprocess_data.py's, in scripts that list data and training flags together
+
+
+def _true_false_none(text: str):
+    return {"true": True, "false": False, "none": None}[text.lower()]
+
+
+# switches for fusions, overlap, memory placement and logging: the engine computes the same loss
+# whichever way they are set (its kernels are chosen by kernels.* in engine.yaml and --use-flash-attn /
+# --use-fused-*), so they are accepted and have nothing to change
+NO_EFFECT = ("--no-gradient-accumulation-fusion", "--gemm-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+             "--attention-softmax-in-fp32", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
+             "--overlap-grad-reduce", "--overlap-param-gather", "--use-ascend-coc", "--coc-fused-kernel",
+             "--use-ascend-mc2", "--reuse-fp32-param", "--swap-attention", "--recompute-activation-function",
+             "--no-shared-storage", "--manual-gc", "--log-throughput", "--lora-fusion", "--padded-samples",
+             "--no-save-optim", "--no-save-rng")
+# flag → the native model's attribute it states; a model that differs is refused (build_decoder)
+MODEL_FACTS = {"--norm-epsilon": "rms_norm_eps", "--moe-router-topk-scaling-factor": "moe.routed_scaling_factor",
+               "--norm-topk-prob": "moe.norm_topk_prob", "--moe-router-num-groups": "moe.n_group",
+               "--moe-router-group-topk": "moe.topk_group",
+               "--rope-scaling-factor": "rope_scaling.factor", "--beta-fast": "rope_scaling.beta_fast",
+               "--beta-slow": "rope_scaling.beta_slow", "--rope-scaling-mscale": "rope_scaling.mscale",
+               "--rope-scaling-mscale-all-dim": "rope_scaling.mscale_all_dim",
+               "--rope-scaling-original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
+               "--init-method-std": "initializer_range", "--vocab-size": "vocab_size"}
+# --model-type-hf → the config.json model_type(s) of the native families it names
+MODEL_TYPE_HF = {"qwen3": ("qwen3",), "qwen3-moe": ("qwen3_moe",), "qwen25": ("qwen2",), "qwen": ("qwen2",),
+                 "llama2": ("llama",), "mixtral": ("mixtral",), "glm4": ("glm", "glm4", "chatglm"),
+                 "deepseek2": ("deepseek_v2",), "deepseek2-lite": ("deepseek_v2",), "deepseek3": ("deepseek_v3",)}
 
 
 def supported_flags() -> list[str]:
@@ -373,11 +476,112 @@ def lora_targets(targets: list[str], linear_names: list[str]) -> list[str]:
     return out
 
 
+def _split_weights(text: str) -> list[float]:
+    try:
+        weights = [float(x) for x in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise ConfigError(f"--split {text}: expected weights such as 100,0,0") from None
+    return weights + [0.0] * (3 - len(weights))
+
+
+def refusals(ns: argparse.Namespace) -> list[str]:
+    """Flags of MindSpeed-LLM this build does not implement as set: each names the flag and what to use."""
+    out = []
+    for flag in ("hidden_dropout", "attention_dropout"):
+        if getattr(ns, flag):
+            out.append(f"--{flag.replace('_', '-')} {getattr(ns, flag)}: the native decoders have no dropout; "
+                       f"set it to 0, as MindSpeed-LLM's published scripts do")
+    if ns.stage not in (None, "sft"):
+        out.append(f"--stage {ns.stage}: this engine trains pre-training and SFT only; use framework llamafactory "
+                   f"(stage: dpo) or mindspeed-rl for preference and RL training")
+    if ns.ckpt_format == "zarr":
+        out.append("--ckpt-format zarr: not built (checkpoints are written in the engine's own layout); use torch "
+                   "or torch_dist")
+    if ns.split is not None and any(_split_weights(ns.split)[1:]):
+        out.append(f"--split {ns.split}: holding out validation/test documents and evaluating on them is not "
+                   f"built; use --split 100,0,0 (then --eval-iters has nothing to evaluate)")
+    if ns.dataloader_type == "external":
+        out.append("--dataloader-type external: not built; use single or cyclic (the engine's loader cycles epochs)")
+    if ns.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        out.append(f"--moe-router-load-balancing-type {ns.moe_router_load_balancing_type}: this build computes "
+                   f"Megatron's aux_loss only; use aux_loss (or none with --moe-aux-loss-coeff 0)")
+    if ns.seq_aux:
+        out.append("--seq-aux: the sequence-level auxiliary loss is not built; drop it (the batch-level aux_loss "
+                   "applies)")
+    if ns.model_type_hf is not None and ns.model_type_hf not in MODEL_TYPE_HF:
+        out.append(f"--model-type-hf {ns.model_type_hf}: no native decoder for it; this build loads "
+                   f"{', '.join(MODEL_TYPE_HF)}")
+    if ns.enable_hf2mg_convert and not ns.load:
+        out.append("--enable-hf2mg-convert: give --load <the Hugging Face model directory> to convert from")
+    if ns.lr_warmup_fraction is not None and ns.lr_warmup_iters:
+        out.append("--lr-warmup-fraction and --lr-warmup-iters exclude each other (as in Megatron); give one")
+    if ns.initial_loss_scale is not None and ns.fp16:
+        out.append("--initial-loss-scale with --fp16: the engine's fp16 loss scaler picks its own start; drop it")
+    if ns.moe_layer_freq is not None and not ns.moe_layer_freq.lstrip("-").isdigit():
+        out.append(f"--moe-layer-freq {ns.moe_layer_freq}: a per-layer list is not built; give an integer, or "
+                   f"let the model's config place its MoE layers")
+    return out
+
+
+def model_facts(ns: argparse.Namespace, random_init: bool) -> dict[str, tuple[str, Any]]:
+    """{flag: (the model attribute it states, value)} for the architecture flags that were given."""
+    given = {"--norm-epsilon": ns.norm_epsilon, "--moe-router-topk-scaling-factor": ns.moe_router_topk_scaling_factor,
+             "--norm-topk-prob": True if ns.norm_topk_prob else None, "--moe-router-num-groups": ns.moe_router_num_groups,
+             "--moe-router-group-topk": ns.moe_router_group_topk,
+             "--init-method-std": ns.init_method_std if random_init else None}  # loaded weights need no init
+    if ns.vocab_size is not None and ns.padded_vocab_size is None:  # Megatron pads the tokenizer's vocab
+        m = ns.make_vocab_size_divisible_by * ns.tensor_model_parallel_size
+        given["--vocab-size"] = -(-ns.vocab_size // m) * m
+    if ns.rope_scaling_type:  # the yarn numbers only mean something with yarn
+        given.update({"--rope-scaling-factor": ns.rope_scaling_factor, "--beta-fast": ns.beta_fast,
+                      "--beta-slow": ns.beta_slow, "--rope-scaling-mscale": ns.rope_scaling_mscale,
+                      "--rope-scaling-mscale-all-dim": ns.rope_scaling_mscale_all_dim,
+                      "--rope-scaling-original-max-position-embeddings":
+                          ns.rope_scaling_original_max_position_embeddings})
+    out = {flag: (MODEL_FACTS[flag], value) for flag, value in given.items() if value is not None}
+    if ns.rope_scaling_type:
+        out["--rope-scaling-type"] = ("rope_scaling.rope_type", ns.rope_scaling_type)
+    return out
+
+
+def _attr(config, path: str):
+    obj = config
+    for part in path.split("."):
+        if obj is None:
+            return None
+        if isinstance(obj, Mapping):
+            obj = obj.get(part, obj.get("type")) if part == "rope_type" else obj.get(part)
+        else:
+            obj = getattr(obj, part, None)
+    return obj
+
+
+def check_model_facts(config, checks: dict[str, tuple[str, Any]], source: str) -> None:
+    """Refuse a model that is not what the script's architecture flags say (MindSpeed would build the flags')."""
+    wrong = []
+    for flag, (path, want) in checks.items():
+        have = _attr(config, path)
+        same = have == want or (_is_number(have) and _is_number(want) and math.isclose(have, want, rel_tol=1e-6))
+        if not same:
+            wrong.append(f"{flag} {want} (the model has {path}={have!r})")
+    if wrong:
+        raise ConfigError(f"{source} is not the model these flags describe: " + "; ".join(wrong)
+                          + ". Fix the flags to match the model, or load the model they describe")
+
+
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
     """The flags, plus the sidecar (`engine`: a mapping or a path; None: the file $AF_ENGINE_FILE names)."""
     ns, unknown = _parser().parse_known_args(argv)
     _check_unknown(unknown)
+    refused = refusals(ns)
+    if refused:
+        raise ConfigError("this build of backends.llm does not implement: " + "; ".join(refused))
     side = read_engine_file(engine)
+    if ns.enable_hf2mg_convert:  # MindSpeed-LLM converts the HF weights at load time: our native HF load
+        if side.load_hf and side.load_hf != ns.load:
+            raise ConfigError(f"--enable-hf2mg-convert --load {ns.load} and load_hf {side.load_hf} in {side.source} "
+                              f"name two models; keep one")
+        side.load_hf, ns.load = ns.load, None
     if ns.train_iters is None and side.train_epochs is None:
         raise ConfigError(f"give --train-iters, or train_epochs in {side.source}")
     if ns.bf16 and ns.fp16:
@@ -430,7 +634,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
         data=DataArgs(
             input=ns.input, fmt=fmt, prefix=ns.data_path, template=template,
             instruction=ns.is_instruction_dataset or fmt in ("alpaca", "sharegpt"),
-            packing=ns.reset_attention_mask or ns.pack, neat_pack=ns.neat_pack, dynamic=ns.variable_seq_lengths,
+            packing=ns.reset_attention_mask or ns.pack or ns.neat_pack, neat_pack=ns.neat_pack,
+            dynamic=ns.variable_seq_lengths or ns.no_pad_to_seq_lengths,
             pad_to_multiple_of=ns.pad_to_multiple_of, shuffle=not ns.no_shuffle, max_samples=ns.max_samples,
             seq_len=ns.seq_length),
         train=TrainArgs(
@@ -439,7 +644,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             warmup=ns.lr_warmup_iters, weight_decay=ns.weight_decay, betas=(ns.adam_beta1, ns.adam_beta2),
             grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
             seed=ns.seed, log_interval=ns.log_interval, save_interval=ns.save_interval,
-            moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval),
+            moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval,
+            warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters),
         lora=lora,
         kernel_backend=side.kernel_backend,
         kernel_overrides=side.kernel_overrides,
@@ -449,5 +655,11 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
         load=ns.load or None,
         export_hf=side.export_hf,
         metrics_file=side.metrics_file,
-        finetune=ns.finetune,
+        load_args=LoadArgs(ns.finetune, ns.no_load_optim, ns.no_load_rng, ns.exit_on_missing_checkpoint),
+        checks=model_facts(ns, random_init=not side.load_hf),
+        hf2mg=ns.enable_hf2mg_convert,
+        model_type_hf=ns.model_type_hf,
+        tokenizer_use_fast=ns.tokenizer_use_fast,
+        enable_thinking=ns.enable_thinking,
+        moe_fusions=(ns.moe_grouped_gemm, ns.moe_permute_fusion),
     )

@@ -83,13 +83,18 @@ def refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
 
 
 def kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
-    """--use-flash-attn / --use-fused-* off means the plain-PyTorch ops, as in MindSpeed;
-    explicit --kernel-override entries win."""
+    """--use-flash-attn / --use-fused-* / --moe-grouped-gemm / --moe-permute-fusion off means the
+    plain-PyTorch ops, as in MindSpeed; engine.yaml's kernels.overrides win."""
     out = {}
     if not cfg.flash_attention:
         out["attention"] = "reference"
     if not cfg.fused_ops:
         out.update(rms_norm="reference", apply_rotary="reference", swiglu="reference")
+    grouped_gemm, permute_fusion = cfg.moe_fusions  # --moe-grouped-gemm / --moe-permute-fusion off: plain PyTorch
+    if not grouped_gemm:
+        out["grouped_mm"] = "reference"
+    if not permute_fusion:
+        out.update(moe_permute="reference", moe_unpermute="reference")
     return {**out, **cfg.kernel_overrides}
 
 
@@ -99,11 +104,22 @@ def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
     or the layout-invariant seeded init)."""
     from backends.llm import loading, models
 
+    from backends.llm.config import MODEL_TYPE_HF, check_model_facts
+
     if not cfg.model.load_hf:
-        return loading.meta_decoder(models.card_config(cfg.model.model_id, **cfg.model.overrides))
+        card = models.card_config(cfg.model.model_id, **cfg.model.overrides)
+        check_model_facts(card, cfg.checks, f"model card {cfg.model.model_id}")
+        return loading.meta_decoder(card)
     from backends.common.checkpoint.hf_io import read_config
 
+    if not (Path(cfg.model.load_hf) / "config.json").is_file():
+        flag = "--load (with --enable-hf2mg-convert)" if cfg.hf2mg else "load_hf (engine.yaml)"
+        raise ConfigError(f"{flag} {cfg.model.load_hf}: no config.json there; give a Hugging Face model directory")
     have = models.ModelConfig.from_hf(read_config(cfg.model.load_hf))
+    if cfg.model_type_hf and have.family not in MODEL_TYPE_HF[cfg.model_type_hf]:
+        raise ConfigError(f"--model-type-hf {cfg.model_type_hf}: {cfg.model.load_hf} holds a {have.family} model; "
+                          f"give the --model-type-hf of that model")
+    check_model_facts(have, cfg.checks, cfg.model.load_hf)
     for key, value in cfg.model.overrides.items():
         # the shape numbers every family spells the same way; the rest is the config's business
         if key not in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or not hasattr(have, key):
@@ -115,18 +131,19 @@ def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
 
 
 def _build_data(cfg: LLMConfig, rt, par):
-    from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
+    from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess, thinking_template
 
     d = cfg.data
-    tokenizer = load_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
+    tokenizer = load_tokenizer(cfg.model.tokenizer, use_fast=cfg.tokenizer_use_fast) if cfg.model.tokenizer else None
     cache_root = Path(d.prefix).parent
     source = d.input or d.prefix
+    template = thinking_template(d.template, tokenizer, cfg.enable_thinking) if d.fmt != "text" else d.template
     # rank 0 tokenizes and writes the cache; the others wait, then read the same files
     if rt.is_main:
-        dataset = preprocess(source, d.fmt, tokenizer, d.template, d.seq_len, cache_root, max_samples=d.max_samples)
+        dataset = preprocess(source, d.fmt, tokenizer, template, d.seq_len, cache_root, max_samples=d.max_samples)
     barrier()
     if not rt.is_main:
-        dataset = preprocess(source, d.fmt, tokenizer, d.template, d.seq_len, cache_root, max_samples=d.max_samples)
+        dataset = preprocess(source, d.fmt, tokenizer, template, d.seq_len, cache_root, max_samples=d.max_samples)
     mode = "packed" if d.packing else "dynamic" if d.dynamic else "padded"
     loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
                               dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.train.seed, shuffle=d.shuffle,
@@ -139,13 +156,25 @@ def _build_data(cfg: LLMConfig, rt, par):
 
 
 def resume_setting(cfg: LLMConfig) -> str | None:
-    """--load is the checkpoints root (resume: auto), a step_N checkpoint (that one), or absent (never)."""
-    from backends.common.checkpoint.resume import MARKER, resolve_resume
+    """--load is the checkpoints root (resume: auto), a step_N checkpoint (that one), or absent (never).
+    Resuming restores everything: Megatron's partial loads (--finetune, --no-load-optim, --no-load-rng)
+    from an engine checkpoint are not built and are refused when there is one to load."""
+    from backends.common.checkpoint.resume import MARKER, list_checkpoints, resolve_resume
 
     if not cfg.load:
         return None
     path = Path(cfg.load)
-    if path.name.startswith("step_") or (path / MARKER).exists():
+    one = path.name.startswith("step_") or (path / MARKER).exists()
+    found = one or bool(list_checkpoints(path))
+    if cfg.load_args.exit_on_missing and not found:
+        raise ConfigError(f"--exit-on-missing-checkpoint: no checkpoint under --load {cfg.load}")
+    partial = [flag for flag, on in (("--finetune", cfg.load_args.finetune), ("--no-load-optim",
+               cfg.load_args.no_load_optim), ("--no-load-rng", cfg.load_args.no_load_rng)) if on]
+    if found and partial:
+        raise ConfigError(f"{' '.join(partial)} with --load {cfg.load}: loading part of an engine checkpoint is not "
+                          f"built; drop {' '.join(partial)} to resume it whole, or start from a Hugging Face "
+                          f"directory (--load <dir> --enable-hf2mg-convert --model-type-hf <type>)")
+    if one:
         return str(resolve_resume(str(path), path))  # one clear error if it is not a complete checkpoint
     return "auto"
 
@@ -183,12 +212,14 @@ class LLMRecipe(Recipe):
             raise ConfigError(f"--global-batch-size {t.global_batch} must be at least micro-batch {t.micro_batch} "
                               f"× data-parallel size {par.layout.dp}")
         total_steps = t.steps or max(1, math.ceil(t.epochs * self.loader.n_units / t.global_batch))
+        decay = t.decay_steps or total_steps
+        warmup = round(t.warmup_fraction * decay) if t.warmup_fraction is not None else t.warmup  # Megatron's rule
 
         from backends.common.optim import build_scheduler
 
         model = self._load(CausalLMWithLoss(decoder), par, rt)
         optimizer = data_parallel.build_optimizer(model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-        scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup, total=total_steps,
+        scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=warmup, total=decay,
                                     style=t.schedule)
         self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group,
                                     grad_world=par.grad_world, precision=t.precision, grad_clip=t.grad_clip,

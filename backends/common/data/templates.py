@@ -50,7 +50,7 @@ Every assistant turn is trained; system, user and template text is -100.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -369,3 +369,25 @@ def encode_conversation(tokenizer, template: ChatTemplate, messages: list[dict])
         ids.extend(part)
         labels.extend(part if trained else [IGNORE_INDEX] * len(part))
     return Encoded(ids, labels, method + "segmented", pieces)
+
+
+# ------------------------------------------------------------------------------- thinking mode
+
+def thinking_template(name: str | ChatTemplate | None, tokenizer, enable_thinking: bool | None) -> ChatTemplate:
+    """The template for MindSpeed-LLM's --enable-thinking. A reasoning template (qwen3) opens every
+    answer with an empty thinking block; with enable_thinking true that block belongs to the answer and
+    is trained, otherwise (false, unset) it belongs to the prompt, as in LLaMA-Factory's reasoning
+    templates. The tokens are the same either way; only the labels differ. (An answer that already
+    holds its own thinking block still gets the empty one: data with reasoning needs the tokenizer's
+    own template.)"""
+    template = resolve_template(name, tokenizer)
+    if enable_thinking and isinstance(template, NamedTemplate) and template.assistant_header.endswith(_EMPTY_THOUGHT):
+        header = template.assistant_header[: -len(_EMPTY_THOUGHT)]
+        return replace(template, assistant_header=header, assistant_fmt=_EMPTY_THOUGHT + template.assistant_fmt,
+                       name=template.name + "+thinking")
+    if enable_thinking and isinstance(template, JinjaTemplate):
+        return JinjaTemplate(tokenizer, enable_thinking=True)
+    return template
+
+
+_EMPTY_THOUGHT = "<think>\n\n</think>\n\n"
