@@ -15,8 +15,10 @@ Files, named as MindSpeed-LLM's preprocess_data.py names them for prefix `datase
   instruction  dataset_packed_input_ids_document.{bin,idx}     token ids
                dataset_packed_labels_document.{bin,idx}        int32, unshifted: the token id where it
                                                                is trained, -100 elsewhere
-(MindSpeed also writes _packed_attention_mask_document; it is all ones for unpadded samples, so it is
-not written.) `handle.data_path` is what Megatron's --data-path takes for it.
+(The cache leaves out MindSpeed's _packed_attention_mask_document, all ones for unpadded samples;
+backends.common.data.megatron writes all three at a user's --output-prefix, and a prefix whose mask
+numbers documents (--neat-pack rows) is read back one document a sample.) `handle.data_path` is what
+Megatron's --data-path takes for it.
 
 `path` may also be an existing Megatron dataset prefix: `p` with p.bin/p.idx (text), `p` with
 p_text_document.*, or `p` with p_packed_input_ids_document.* and p_packed_labels_document.*;
@@ -121,6 +123,11 @@ class TokenDataset:
             self.lengths = np.minimum(sizes, self.seq_len)
             self.split = 0
             self.truncated = int((sizes > self.seq_len).sum())
+            docs = _neat_pack_documents(ids_prefix)
+            if docs is not None:  # rows packed by preprocess_data.py --neat-pack: each document a sample
+                self.seq, self.offset, lengths = docs
+                self.truncated = int((lengths > self.seq_len).sum())
+                self.lengths = np.minimum(lengths, self.seq_len)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -141,6 +148,16 @@ class TokenDataset:
 
 
 # -------------------------------------------------------------------------------------- helpers
+
+def _neat_pack_documents(ids_prefix: str):
+    """The documents of --neat-pack rows, from the attention-mask file beside the ids (None: not neat-packed)."""
+    from . import megatron
+
+    if not ids_prefix.endswith(IDS_SUFFIX):
+        return None
+    mask = megatron.attention_mask_prefix(ids_prefix[: -len(IDS_SUFFIX)])
+    return megatron.segments(mask) if mask else None
+
 
 def _file_fingerprint(path: Path) -> list:
     st = path.stat()
