@@ -625,7 +625,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
                         overrides),
         parallel=ParallelArgs(
             tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, pp_layers=ns.num_layer_list,
-            vpp_layers=ns.num_layers_per_virtual_pipeline_stage, sp=ns.sequence_parallel,
+            vpp_layers=ns.num_layers_per_virtual_pipeline_stage,
+            sp=ns.sequence_parallel and ns.tensor_model_parallel_size > 1,  # Megatron turns it off at tp 1
             cp=ns.context_parallel_size, cp_algo=CP_ALGOS[ns.context_parallel_algo],
             ulysses_degree=ns.ulysses_degree_in_cp, ep=ns.expert_model_parallel_size,
             moe_dispatcher=ns.moe_token_dispatcher_type, distributed_optimizer=ns.use_distributed_optimizer,

@@ -122,7 +122,8 @@ def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
     check_model_facts(have, cfg.checks, cfg.model.load_hf)
     for key, value in cfg.model.overrides.items():
         # the shape numbers every family spells the same way; the rest is the config's business
-        if key not in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") or not hasattr(have, key):
+        if key not in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size",
+                       "rope_theta") or not hasattr(have, key):
             continue
         if getattr(have, key) != value:
             raise ConfigError(f"load_hf {cfg.model.load_hf}: config.json has {key}={getattr(have, key)!r} "

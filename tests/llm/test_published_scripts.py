@@ -1,0 +1,191 @@
+"""MindSpeed-LLM's own published scripts run here (issue 12 §7).
+
+tests/fixtures/mindspeed-llm/ holds the qwen3 data_convert and 0.6B full fine-tune scripts with only
+paths, sizes and the launcher changed (each says what), and the argument lists of the other
+published qwen3 / qwen2.5 / deepseek scripts as bash expands them.
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.common.data import indexed, preprocess
+from backends.llm import preprocess as llm_preprocess
+from backends.llm.config import ConfigError, parse_args, supported_flags
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "mindspeed-llm"
+ALPACA = ROOT / "examples" / "data" / "arithmetic_alpaca.json"
+CORPUS = ROOT / "examples" / "data" / "arithmetic_corpus.jsonl"
+THINK = ("<think>", "</think>")
+
+
+def published_args(name: str) -> list[str]:
+    lines = (FIXTURES / "published_args" / f"{name}.args").read_text().splitlines()
+    return [line for line in lines if not line.startswith("#")]
+
+
+TRAINING = sorted(p.stem for p in (FIXTURES / "published_args").glob("*.args") if not p.stem.startswith("data_"))
+CONVERT = sorted(p.stem for p in (FIXTURES / "published_args").glob("data_convert_*.args"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny Qwen3 whose tokenizer has Qwen3's thinking tokens (the qwen3 --prompt-type needs them)."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.tiny_hf import make_tiny_hf
+
+    out = make_tiny_hf("qwen3", tmp_path_factory.mktemp("qwen3") / "model", vocab_size=514)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_tokens(list(THINK), special_tokens=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def _env(**paths) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), **{k: str(v) for k, v in paths.items()}}
+
+
+@pytest.fixture(scope="module")
+def published_run(qwen3_dir, tmp_path_factory):
+    """The two published scripts, one after the other: data_convert, then the fine-tune (3 iterations)."""
+    work = tmp_path_factory.mktemp("published")
+    (work / "logs").mkdir()
+    (work / "engine.yaml").write_text(f"metrics_file: {work / 'metrics.jsonl'}\n")
+    convert = subprocess.run(["bash", str(FIXTURES / "data_convert_qwen3_instruction.sh")], cwd=ROOT,
+                             env=_env(INPUT=ALPACA, TOKENIZER_DIR=qwen3_dir, OUTPUT_DIR=work),
+                             capture_output=True, text=True, timeout=600)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    prefix = work / "finetune_dataset" / "alpaca"
+    tune = subprocess.run(["bash", str(FIXTURES / "tune_qwen3_0point6b_4K_full_ptd.sh")], cwd=ROOT,
+                          env=_env(CKPT_LOAD_DIR=qwen3_dir, CKPT_SAVE_DIR=work / "ckpt", DATA_PATH=prefix,
+                                   TOKENIZER_PATH=qwen3_dir, LOG_DIR=work / "logs", MASTER_PORT=29000 + os.getpid() % 900,
+                                   AF_ENGINE_FILE=work / "engine.yaml", TRAIN_ITERS=3),
+                          capture_output=True, text=True, timeout=900)
+    assert tune.returncode == 0, (tune.stdout + tune.stderr)[-4000:]
+    return work, prefix, tune.stdout + tune.stderr
+
+
+def test_data_convert_writes_mindspeed_llm_instruction_layout(published_run, qwen3_dir):
+    _, prefix, _ = published_run
+    names = sorted(p.name for p in prefix.parent.iterdir())
+    assert names == sorted(f"alpaca_packed_{key}_document.{ext}" for key in ("input_ids", "attention_mask", "labels")
+                           for ext in ("bin", "idx"))
+    ids, mask, labels = (indexed.IndexedDataset(f"{prefix}_packed_{key}_document")
+                         for key in ("input_ids", "attention_mask", "labels"))
+    records = json.loads(ALPACA.read_text())
+    assert len(ids) == len(records) and np.array_equal(ids.sizes, mask.sizes) and np.array_equal(ids.sizes, labels.sizes)
+    assert ids.dtype == np.int32 and labels.dtype == np.int32   # as MindSpeed writes them (labels hold -100)
+    assert all(set(mask[i].tolist()) == {1} for i in range(len(mask)))
+    from transformers import AutoTokenizer
+
+    think = AutoTokenizer.from_pretrained(qwen3_dir).convert_tokens_to_ids(list(THINK))
+    first_ids, first_labels = ids[0].tolist(), labels[0].tolist()
+    start = first_ids.index(think[0])
+    # --enable-thinking true: the empty thinking block is part of the answer, so it is trained; the prompt is not
+    assert first_labels[start:] == first_ids[start:] and set(first_labels[:start]) == {-100}
+
+
+def test_published_tune_script_trains_from_the_hf_directory(published_run):
+    work, _, log = published_run
+    events = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    start = next(e for e in events if e.get("event") == "start")
+    steps = [e for e in events if "loss" in e and "step" in e]
+    assert start["samples"] == len(json.loads(ALPACA.read_text()))  # the preprocessed prefix, every sample
+    assert [e["step"] for e in steps] == [1, 2, 3] and all(math.isfinite(e["loss"]) for e in steps)
+    # 1 process, MBS 1, GBS 4; --no-pad-to-seq-lengths: batches as wide as their longest sample
+    assert start["grad_accum"] == 4 and "dynamic batches" in log and "existing prefix" in log
+    assert steps[0]["lr"] == pytest.approx(1.25e-6)   # --lr-warmup-fraction 0.01 of 3 steps: no warmup step
+    assert steps[-1]["lr"] < steps[0]["lr"]            # cosine decay toward --min-lr
+    assert (work / "ckpt" / "step_3").is_dir()          # --save-interval ${TRAIN_ITERS}
+    assert (work / "logs" / "tune_qwen3_0.6b_full.log").stat().st_size > 0
+
+
+def _upstream_preprocess(argv, tmp_path, **swap):
+    """A published data_convert argument list with its paths swapped for local ones."""
+    out, it = [], iter(argv)
+    for arg in it:
+        out.append(arg)
+        if arg in swap:
+            next(it)
+            out.append(str(swap[arg]))
+    return out
+
+
+def test_pretrain_data_convert_writes_text_document_and_training_reads_it(qwen3_dir, tmp_path, capsys):
+    argv = _upstream_preprocess(published_args("data_convert_qwen3_pretrain"), tmp_path,
+                                **{"--input": CORPUS, "--tokenizer-name-or-path": qwen3_dir,
+                                   "--output-prefix": tmp_path / "enwiki"})
+    assert llm_preprocess.main(argv) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["enwiki_text_document.bin", "enwiki_text_document.idx"]
+    docs = indexed.IndexedDataset(tmp_path / "enwiki_text_document")
+    assert len(docs) == len(CORPUS.read_text().splitlines())
+    # MindSpeed-LLM's pretrain --data-path is <prefix>_text_document
+    handle = preprocess(str(tmp_path / "enwiki_text_document"), "text", None, None, 64, tmp_path / "cache")
+    assert handle.kind == "text" and handle.source == "megatron" and handle.stats["samples"] >= len(docs)
+
+
+def test_pack_and_neat_pack_rows_read_back_as_the_same_documents(qwen3_dir, tmp_path, capsys):
+    base = ["--input", str(ALPACA), "--tokenizer-name-or-path", str(qwen3_dir), "--handler-name",
+            "AlpacaStyleInstructionHandler", "--prompt-type", "qwen3"]
+    assert llm_preprocess.main(base + ["--output-prefix", str(tmp_path / "plain")]) == 0
+    assert llm_preprocess.main(base + ["--output-prefix", str(tmp_path / "neat"), "--pack", "--neat-pack",
+                                       "--seq-length", "128"]) == 0, capsys.readouterr().err
+    rows = indexed.IndexedDataset(tmp_path / "neat_packed_input_ids_document")
+    mask = indexed.IndexedDataset(tmp_path / "neat_packed_attention_mask_document")
+    assert len(rows) < len(json.loads(ALPACA.read_text())) / 2 and set(rows.sizes.tolist()) == {128}           # packed rows of --seq-length
+    assert any(mask[i].max() > 1 for i in range(len(mask))) and all(mask[i][-1] == 0 for i in range(len(mask)))
+
+    def documents(prefix):
+        ds = preprocess(str(prefix), "alpaca", None, None, 128, tmp_path / "cache").open()
+        return sorted((tuple(ds.sample(i)[0].tolist()), tuple(ds.sample(i)[1].tolist())) for i in range(len(ds)))
+
+    assert documents(tmp_path / "plain") == documents(tmp_path / "neat")
+    cfg = parse_args(["--data-path", str(tmp_path / "neat"), "--seq-length", "128", "--global-batch-size", "1",
+                      "--lr", "1e-4", "--train-iters", "1", "--neat-pack"], engine={"model_id": "qwen3-0.6b"})
+    assert cfg.data.packing and cfg.data.neat_pack   # trained as packed rows with per-document masks
+
+
+@pytest.mark.parametrize("name", CONVERT)
+def test_every_published_data_convert_flag_parses(name):
+    ns = llm_preprocess.upstream_parser().parse_args(published_args(name))
+    assert llm_preprocess.refusals(ns) == []
+
+
+# the published scripts this build refuses, and the flags that make it refuse them
+REFUSED = {"pretrain_deepseek2_lite_16b_ptd_8p": {"--split", "--moe-router-load-balancing-type", "--seq-aux"},
+           "tune_deepseek2_lite_16b_full_ptd": {"--moe-router-load-balancing-type", "--seq-aux"}}
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_every_published_training_flag_parses(name):
+    argv = published_args(name)
+    known = set(supported_flags())
+    assert {a for a in argv if a.startswith("--")} <= known
+    if name not in REFUSED:
+        cfg = parse_args(argv, engine={})
+        assert cfg.model.load_hf == "/placeholder/path" and cfg.load is None   # --enable-hf2mg-convert
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv, engine={})
+    assert set(refused_flags(str(err.value))) == REFUSED[name]
+
+
+def refused_flags(message: str) -> list[str]:
+    """The flag that opens each refusal of a "does not implement: A; B" message."""
+    return re.findall(r"(?:implement: |; )(--[a-z0-9-]+)", message)
+
+
+def test_published_runner_scripts_are_bash_valid():
+    for script in FIXTURES.glob("*.sh"):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+    assert shutil.which("torchrun") and sys.executable
