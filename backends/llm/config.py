@@ -509,7 +509,7 @@ def refusals(ns: argparse.Namespace) -> list[str]:
         out.append("--seq-aux: the sequence-level auxiliary loss is not built; drop it (the batch-level aux_loss "
                    "applies)")
     if ns.model_type_hf is not None and ns.model_type_hf not in MODEL_TYPE_HF:
-        out.append(f"--model-type-hf {ns.model_type_hf}: no native decoder for it; this build loads "
+        out.append(f"--model-type-hf {ns.model_type_hf}: no native decoder for it; use one of "
                    f"{', '.join(MODEL_TYPE_HF)}")
     if ns.enable_hf2mg_convert and not ns.load:
         out.append("--enable-hf2mg-convert: give --load <the Hugging Face model directory> to convert from")

@@ -98,6 +98,12 @@ def kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
     return {**out, **cfg.kernel_overrides}
 
 
+# the flags the checked shape numbers come from
+_ARCH_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads":
+               "--num-attention-heads", "num_kv_heads": "--num-query-groups", "head_dim": "--kv-channels",
+               "vocab_size": "--padded-vocab-size", "rope_theta": "--rotary-base"}
+
+
 def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
     """The decoder on the meta device (no memory yet): the parallel plans are applied to it, then
     backends.llm.loading.materialize gives each rank its own slices (read from engine.yaml's load_hf,
@@ -126,8 +132,9 @@ def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
                        "rope_theta") or not hasattr(have, key):
             continue
         if getattr(have, key) != value:
-            raise ConfigError(f"load_hf {cfg.model.load_hf}: config.json has {key}={getattr(have, key)!r} "
-                              f"but the flags say {value!r}; re-render the job from this model directory")
+            raise ConfigError(f"{_ARCH_FLAGS.get(key, key)} {value!r}: config.json in {cfg.model.load_hf} has "
+                              f"{key}={getattr(have, key)!r}; make the flag match the model (or re-render the job "
+                              f"from this model directory)")
     return loading.meta_decoder(have)
 
 

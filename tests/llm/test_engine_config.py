@@ -155,3 +155,103 @@ def test_recompute_method_and_num_layers_are_honoured_or_refused():
                          "--recompute-num-layers", "2"]) == [True, False, True, False]
     with pytest.raises(ConfigError, match="--recompute-granularity full only"):
         checkpointed(["--recompute-granularity", "selective", "--recompute-method", "block"])
+
+
+# one argument list per refusal of backends.llm.config.refusals: each message opens with that flag
+REFUSALS = {
+    "--hidden-dropout": ["--hidden-dropout", "0.1"], "--attention-dropout": ["--attention-dropout", "0.1"],
+    "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0"],
+    "--dataloader-type": ["--dataloader-type", "external"],
+    "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"], "--seq-aux": ["--seq-aux"],
+    "--model-type-hf": ["--model-type-hf", "bloom"], "--enable-hf2mg-convert": ["--enable-hf2mg-convert"],
+    "--lr-warmup-fraction": ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+    "--initial-loss-scale": ["--initial-loss-scale", "65536", "--fp16"],
+    "--moe-layer-freq": ["--moe-layer-freq", "[0]*1+[1]*26"],
+}
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSALS))
+def test_every_refusal_names_its_flag_and_what_to_do(flag):
+    from tests.llm.test_published_scripts import refused_flags
+
+    with pytest.raises(ConfigError) as err:
+        parse_args(BASE + REFUSALS[flag], engine=CARD)
+    assert refused_flags(str(err.value)) == [flag]
+    assert any(word in str(err.value) for word in ("use ", "set ", "give", "drop", "leave", "let "))
+
+
+PREPROCESS = ["--input", "x.json", "--tokenizer-name-or-path", "tok", "--output-prefix", "out/p"]
+PREPROCESS_REFUSALS = {
+    "--handler-name": ["--handler-name", "AlpacaStylePairwiseHandler"],
+    "--prompt-type": ["--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "chatglm3"],
+    "--tokenizer-type": ["--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file": ["--vocab-file", "v.txt"],
+    "--streaming": ["--streaming"], "--map-keys": ["--map-keys", '{"prompt": "q"}'],
+    "--mix-strategy": ["--mix-strategy", "interleave_under"], "--dataset-impl": ["--dataset-impl", "lazy"],
+    "--pad-to-multiple-of": ["--pad-to-multiple-of", "8"], "--drop-thinking": ["--drop-thinking", "false"],
+    "--pack": ["--pack", "--seq-length", "64"], "--neat-pack": ["--handler-name", "AlpacaStyleInstructionHandler",
+                                                                "--prompt-type", "qwen", "--neat-pack"],
+}
+
+
+@pytest.mark.parametrize("flag", sorted(PREPROCESS_REFUSALS))
+def test_every_preprocess_refusal_names_its_flag(flag):
+    from backends.llm import preprocess
+
+    ns = preprocess.upstream_parser().parse_args(PREPROCESS + PREPROCESS_REFUSALS[flag])
+    assert [r.split(" ", 1)[0].rstrip(":") for r in preprocess.refusals(ns)] == [flag]
+
+
+def test_moe_fusions_are_kernel_choices_and_neat_pack_packs():
+    from backends.llm.recipe import kernel_overrides
+
+    plain = kernel_overrides(parse_args(BASE, engine=CARD))
+    assert plain["grouped_mm"] == plain["moe_permute"] == plain["moe_unpermute"] == "reference"
+    fused = kernel_overrides(parse_args(BASE + ["--moe-grouped-gemm", "--moe-permute-fusion"], engine=CARD))
+    assert not {"grouped_mm", "moe_permute", "moe_unpermute"} & set(fused)
+    assert kernel_overrides(parse_args(BASE + ["--moe-grouped-gemm"], engine={**CARD, "kernels": {
+        "overrides": {"grouped_mm": "reference"}}}))["grouped_mm"] == "reference"   # engine.yaml wins
+    assert parse_args(BASE + ["--neat-pack"], engine=CARD).data.packing
+    assert parse_args(BASE + ["--no-pad-to-seq-lengths"], engine=CARD).data.dynamic
+    assert not parse_args(BASE + ["--sequence-parallel"], engine=CARD).parallel.sp       # tp 1: Megatron drops it
+    assert not hasattr(parse_args(BASE, engine=CARD), "extra")
+
+
+def test_partial_loads_of_an_engine_checkpoint_are_refused(tmp_path):
+    from backends.common.checkpoint.resume import MARKER
+    from backends.llm.recipe import resume_setting
+
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / MARKER).write_text("{}")
+    for flag in ("--finetune", "--no-load-optim", "--no-load-rng"):
+        with pytest.raises(ConfigError, match=f"^{flag} with --load"):
+            resume_setting(parse_args(BASE + ["--load", str(tmp_path), flag], engine=CARD))
+    assert resume_setting(parse_args(BASE + ["--load", str(tmp_path)], engine=CARD)) == "auto"
+    empty = tmp_path / "none"
+    assert resume_setting(parse_args(BASE + ["--load", str(empty), "--finetune"], engine=CARD)) == "auto"
+    with pytest.raises(ConfigError, match="--exit-on-missing-checkpoint"):
+        resume_setting(parse_args(BASE + ["--load", str(empty), "--exit-on-missing-checkpoint"], engine=CARD))
+
+
+def test_hf2mg_load_checks_the_model_type_and_architecture_flags(tiny_model):
+    from backends.llm.recipe import build_decoder
+
+    hf = str(tiny_model("qwen3"))
+    load = BASE + ["--load", hf, "--enable-hf2mg-convert", "--model-type-hf", "qwen3"]
+    cfg = parse_args(load + ["--norm-epsilon", "1e-6"], engine={})
+    assert cfg.model.load_hf == hf and cfg.load is None
+    assert build_decoder(cfg).config.family == "qwen3"
+    with pytest.raises(ConfigError, match=r"--norm-epsilon 1e-05 \(the model has rms_norm_eps=1e-06\)"):
+        build_decoder(parse_args(load + ["--norm-epsilon", "1e-5"], engine={}))
+    with pytest.raises(ConfigError, match="--model-type-hf llama2: .* holds a qwen3 model"):
+        build_decoder(parse_args(BASE + ["--load", hf, "--enable-hf2mg-convert", "--model-type-hf", "llama2"],
+                                 engine={}))
+    with pytest.raises(ConfigError, match=r"^--rotary-base 1000000\.0: config.json .* rope_theta=10000\.0"):
+        build_decoder(parse_args(load + ["--rotary-base", "1000000"], engine={}))
+
+
+def test_lr_warmup_fraction_is_of_the_decay_steps():
+    from backends.common.optim import lr_at
+
+    cfg = parse_args(BASE[:-1] + ["100", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50"], engine=CARD)
+    assert (cfg.train.warmup_fraction, cfg.train.decay_steps) == (0.1, 50)
+    assert lr_at(4, lr=1.0, min_lr=0.0, warmup=5, total=50, style="cosine") == 1.0  # what the recipe builds
