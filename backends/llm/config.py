@@ -5,6 +5,9 @@ Flags follow MindSpeed-LLM / Megatron-LM names and types (REFERENCE.md); an unkn
 error that lists the supported ones. What MindSpeed-LLM has no flag for (the model card or HF
 directory, kernel choice, metrics file, HF export, epochs, LoRA dropout) comes from the sidecar
 file that $AF_ENGINE_FILE names (ascendfactory renders it as engine.yaml next to the flags).
+MindSpeed-LLM's published scripts run as they are: `--enable-hf2mg-convert --load <HF dir>` is the
+native HF load (no engine.yaml needed), architecture flags are checked against the model, switches
+with no effect on the numbers are accepted (NO_EFFECT), and what is not built is refused by name.
 """
 
 from __future__ import annotations
