@@ -2,11 +2,11 @@
 input_ids and labels (tests/fixtures/llamafactory/lf_0.9.5_reference.json, built by LF's own code
 with make_reference.py).
 
-How a case calls our code: resolve_template(name, tok) + formats.encode_instruction, then
-formats.truncate at cutoff_len. Options our API does not take yet are passed only when a case sets
-them (enable_thinking=True to resolve_template; train_on_prompt / mask_history / cutoff_len to
-encode_instruction, cutoff_len as soon as its signature has it), so each xfail below turns into a
-pass, and strict=True makes it fail, once the option is built and matches LF. Pairwise records go
+How a case calls our code: resolve_template(name, tok[, enable_thinking=]) +
+formats.encode_instruction(...[, train_on_prompt=, mask_history=, cutoff_len=]), else
+formats.truncate at cutoff_len. An option the signature has is always passed; one it lacks is passed
+only when the case turns it on (so today's code raises TypeError there), so each xfail below turns
+into a pass, and strict=True makes it fail, once the option is built and matches LF. Pairwise records go
 through formats.encode_pairwise when it exists, else each of prompt+chosen / prompt+rejected is
 encoded as a conversation.
 """
@@ -114,16 +114,20 @@ def _accepts(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
+def _options(fn, wanted: dict) -> dict:
+    """The options fn takes; one it lacks is still passed when set (a TypeError: not built yet)."""
+    return {k: v for k, v in wanted.items() if _accepts(fn, k) or v}
+
+
 def encode_ours(case: dict) -> dict:
     """Our ids/labels for a case, keyed as LF's processors key them."""
     rec = REFERENCE["records"][case["record"]]
     args = case["data_args"]
     tok = _tokenizer(case["tokenizer"])
-    template_kwargs = {"enable_thinking": True} if args.get("enable_thinking") else {}
-    template = resolve_template(case["template"], tok, **template_kwargs) if template_kwargs else \
-        resolve_template(case["template"], tok)
+    thinking = {"enable_thinking": args["enable_thinking"]} if "enable_thinking" in args else {}
+    template = resolve_template(case["template"], tok, **_options(resolve_template, thinking))
     cutoff = args["cutoff_len"]
-    opts = {k: True for k in ("train_on_prompt", "mask_history") if args.get(k)}
+    opts = _options(formats.encode_instruction, {k: bool(args.get(k)) for k in ("train_on_prompt", "mask_history")})
     where = Path(FIXTURE.name)
     if rec["ranking"]:
         record = rec["record"]
