@@ -25,11 +25,10 @@ dist.destroy_process_group = _noting_destroy
 atexit.register(lambda: print("[exit-worker] interpreter teardown ran", flush=True))
 
 tmp = Path(sys.argv[1])
-exit_interval = int(sys.argv[2]) if len(sys.argv) > 2 else None
 
 
 def make(args):
-    return Regression(tmp, exit_interval=exit_interval)
+    return Regression(tmp)
 
 
 sys.exit(trainer.main("exit-worker", make, argv=[]))

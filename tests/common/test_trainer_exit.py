@@ -10,10 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(tmp_path, *extra):
+def _run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests/common/_exit_worker.py"), str(tmp_path), *extra]
+           str(ROOT / "tests/common/_exit_worker.py"), str(tmp_path)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 

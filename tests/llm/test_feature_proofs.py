@@ -12,7 +12,6 @@ shared trainer in this process; the first uses the engine's batch loader and mod
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 import numpy as np
@@ -99,15 +98,11 @@ def test_a_changed_document_leaves_the_others_in_its_row_unchanged(tiny_model, f
 def _recipe(job: dict, tmp_path: Path):
     """The engine's recipe for `job`, from the flags and engine.yaml that `run` would write."""
     from ascendfactory.plan import make_plan
-    from ascendfactory.render import render
     from ascendfactory.spec import parse_job
-    from backends.llm.config import parse_args
     from backends.llm.recipe import LLMRecipe
+    from tests.llm.test_engine_config import _parsed
 
-    rendered = render(make_plan(parse_job(yaml.safe_dump(job)), check_memory=False), tmp_path / "run")
-    cfg = parse_args(shlex.split(rendered.files["mindspeed_llm_args.sh"], comments=True),
-                     engine=yaml.safe_load(rendered.files["engine.yaml"]))
-    return LLMRecipe(cfg)
+    return LLMRecipe(_parsed(make_plan(parse_job(yaml.safe_dump(job)), check_memory=False), tmp_path))
 
 
 def _job(model_dir: Path, tmp_path: Path, **changes) -> dict:
