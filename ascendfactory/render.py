@@ -129,6 +129,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     context: dict[str, Any] = {
         "job": job.model_dump(mode="json") | {"lora": job.lora.model_dump() if job.lora else None},
         "model_id": plan.model_id,
+        "hf_repo": _hf_repo(plan),
         "family": plan.family,
         "family_template": CHAT_TEMPLATE_OF_FAMILY.get(plan.family, plan.family),
         "arch": plan.arch,
@@ -149,6 +150,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     files[fw.config_name], args = fw.render_config(shell, yml, context, job, Path(paths["run_dir"]))
     if fw.sidecar_template:
         files[SIDECAR_NAME] = yml.get_template(fw.sidecar_template).render(context)
+    files.update(fw.extra_files(context, job))
     context["engine"] = {"module": fw.engine_module, "args": args}
 
     launch_template, launch_name = LAUNCH_TEMPLATE[job.launcher]
@@ -164,6 +166,11 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
                     "MASTER_PORT": str(job.resources.master_port)})
     return Rendered(files=files, argv=argv, env=env, engine_module=fw.engine_module,
                     run_dir=Path(paths["run_dir"]), warnings=list(plan.warnings))
+
+
+def _hf_repo(plan: Plan) -> str:
+    """The card's Hugging Face repository (what a model_name_or_path names without a model_path)."""
+    return (plan.card or {}).get("hf_repo") or plan.model_id
 
 
 def _rdzv_port(resources) -> int:

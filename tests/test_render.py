@@ -67,7 +67,8 @@ def test_local_launcher(plan_of, tmp_path):
 
 
 @pytest.mark.parametrize("framework,model,stage,name,extra", [
-    ("llamafactory", "qwen2.5-14b", "dpo", "llamafactory_train.yaml", {"parallel": {"zero": 3}}),
+    ("llamafactory", "qwen2.5-14b", "dpo", "llamafactory_train.yaml",
+     {"parallel": {"zero": 3}, "data": {"path": "examples/data/arithmetic_pairs.json", "format": "pairwise"}}),
     ("mindspeed-mm", "qwen2.5-vl-7b", "sft", "mindspeed_mm.yaml", {"parallel": {"fsdp": True}}),
     ("verl", "qwen3-14b", "dapo", "verl_config.yaml", {"parallel": {"fsdp": True}}),
     ("mindspeed-rl", "qwen2.5-7b", "grpo", "mindspeed_rl.yaml", {"parallel": {"tp": 2}}),
@@ -77,7 +78,7 @@ def test_yaml_dialects(plan_of, tmp_path, framework, model, stage, name, extra):
     tree = yaml.safe_load(r.files[name])
     assert r.argv[-1] == str(tmp_path.resolve() / name)
     if framework == "llamafactory":
-        assert r.argv[-2] == "train" and tree["stage"] == "dpo" and tree["deepspeed_zero_stage"] == 3
+        assert r.argv[-2] == "train" and tree["stage"] == "dpo" and tree["deepspeed"].endswith("ds_z3_config.json")
         assert tree["gradient_accumulation_steps"] == 2 and tree["cutoff_len"] == 4096
     elif framework == "mindspeed-mm":
         assert tree["parallel"]["fully_shard_parallel_size"] == 8 and tree["model"]["model_id"] == model

@@ -116,6 +116,10 @@ class Adapter:
     def engine_args(self, config_path: Path) -> list[str]:
         return [str(config_path)]
 
+    def extra_files(self, context: dict[str, Any], job) -> dict[str, str]:
+        """Further files the framework's engine file names (name in the run directory → text)."""
+        return {}
+
     # ------------------------------------------------------------------ memory
 
     def states(self, job, on_device: float, trainable: float, layer_only: float, c: int, dp: int) -> States:

@@ -180,10 +180,15 @@ def test_flash_and_fused_switches_choose_the_plain_ops():
 
     base = ["--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
     card = {"model_id": "qwen3-8b"}
+    moe = ["--moe-grouped-gemm", "--moe-permute-fusion"]
     fused = base + ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
-    assert kernel_overrides(parse_args(fused, engine=card)) == {}  # auto: the fused kernel of the device
+    assert kernel_overrides(parse_args(fused + moe, engine=card)) == {}  # auto: the fused kernel of the device
+    plain_moe = {"grouped_mm": "reference", "moe_permute": "reference", "moe_unpermute": "reference"}
+    assert kernel_overrides(parse_args(fused, engine=card)) == plain_moe
     assert kernel_overrides(parse_args(base, engine=card)) == {"attention": "reference", "rms_norm": "reference",
-                                                                "apply_rotary": "reference", "swiglu": "reference"}
-    mine = parse_args(base + ["--use-flash-attn"], engine={**card, "kernels": {"overrides": {"attention": "cuda"}}})
+                                                                "apply_rotary": "reference", "swiglu": "reference",
+                                                                **plain_moe}
+    mine = parse_args(base + moe + ["--use-flash-attn"],
+                      engine={**card, "kernels": {"overrides": {"attention": "cuda"}}})
     assert kernel_overrides(mine) == {"attention": "cuda", "rms_norm": "reference", "apply_rotary": "reference",
                                        "swiglu": "reference"}
