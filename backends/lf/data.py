@@ -1,0 +1,194 @@
+"""LLaMA-Factory's dataset registry (`dataset_info.json` in `dataset_dir`) read into the shared data
+pipeline: each named dataset's records are mapped through its `formatting`, `columns` and `tags`
+onto canonical alpaca / sharegpt / text records, then tokenized once into the cache
+(backends.common.data.preprocess) and batched by MicroBatchLoader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from backends.common.data.formats import DataFormatError, iter_records
+from backends.lf.config import LFConfig, LFConfigError
+
+INFO_FILE = "dataset_info.json"
+# LLaMA-Factory's column and tag defaults (data/parser.py DatasetAttr)
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None}
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": None, "tools": None}
+SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
+_ENTRY_KEYS = {"file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "formatting",
+               "ranking", "columns", "tags", "subset", "split", "folder", "num_samples", "load_from"}
+# our template names for LLaMA-Factory's (backends.common.data.templates implements these)
+TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "qwen3_nothink": "qwen3", "llama3": "llama3", "glm4": "glm4",
+             "mistral": "mistral", "deepseek3": "deepseek"}
+
+
+@dataclass
+class DatasetEntry:
+    name: str
+    file: Path
+    formatting: str           # alpaca | sharegpt
+    ranking: bool
+    columns: dict[str, Any]
+    tags: dict[str, str]
+
+
+def read_dataset_info(cfg: LFConfig) -> list[DatasetEntry]:
+    """The entries of every dataset the training file names, each checked against its file."""
+    folder = Path(cfg.dataset_dir)
+    info_path = folder / INFO_FILE
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LFConfigError(f"dataset_dir: {info_path} does not exist; LLaMA-Factory reads each dataset's entry from "
+                            f"it (ascendfactory render writes one)") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise LFConfigError(f"{info_path}: cannot read it as JSON: {err}") from None
+    out = []
+    for name in cfg.names("dataset"):
+        if name not in info:
+            raise LFConfigError(f"dataset: {name!r} is not in {info_path} (it has: {', '.join(info) or 'nothing'})")
+        out.append(_entry(name, info[name], folder, info_path))
+    return out
+
+
+def _entry(name: str, raw: Any, folder: Path, info_path: Path) -> DatasetEntry:
+    where = f"{info_path}: {name}"
+    if not isinstance(raw, dict):
+        raise LFConfigError(f"{where}: an entry must be a mapping")
+    unknown = sorted(set(raw) - _ENTRY_KEYS)
+    if unknown:
+        raise LFConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    if "file_name" not in raw:
+        hub = next((k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url") if k in raw), None)
+        why = f"{hub} needs a download, which this engine does not do" if hub else "it has no file_name"
+        raise LFConfigError(f"{where}: {why}; download the data and give file_name (relative to dataset_dir)")
+    fmt = raw.get("formatting", "alpaca")
+    if fmt not in ("alpaca", "sharegpt"):
+        raise LFConfigError(f"{where}: formatting must be alpaca or sharegpt, not {fmt!r}")
+    file = Path(raw["file_name"])
+    file = file if file.is_absolute() else folder / file
+    if not file.exists():
+        raise LFConfigError(f"{where}: file_name {file} does not exist")
+    defaults = ALPACA_COLUMNS if fmt == "alpaca" else SHAREGPT_COLUMNS
+    columns = dict(defaults)
+    given = raw.get("columns") or {}
+    if not isinstance(given, dict):
+        raise LFConfigError(f"{where}: columns must be a mapping")
+    allowed = set(defaults) | {"chosen", "rejected", "images", "videos", "audios", "kto_tag"}
+    for key, value in given.items():
+        if key not in allowed:
+            raise LFConfigError(f"{where}: unknown column {key!r} for {fmt} (known: {', '.join(sorted(allowed))})")
+        columns[key] = value
+    for media in ("images", "videos", "audios"):
+        if columns.get(media):
+            raise LFConfigError(f"{where}: the {media} column is for vision-language models, which this engine "
+                                "does not train yet")
+    tags = dict(SHAREGPT_TAGS)
+    tags.update(raw.get("tags") or {})
+    return DatasetEntry(name, file, fmt, bool(raw.get("ranking", False)), columns, tags)
+
+
+def _text(record: dict, key: str | None, where: str, required: bool = False) -> str:
+    if not key or record.get(key) in (None, ""):
+        if required:
+            raise DataFormatError(f"{where}: missing column {key!r}")
+        return ""
+    value = record[key]
+    if not isinstance(value, str):
+        raise DataFormatError(f"{where}: column {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def canonical(entry: DatasetEntry, stage: str, record: Any, where: str) -> dict:
+    """One record in the shape the shared pipeline reads: text (pt), alpaca or sharegpt."""
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{where}: a record must be a JSON object")
+    c = entry.columns
+    if entry.formatting == "alpaca":
+        prompt = _text(record, c["prompt"], where, required=True)
+        query = _text(record, c["query"], where)
+        if stage == "pt":  # LLaMA-Factory pre-trains on the prompt (+ query) text
+            return {"text": f"{prompt}\n{query}" if query else prompt}
+        out = {"instruction": prompt, "input": query, "output": _text(record, c["response"], where, required=True)}
+        if c.get("system"):
+            out["system"] = _text(record, c["system"], where)
+        if c.get("history") and record.get(c["history"]):
+            out["history"] = record[c["history"]]
+        return out
+    t = entry.tags
+    turns = record.get(c["messages"])
+    if not isinstance(turns, list) or not turns:
+        raise DataFormatError(f"{where}: column {c['messages']!r} must be a non-empty list of messages")
+    roles = {t["user_tag"]: "user", t["assistant_tag"]: "assistant", t["system_tag"]: "system"}
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or t["role_tag"] not in turn or t["content_tag"] not in turn:
+            raise DataFormatError(f"{where}: {c['messages']}[{i}] needs {t['role_tag']!r} and {t['content_tag']!r}")
+        role = roles.get(turn[t["role_tag"]])
+        if role is None:
+            raise DataFormatError(f"{where}: {c['messages']}[{i}] has role {turn[t['role_tag']]!r}; this engine trains "
+                                  f"on {', '.join(map(repr, roles))} (tool turns are not built)")
+        messages.append({"role": role, "content": turn[t["content_tag"]]})
+    if stage == "pt":
+        return {"text": messages[0]["content"]}
+    out = {"messages": messages}
+    if c.get("system") and record.get(c["system"]):
+        out["system"] = _text(record, c["system"], where)
+    return out
+
+
+def _records(entry: DatasetEntry, stage: str) -> Iterator[dict]:
+    for file, index, record in iter_records(entry.file):
+        yield canonical(entry, stage, record, f"{file} record {index} (dataset {entry.name!r})")
+
+
+def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path) -> tuple[Path, str]:
+    """(a JSONL of every named dataset's canonical records, its format), content-addressed in the cache."""
+    fmt = "text" if stage == "pt" else ("sharegpt" if any(e.formatting == "sharegpt" for e in entries) else "alpaca")
+    digest = hashlib.sha256()
+    for e in entries:
+        stat = e.file.stat()
+        digest.update(json.dumps([e.name, str(e.file.resolve()), stat.st_size, stat.st_mtime_ns, e.formatting,
+                                  e.columns, e.tags, stage]).encode())
+    out = cache_root / f"records-{digest.hexdigest()[:16]}.jsonl"
+    if out.is_file():
+        return out, fmt
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for e in entries:
+            for rec in _records(e, stage):
+                if fmt == "sharegpt" and "instruction" in rec:  # mixed formats: one shape for all
+                    rec = _alpaca_as_sharegpt(rec)
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    tmp.rename(out)
+    return out, fmt
+
+
+def _alpaca_as_sharegpt(rec: dict) -> dict:
+    messages = []
+    for q, a in rec.get("history") or []:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    prompt = f"{rec['instruction']}\n{rec['input']}" if rec.get("input") else rec["instruction"]
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": rec["output"]}]
+    out = {"messages": messages}
+    if rec.get("system"):
+        out["system"] = rec["system"]
+    return out
+
+
+def template_name(cfg: LFConfig) -> str | None:
+    """Our template for the training file's `template` (None: the tokenizer's own chat template)."""
+    name = cfg.template
+    if name is None or cfg.stage == "pt":  # pre-training text takes no template
+        return None
+    if name not in TEMPLATES:
+        raise LFConfigError(f"template: {name!r} is not a template this engine implements (it has "
+                            f"{', '.join(TEMPLATES)}); leave it unset to use the tokenizer's own chat template")
+    return TEMPLATES[name]
