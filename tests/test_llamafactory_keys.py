@@ -183,5 +183,7 @@ def test_defaults_the_engine_assumes_are_llamafactorys():
         raw = keys[key][1]
         if raw.startswith("<") or key in ("report_to", "optim", "ddp_timeout"):
             continue  # an enum member's repr, or a value transformers resolves later
-        upstream = yaml.safe_load(raw.replace("None", "null").replace("True", "true").replace("False", "false"))
+        import ast
+
+        upstream = ast.literal_eval(raw)
         assert upstream == default or (default is None and upstream in ("", None)), (key, default, raw)

@@ -130,6 +130,9 @@ class Recipe:
     def export(self, trainer: "Trainer") -> None:  # collective; e.g. the HF export
         pass
 
+    def logged(self, record: dict) -> None:  # every rank, after metrics.jsonl got the record (own logs)
+        pass
+
     def plot_title(self, total_steps: int) -> str:
         return f"{self.name} · {total_steps} steps"
 
@@ -329,6 +332,7 @@ class Trainer:
                   "elapsed_s": round(m.elapsed(), 3)}
         record.update({k: round(v, 6) for k, v in result.metrics.items()})
         m.write(record)
+        self.recipe.logged(record)
         log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f %.0f tok/s", self.step, s.total_steps, result.loss,
                  lr, result.grad_norm, result.real_tokens / result.seconds)
 

@@ -264,11 +264,13 @@ def _check_rules(args: dict[str, Any], source: str) -> None:
         raise bad(f"learning_rate must be positive, not {args['learning_rate']}")
 
 
-def parse_config(train_file: str | Path | Mapping, engine: Mapping | str | Path | None = None) -> LFConfig:
-    """The training YAML (a path, or its mapping), its DeepSpeed file and the sidecar, checked."""
+def parse_config(train_file: str | Path | Mapping, engine: Mapping | str | Path | None = None, *,
+                 base: Path | None = None, source: str | None = None) -> LFConfig:
+    """The training YAML (a path, or its mapping), its DeepSpeed file and the sidecar, checked.
+    base: where relative paths of a mapping are read from (default: the working directory)."""
     import yaml
 
-    base, source = Path.cwd(), "the training file"
+    base, source = base or Path.cwd(), source or "the training file"
     if not isinstance(train_file, Mapping):
         path = Path(train_file)
         base, source = path.parent, str(path)

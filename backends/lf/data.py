@@ -183,6 +183,27 @@ def _alpaca_as_sharegpt(rec: dict) -> dict:
     return out
 
 
+def build_template(cfg: LFConfig, tokenizer):
+    """The chat template the training file names (None for pre-training text), with LLaMA-Factory's
+    enable_thinking rule for reasoning templates and its default_system."""
+    from dataclasses import replace
+
+    from backends.common.data.templates import NamedTemplate, TemplateError, thinking_template
+
+    if cfg.stage == "pt":
+        return None
+    name = template_name(cfg)
+    try:
+        template = thinking_template(name, tokenizer, cfg.enable_thinking)
+    except TemplateError as err:
+        raise LFConfigError(f"template: {err}") from None
+    if cfg.default_system is not None:
+        if not isinstance(template, NamedTemplate):
+            raise LFConfigError("default_system: needs a named template (set template:)")
+        template = replace(template, default_system=cfg.default_system)
+    return template
+
+
 def template_name(cfg: LFConfig) -> str | None:
     """Our template for the training file's `template` (None: the tokenizer's own chat template)."""
     name = cfg.template

@@ -19,18 +19,14 @@ class HFCausalLMWithLoss(nn.Module):
     """The HF model plus its loss, as one module (under FSDP2 the root unit holds the embedding, final
     norm and head, unsharded for exactly this forward)."""
 
-    def __init__(self, hf: nn.Module, cross_attention: bool = False):
+    def __init__(self, hf: nn.Module):
         super().__init__()
         self.hf = hf
-        # packing without neat_packing: LLaMA-Factory lets packed samples attend to each other
-        self.cross_attention = cross_attention
 
     def body(self) -> nn.Module:
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
     def forward(self, input_ids, labels, position_ids=None):
-        if self.cross_attention and position_ids is not None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()
         loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,

@@ -17,7 +17,8 @@ The batch contract (every mode; torch tensors)
            as padded. Length-grouped: each epoch's shuffled order is cut in mega-batches of
            group_factor (50) x micro x dp samples, sorted by length inside, cut in global batches,
            and the global batches are shuffled (a partial one stays last); shuffle=False keeps
-           file order without grouping.
+           file order without grouping, as does group_by_length=False (HF Trainer's default:
+           then a step's samples do not depend on micro or dp_world).
   packed   input_ids/labels/position_ids [1, micro * seq_len]: the micro rows of the best-fit-
            decreasing packing (packed once, deterministic) laid end to end. cu_seqlens int32
            [n_segments + 1] holds the offsets of every document in that flat stream, 0 ..
@@ -66,7 +67,7 @@ def round_up(n: int, multiple: int) -> int:
 class MicroBatchLoader:
     def __init__(self, dataset, mode: str = "packed", micro_batch: int = 1, seq_len: int | None = None,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, shuffle: bool = True, pad_id: int = 0,
-                 pad_to_multiple_of: int = 8, group_factor: int = 50):
+                 pad_to_multiple_of: int = 8, group_factor: int = 50, group_by_length: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown batch mode {mode!r}; one of {', '.join(MODES)}")
         if micro_batch < 1:
@@ -86,6 +87,7 @@ class MicroBatchLoader:
         self.mode, self.micro_batch, self.dp_rank, self.dp_world = mode, int(micro_batch), int(dp_rank), int(dp_world)
         self.seed, self.shuffle, self.pad_id = int(seed), bool(shuffle), int(pad_id)
         self.pad_to_multiple_of, self.group_factor = int(pad_to_multiple_of), int(group_factor)
+        self.group_by_length = bool(group_by_length)
         if mode == "packed":
             self.rows = best_fit_decreasing(self.lengths, self.seq_len)
             self.packing = pack_stats(self.rows, self.lengths, self.seq_len)
@@ -123,7 +125,7 @@ class MicroBatchLoader:
             return np.arange(n, dtype=np.int64)
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(n).astype(np.int64)
-        if self.mode != "dynamic":
+        if self.mode != "dynamic" or not self.group_by_length:
             return order
         g = self.global_micro
         mega = max(1, self.group_factor) * g

@@ -1,0 +1,5 @@
+import sys
+
+from backends.lf.recipe import main
+
+sys.exit(main())

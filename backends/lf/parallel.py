@@ -1,0 +1,69 @@
+"""Data parallel with DeepSpeed's ZeRO stages, carried out by PyTorch: stage 0 is DDP, stage 1 the
+shared distributed optimizer (optimizer states sharded), stage 2 FSDP2 keeping the parameters whole
+between forward and backward (gradients and optimizer states sharded), stage 3 FSDP2 resharding
+after forward (parameters too). offload_optimizer / offload_param move the sharded states to the
+CPU (FSDP2's CPUOffloadPolicy). Gradient checkpointing is the shared recompute on every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ascendfactory.layout import LayoutError
+from ascendfactory.layout import check as check_layout
+from backends.common.parallel import data_parallel
+from backends.common.parallel.data_parallel import Parallel
+from backends.common.parallel.mesh import build_mesh
+from backends.common.parallel.recompute import apply_recompute
+from backends.lf.config import LFConfig, LFConfigError
+
+log = logging.getLogger("backends.lf")
+
+
+def setup(cfg: LFConfig, model, rt) -> Parallel:
+    text = getattr(model.hf.config, "text_config", model.hf.config)
+    heads = int(text.num_attention_heads)
+    try:  # the planner's rules: here only the batch arithmetic can break
+        layout = check_layout(world=rt.world, heads=heads, kv_heads=int(getattr(text, "num_key_value_heads", heads)),
+                              layers=int(text.num_hidden_layers), seq_len=cfg.cutoff_len,
+                              micro_batch=cfg.per_device_train_batch_size,
+                              global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+                              * rt.world)
+    except LayoutError as err:
+        raise LFConfigError(str(err)) from None
+    z = cfg.zero
+    if z.offload_optimizer and z.stage < 2:
+        raise LFConfigError(f"{z.source}: offload_optimizer needs zero_optimization.stage 2 or 3 here (FSDP2 offloads "
+                            "the sharded states)")
+    if rt.world == 1:
+        if z.stage:
+            log.info("ZeRO stage %d on one process: nothing to shard", z.stage)
+        return data_parallel.single_process(layout)
+    return data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=z.stage >= 2,
+                                   distributed_optimizer=z.stage == 1)
+
+
+def recompute(cfg: LFConfig, model) -> int:
+    """LLaMA-Factory checkpoints every layer unless disable_gradient_checkpointing (non-reentrant here,
+    whatever use_reentrant_gc says: the same numbers, and it composes with FSDP2)."""
+    if cfg.disable_gradient_checkpointing:
+        return 0
+    return apply_recompute(model.parts(), "full")
+
+
+def wrap(model, cfg: LFConfig, par: Parallel, device: torch.device):
+    """The model on its device, wrapped for the ZeRO stage (FSDP2 units: one per decoder layer, the
+    rest in the root)."""
+    z = cfg.zero
+    model.to(device)
+    if par.grad_world == 1 or not par.fsdp:
+        return data_parallel.wrap_data_parallel(model, model.parts(), par, device)
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    kw = dict(mesh=par.grad_mesh, reshard_after_forward=z.stage >= 3,
+              offload_policy=CPUOffloadPolicy() if (z.offload_param or z.offload_optimizer) else OffloadPolicy())
+    for block in model.parts().block_list():
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)

@@ -1,0 +1,288 @@
+"""The LLaMA-Factory-style recipe on the shared trainer: pre-training and supervised fine-tuning of a
+Hugging Face causal LM (full, freeze or LoRA), data parallel with ZeRO 0-3, as `llamafactory-cli
+train <file>.yaml` runs it. HF Trainer's rules are kept where they change the numbers: the step
+count per epoch, the schedulers (transformers' own), warmup from warmup_steps or warmup_ratio, the
+per-device batch and gradient accumulation. The loop itself is backends.common.trainer's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from backends import kernels
+from backends.common.distributed import barrier
+from backends.common.parallel import data_parallel
+from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
+from backends.lf.config import LFConfig, LFConfigError, parse_config
+from backends.lf.model import HFCausalLMWithLoss
+
+log = logging.getLogger("backends.lf")
+
+TRAINER_LOG = "trainer_log.jsonl"
+# files whose presence makes output_dir a finished model (LLaMA-Factory refuses to train over one)
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "adapter_model.safetensors",
+               "adapter_model.bin")
+
+
+def total_steps(cfg: LFConfig, batches_per_epoch: int) -> int:
+    """HF Trainer's count: max_steps when given, else ceil(epochs × optimizer steps per epoch), an epoch
+    being floor(per-rank micro-batches / accumulation) steps (at least one)."""
+    if cfg.max_steps > 0:
+        return int(cfg.max_steps)
+    per_epoch = max(batches_per_epoch // cfg.gradient_accumulation_steps, 1)
+    return max(1, math.ceil(cfg.num_train_epochs * per_epoch))
+
+
+def warmup_steps(cfg: LFConfig, total: int) -> int:
+    """warmup_steps (a count, or below 1 a fraction of the run), else ceil(warmup_ratio × steps)."""
+    w = cfg.warmup_steps
+    if w >= 1:
+        return int(w)
+    if w > 0:
+        return math.ceil(w * total)
+    return math.ceil((cfg.warmup_ratio or 0.0) * total)
+
+
+def build_scheduler(optimizer, cfg: LFConfig, total: int):
+    """transformers' own scheduler of that name (the one LLaMA-Factory's trainer builds)."""
+    from transformers import get_scheduler
+
+    kwargs = dict(cfg.lr_scheduler_kwargs or {})
+    if cfg.lr_scheduler_type == "cosine_with_min_lr" and not ({"min_lr", "min_lr_rate"} & set(kwargs)):
+        raise LFConfigError("lr_scheduler_type cosine_with_min_lr needs lr_scheduler_kwargs with min_lr or "
+                            "min_lr_rate")
+    try:
+        return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(cfg, total),
+                             num_training_steps=total, scheduler_specific_kwargs=kwargs or None)
+    except TypeError as err:
+        raise LFConfigError(f"lr_scheduler_kwargs {kwargs}: {cfg.lr_scheduler_type} does not take them ({err})") \
+            from None
+
+
+def resume_setting(cfg: LFConfig, save_dir: Path) -> str | None:
+    """LLaMA-Factory's rule: resume_from_checkpoint when given; else the newest checkpoint in
+    output_dir unless overwrite_output_dir; a finished model there without checkpoints is refused."""
+    from backends.common.checkpoint.resume import list_checkpoints
+
+    if cfg.resume_from_checkpoint:
+        return cfg.resume_from_checkpoint
+    if cfg.overwrite_output_dir:
+        return None
+    out = Path(cfg.output_dir)
+    if not (save_dir.is_dir() and list_checkpoints(save_dir)) and any((out / n).is_file() for n in MODEL_FILES):
+        raise LFConfigError(f"output_dir {out} already holds a trained model and no checkpoint to resume; set "
+                            "overwrite_output_dir: true, or choose another output_dir")
+    return "auto"
+
+
+class TrainerLog:
+    """output_dir/trainer_log.jsonl as LLaMA-Factory's LogCallback writes it (rank 0)."""
+
+    def __init__(self, path: Path, total: int, steps_per_epoch: int, resumed: bool):
+        self.path, self.total, self.per_epoch = path, total, max(steps_per_epoch, 1)
+        self.start = time.time()
+        self.first_step: int | None = None
+        if not resumed and path.exists():
+            path.unlink()  # a fresh run starts a fresh log, as LogCallback does
+
+    def write(self, record: dict) -> None:
+        step = int(record["step"])
+        if self.first_step is None:
+            self.first_step = step - 1
+        elapsed = time.time() - self.start
+        done = max(step - self.first_step, 1)
+        remaining = (self.total - step) * elapsed / done
+        logs = {"current_steps": step, "total_steps": self.total, "loss": record["loss"], "lr": record["lr"],
+                "epoch": round(step / self.per_epoch, 2),
+                "percentage": round(step / self.total * 100, 2) if self.total else 100,
+                "elapsed_time": str(timedelta(seconds=int(elapsed))),
+                "remaining_time": str(timedelta(seconds=int(remaining))),
+                "throughput": record.get("tokens_per_s"), "total_tokens": record.get("trained_tokens")}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({k: v for k, v in logs.items() if v is not None}) + "\n")
+
+
+class LFRecipe(Recipe):
+    name = "backends.lf"
+
+    def __init__(self, cfg: LFConfig):
+        self.cfg = cfg
+        self.trainer_log: TrainerLog | None = None
+
+    # ------------------------------------------------------------------ build
+    def build(self, rt) -> Settings:
+        from backends.lf import model as lfmodel
+        from backends.lf import parallel
+
+        cfg = self.cfg
+        if cfg.stage == "dpo":
+            raise LFConfigError(f"{cfg.source}: stage dpo is not built in this version of backends.lf (pt and sft "
+                                "are); train DPO with LLaMA-Factory itself for now")
+        seed_everything(cfg.seed)
+        overrides = {**lfmodel.attention_override(cfg.flash_attn), **cfg.engine.get("kernels.overrides", {})}
+        kernels.configure(default=cfg.engine.get("kernels.backend"), overrides=overrides or None)
+        hf = lfmodel.load_hf_model(cfg)
+        patched = lfmodel.apply_kernels(hf)
+        trained = lfmodel.make_trainable(hf, cfg)
+        model = HFCausalLMWithLoss(hf)
+        self.trainable = sum(p.numel() for p in hf.parameters() if p.requires_grad)
+        self.total = sum(p.numel() for p in hf.parameters())
+        log.info("model: %s, %.2f M parameters (%.2f M trainable, %s %s), kernels %s; patched %s",
+                 hf.config.model_type, self.total / 1e6, self.trainable / 1e6, cfg.finetuning_type,
+                 len(trained), kernels.describe(), patched)
+        self.rt = rt
+        par = self.par = parallel.setup(cfg, model, rt)
+        self.checkpointed = parallel.recompute(cfg, model)
+        self.dataset, self.loader, self.tokenizer = self._data(rt, par)
+        steps = total_steps(cfg, len(self.loader))
+        self.steps_per_epoch = max(len(self.loader) // cfg.gradient_accumulation_steps, 1)
+        model = parallel.wrap(model, cfg, par, rt.device)
+        self.model = model
+        optimizer = data_parallel.build_optimizer(model, par, lr=cfg.learning_rate,
+                                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                                  weight_decay=cfg.weight_decay)
+        if not par.distributed_optimizer:
+            for group in optimizer.param_groups:
+                group["eps"] = cfg.adam_epsilon
+        scheduler = build_scheduler(optimizer, cfg, steps)
+        precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+        self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group, grad_world=par.grad_world,
+                                    precision=precision, grad_clip=cfg.max_grad_norm,
+                                    after_backward=data_parallel.grad_sync(model, par))}
+        self._batches = iter(self.loader)
+        out = Path(cfg.output_dir)
+        save_dir = out / "checkpoints"
+        resume = resume_setting(cfg, save_dir)
+        metrics = cfg.engine.get("metrics_file") or str(out / "metrics.jsonl")
+        if rt.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+        self._resume_asked = resume
+        return Settings(total_steps=steps, save_dir=str(save_dir),
+                        save_interval=int(cfg.save_steps) if cfg.save_strategy == "steps" else None,
+                        exit_interval=cfg.engine.get("exit_interval"), resume=resume,
+                        log_interval=max(1, int(cfg.logging_steps)), metrics_file=metrics,
+                        keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora")
+
+    def _data(self, rt, par):
+        from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
+        from backends.lf.data import build_template, read_dataset_info, write_canonical
+
+        cfg = self.cfg
+        tokenizer = load_tokenizer(cfg.model_name_or_path, use_fast=cfg.use_fast_tokenizer)
+        entries = read_dataset_info(cfg)
+        cache = Path(cfg.output_dir) / "data"
+        template = build_template(cfg, tokenizer)
+
+        def build():
+            records, fmt = write_canonical(entries, cfg.stage, cache)
+            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples)
+
+        # rank 0 tokenizes and writes the cache; the others wait, then read the same files
+        dataset = build() if rt.is_main else None
+        barrier()
+        if dataset is None:
+            dataset = build()
+        mode = "packed" if cfg.packing else "dynamic"
+        loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.per_device_train_batch_size,
+                                  seq_len=cfg.cutoff_len, dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.seed,
+                                  shuffle=True, pad_id=pad_id(tokenizer), pad_to_multiple_of=8,
+                                  group_by_length=False)
+        packing = getattr(loader, "packing", None)
+        log.info("data: %s; %s batches%s", dataset.summary(), mode,
+                 f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
+        return dataset, loader, tokenizer
+
+    # ------------------------------------------------------------------ steps
+    def next_micro_batches(self) -> list[dict]:
+        device = self.rt.device
+        return [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
+                 for k, v in self._rows(next(self._batches)).items()}
+                for _ in range(self.cfg.gradient_accumulation_steps)]
+
+    def _rows(self, mb: dict) -> dict:
+        """Packed micro-batches come as one flat stream of rows; LLaMA-Factory's are a batch of rows
+        (so nothing attends across a row boundary). Position ids restart at each document (neat
+        packing, attention kept inside documents) or run over the row (packing)."""
+        if "cu_seqlens" not in mb:
+            return mb
+        width = self.cfg.cutoff_len
+        out = {k: v for k, v in mb.items() if k != "cu_seqlens"}
+        for key in ("input_ids", "labels", "position_ids"):
+            out[key] = mb[key].reshape(-1, width)
+        if not self.cfg.neat_packing:
+            out["position_ids"] = torch.arange(width).expand_as(out["input_ids"]).contiguous()
+        return out
+
+    def loss(self, model, mb: dict) -> Loss:
+        loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"))
+        return Loss(loss_sum)
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+    def start_info(self) -> dict:
+        return {"grad_accum": self.cfg.gradient_accumulation_steps, "samples": self.dataset.stats.get("samples"),
+                "parameters": self.total, "trainable": self.trainable, "zero_stage": self.cfg.zero.stage}
+
+    def logged(self, record: dict) -> None:
+        if not self.rt.is_main:
+            return
+        if self.trainer_log is None:
+            resumed = int(record["step"]) > self.cfg.logging_steps
+            self.trainer_log = TrainerLog(Path(self.cfg.output_dir) / TRAINER_LOG, int(record["total_steps"]),
+                                          self.steps_per_epoch, resumed)
+        self.trainer_log.write(record)
+
+    def plot_title(self, total_steps: int) -> str:
+        return f"training loss of {self.cfg.output_dir}"
+
+    # ------------------------------------------------------------------ export
+    def export(self, trainer) -> None:
+        from backends.lf.export import export
+
+        if self.cfg.engine.get("export_hf", True):
+            export(self.model, self.cfg, self.tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from backends.common import trainer
+
+    return trainer.main("backends.lf", lambda args: LFRecipe(parse_command(args)), argv,
+                        user_errors=(LFConfigError,))
+
+
+def parse_command(args: list[str]) -> LFConfig:
+    """`train <file>.yaml [key=value …]` (llamafactory-cli's form; overrides as it takes them)."""
+    if not args or args[0] != "train" or len(args) < 2:
+        raise LFConfigError("usage: python -m backends.lf train <file>.yaml [key=value …] (as llamafactory-cli "
+                            "train); only the train command is built")
+    import yaml
+
+    path = Path(args[1])
+    if not path.is_file():
+        raise LFConfigError(f"{path}: no such training file")
+    overrides = {}
+    for item in args[2:]:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise LFConfigError(f"{item!r}: give overrides as key=value")
+        overrides[key.strip()] = yaml.safe_load(value)
+    if not overrides:
+        return parse_config(path)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise LFConfigError(f"{path}: cannot read it as YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise LFConfigError(f"{path}: expected a mapping of LLaMA-Factory keys")
+    return parse_config({**tree, **overrides}, base=path.parent, source=str(path))

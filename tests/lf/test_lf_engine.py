@@ -1,0 +1,174 @@
+"""backends.lf end to end on the tiny Qwen3: LLaMA-Factory YAMLs as users write them, the numbers
+against plain transformers, what it leaves in output_dir, and one clear error for bad input."""
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers.lf_runs import TINY, end_event, lf_file, losses, metrics, run_lf
+
+
+def reference_loss(path, packed_alone: bool = False) -> float:
+    """The first optimizer step's loss from an unpatched transformers model on the engine's own first
+    micro-batches (the token-mean over all of them). packed_alone: every packed document on its own."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.common.distributed import init_runtime
+    from backends.lf.recipe import LFRecipe, parse_command
+
+    recipe = LFRecipe(parse_command(["train", str(path)]))
+    recipe.build(init_runtime("cpu"))
+    batches = recipe.next_micro_batches()
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for mb in batches:
+            ids, labels, pos = mb["input_ids"], mb["labels"], mb["position_ids"]
+            for row in range(ids.shape[0]):
+                starts = (pos[row] == 0).nonzero().flatten().tolist() if packed_alone else [0]
+                for a, b in zip(starts, starts[1:] + [ids.shape[1]]):
+                    logits = model(ids[row:row + 1, a:b]).logits[0].float()
+                    y = labels[row, a:b]  # already shifted: the target of each position
+                    keep = y != -100
+                    if keep.any():
+                        total += float(torch.nn.functional.cross_entropy(logits[keep], y[keep], reduction="sum"))
+                        count += int(keep.sum())
+    return total / count
+
+
+def test_first_step_loss_equals_transformers(tmp_path):
+    path = lf_file(tmp_path, max_steps=1)
+    run_lf(path)
+    assert losses(tmp_path / "out")[0] == pytest.approx(reference_loss(path), abs=1e-5)
+
+
+def test_neat_packing_keeps_packed_samples_apart(tmp_path):
+    """neat_packing: each packed sample's loss is the one it has alone (plain transformers, no packing);
+    packing without it lets a row's samples see each other, which changes the loss."""
+    path = lf_file(tmp_path / "neat", max_steps=1, packing=True, neat_packing=True)
+    run_lf(path)
+    neat = losses(tmp_path / "neat" / "out")[0]
+    assert neat == pytest.approx(reference_loss(path, packed_alone=True), abs=1e-5)
+    crossed = lf_file(tmp_path / "crossed", max_steps=1, packing=True)
+    run_lf(crossed)
+    assert abs(losses(tmp_path / "crossed" / "out")[0] - neat) > 1e-4
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """Full SFT, 12 steps with warmup and cosine decay, LLaMA-Factory's defaults elsewhere."""
+    folder = tmp_path_factory.mktemp("sft")
+    path = lf_file(folder, max_steps=12, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_ratio=0.2,
+                   plot_loss=True)
+    run_lf(path)
+    return folder / "out"
+
+
+def test_sft_loss_falls_and_follows_hf_schedule(sft_run):
+    from transformers import get_scheduler
+
+    rows = [r for r in metrics(sft_run) if "step" in r and "event" not in r]
+    assert len(rows) == 12 and rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    sched = get_scheduler("cosine", opt, num_warmup_steps=math.ceil(0.2 * 12), num_training_steps=12)
+    expected = []
+    for _ in range(12):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert [r["lr"] for r in rows] == pytest.approx(expected, rel=1e-6)
+
+
+def test_sft_leaves_what_llamafactory_leaves(sft_run):
+    from transformers import AutoModelForCausalLM
+
+    log = [json.loads(x) for x in (sft_run / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["current_steps"] for r in log] == list(range(1, 13))
+    assert {"total_steps", "loss", "lr", "epoch", "percentage", "elapsed_time", "remaining_time"} <= set(log[0])
+    assert log[-1]["percentage"] == 100.0 and log[-1]["total_steps"] == 12
+    assert (sft_run / "training_loss.png").stat().st_size > 0
+    trained = AutoModelForCausalLM.from_pretrained(sft_run).eval()
+    base = AutoModelForCausalLM.from_pretrained(TINY).eval()
+    ids = torch.tensor([[5, 9, 33, 120, 7]])
+    with torch.no_grad():
+        assert (trained(ids).logits - base(ids).logits).abs().max() > 1e-3  # it is the trained model
+    assert (sft_run / "tokenizer.json").is_file() and (sft_run / "checkpoints").is_dir()
+    assert end_event(sft_run)["step"] == 12
+
+
+def test_lora_adapter_loads_in_peft_and_base_is_untouched(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = lf_file(tmp_path, finetuning_type="lora", lora_rank=4, lora_target="q_proj,v_proj", learning_rate=1e-2,
+                   max_steps=6)
+    run_lf(path)
+    out = tmp_path / "out"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8  # LLaMA-Factory's default alpha: 2 × rank
+    assert not (out / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(TINY).eval()
+    ids = torch.tensor([[5, 9, 33, 120, 7]])
+    with torch.no_grad():
+        plain = base(ids).logits
+        tuned = PeftModel.from_pretrained(base, out).eval()(ids).logits
+    assert (tuned - plain).abs().max() > 1e-4
+    start = next(r for r in metrics(out) if r.get("event") == "start")
+    assert start["trainable"] < start["parameters"] / 10
+
+
+def test_freeze_trains_only_the_last_layers(tmp_path):
+    from safetensors.torch import load_file
+
+    path = lf_file(tmp_path, finetuning_type="freeze", freeze_trainable_layers=1, max_steps=2)
+    run_lf(path)
+    trained, base = load_file(tmp_path / "out" / "model.safetensors"), load_file(TINY / "model.safetensors")
+    last = max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
+    changed = {k for k in base if not torch.equal(trained[k], base[k])}
+    assert changed and all(k.startswith(f"model.layers.{last}.") for k in changed), sorted(changed)
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    straight = lf_file(tmp_path / "a", max_steps=4, save_steps=2, save_strategy="steps")
+    run_lf(straight)
+    # the same run stopped after step 2 by the sidecar's exit interval, then started again
+    stopped = lf_file(tmp_path / "b", max_steps=4, save_steps=2, save_strategy="steps")
+    side = tmp_path / "engine.yaml"
+    side.write_text(yaml.safe_dump({"exit_interval": 2}))
+    run_lf(stopped, env={"AF_ENGINE_FILE": str(side)})
+    assert len(losses(tmp_path / "b" / "out")) == 2
+    run_lf(stopped)
+    assert losses(tmp_path / "b" / "out") == losses(tmp_path / "a" / "out")
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"lora_rnak": 8}, "lora_rnak: backends.lf does not implement this key; did you mean 'lora_rank'?"),
+    ({"dataset": "missing"}, "dataset: 'missing' is not in"),
+    ({"template": "nonesuch"}, "template: 'nonesuch' is not a template"),
+    ({"deepspeed": "nowhere.json"}, "deepspeed:"),
+    ({"learning_rate": "fast"}, "learning_rate must be a number"),
+    ({"stage": "ppo"}, "stage must be one of pt, sft, dpo"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, change, needle):
+    path = lf_file(tmp_path, **change)
+    res = run_lf(path, check=False)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_finished_model_in_output_dir_is_not_trained_over(tmp_path):
+    """As LLaMA-Factory: output_dir holding a model but no checkpoint to resume is refused (nothing is
+    overwritten) unless overwrite_output_dir."""
+    import shutil
+
+    path = lf_file(tmp_path, max_steps=1)
+    (tmp_path / "out").mkdir()
+    shutil.copy(TINY / "model.safetensors", tmp_path / "out" / "model.safetensors")
+    res = run_lf(path, check=False)
+    assert res.returncode == 2 and "overwrite_output_dir" in res.stderr, res.stderr
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (TINY / "model.safetensors").read_bytes()
+    run_lf(path, "overwrite_output_dir=true")
+    assert len(losses(tmp_path / "out")) == 1
