@@ -60,10 +60,20 @@ def wrap(model, cfg: LFConfig, par: Parallel, device: torch.device):
     model.to(device)
     if par.grad_world == 1 or not par.fsdp:
         return data_parallel.wrap_data_parallel(model, model.parts(), par, device)
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    kw = dict(mesh=par.grad_mesh, reshard_after_forward=z.stage >= 3,
-              offload_policy=CPUOffloadPolicy() if (z.offload_param or z.offload_optimizer) else OffloadPolicy())
+    kw = fsdp_options(z, device.type)
+    if (z.offload_param or z.offload_optimizer) and device.type == "cpu":
+        log.info("%s: offload asked, but this run computes on the CPU, where the states already are", z.source)
     for block in model.parts().block_list():
-        fully_shard(block, **kw)
-    return fully_shard(model, **kw)
+        fully_shard(block, mesh=par.grad_mesh, **kw)
+    return fully_shard(model, mesh=par.grad_mesh, **kw)
+
+
+def fsdp_options(zero, device_type: str) -> dict:
+    """fully_shard's options for a ZeRO stage (2: parameters stay gathered from forward to backward;
+    3: resharded after forward) and its offload (the sharded states and their update on the CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    offload = (zero.offload_param or zero.offload_optimizer) and device_type != "cpu"
+    return {"reshard_after_forward": zero.stage >= 3, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
