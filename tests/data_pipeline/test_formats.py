@@ -73,7 +73,8 @@ def test_sharegpt_multi_turn_trains_exactly_the_assistant_tokens(tiny_tok):
     # token by token: the masked tokens are exactly system + user turns + assistant headers
     masked = tiny_tok.decode([i for i, lab in zip(s.input_ids, s.labels) if lab == IGNORE_INDEX],
                              skip_special_tokens=False)
-    assert masked == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    assert masked == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+                      "<|im_end|>\n"
                       "<|im_start|>user\nWhat is 49 - 97?<|im_end|>\n<|im_start|>assistant\n"
                       "<|im_start|>user\nAnd doubled?<|im_end|>\n<|im_start|>assistant\n")
     # the answer's first token is trained, the header's last token is not

@@ -86,7 +86,7 @@ def test_named_template_trains_every_assistant_turn(make_tokenizer, name):
 
 
 def test_qwen_default_system_and_llama3_trim():
-    default = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    default = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
     assert TEMPLATES["qwen"].render(CONV[1:3]).startswith(default)
     assert TEMPLATES["qwen3"].render(CONV[1:3]).startswith("<|im_start|>user\nHi")
     conv = [{"role": "user", "content": "  Hi \n"}, {"role": "assistant", "content": " Hello "}]

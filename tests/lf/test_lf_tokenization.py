@@ -28,8 +28,6 @@ FIXTURE = ROOT / "tests" / "fixtures" / "llamafactory" / "lf_0.9.5_reference.jso
 REFERENCE = json.loads(FIXTURE.read_text(encoding="utf-8"))
 
 # What differs from LF today (each names the LF rule; the report of issue 13 cites the LF source lines)
-SYSTEM_QWEN = ("LF's `qwen` default_system is 'You are Qwen, created by Alibaba Cloud. You are a helpful "
-               "assistant.'; ours is 'You are a helpful assistant.'")
 THINK_ON = ("LF's qwen3 (ReasoningTemplate) with enable_thinking=True, LF's default, puts the empty "
             "'<think>\\n\\n</think>\\n\\n' at the start of each answer, trained; ours always puts it in the "
             "prompt, masked (and has no enable_thinking switch)")
@@ -53,10 +51,6 @@ PAIR_CUTOFF = ("LF cuts a pair with infer_seqlen(prompt, max(chosen, rejected)):
                "each sequence's tail, so the answers vanish")
 
 
-def _has_system(record: dict) -> bool:
-    return "system" in record or record.get("conversations", [{}])[0].get("from") == "system"
-
-
 def _known_difference(case: dict) -> str | None:
     """Why a case differs from LF today (None: it matches). Each reason is an xfail(strict): a case that
     starts to match without this table being updated fails, as does one that breaks."""
@@ -74,8 +68,6 @@ def _known_difference(case: dict) -> str | None:
         reasons.append(GLM4_TOP if t == "glm4" else TRAIN_ON_PROMPT)
     if opt.startswith("mask_history"):
         reasons.append(MASK_HISTORY)
-    if t == "qwen" and not _has_system(REFERENCE["records"][rec]["record"]) and not reasons:
-        reasons.append(SYSTEM_QWEN)
     if opt == "cutoff" and not (rec == "sharegpt_multiturn" and t in ("qwen", "llama3")):
         reasons.append(CUTOFF)
     if opt == "pairwise_cutoff":

@@ -8,8 +8,9 @@ the switch Qwen3 reads and other templates ignore). A base model without one nee
 template; each below renders what the family's published chat template / LLaMA-Factory's template
 of the same name produces, for the plain system/user/assistant subset (no tools):
 
-  qwen     ChatML as Qwen2(-Instruct) and LLaMA-Factory `qwen`: default system prompt
-           "You are a helpful assistant."; <|im_start|>{role}\\n{content}<|im_end|>\\n
+  qwen     ChatML as LLaMA-Factory `qwen` (Qwen2.5-Instruct's own default): default system prompt
+           "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+           <|im_start|>{role}\\n{content}<|im_end|>\\n
   qwen3    ChatML with no default system; every assistant turn opens with the empty thinking block
            "<think>\\n\\n</think>\\n\\n" (as LLaMA-Factory's `qwen3` with enable_thinking=False, which
            puts it in the prompt, untrained). Qwen3's own Jinja writes that block only on the turns
@@ -162,8 +163,9 @@ TEMPLATES: dict[str, NamedTemplate] = {
             system_fmt="<|im_start|>system\n{content}<|im_end|>\n",
             user_fmt="<|im_start|>user\n{content}<|im_end|>\n",
             assistant_header="<|im_start|>assistant\n", assistant_fmt="{content}<|im_end|>\n",
-            default_system="You are a helpful assistant.", required_tokens=_CHATML_TOKENS,
-            reference="Qwen2-Instruct chat_template; LLaMA-Factory template 'qwen'"),
+            default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+            required_tokens=_CHATML_TOKENS,
+            reference="Qwen2.5-Instruct chat_template; LLaMA-Factory template 'qwen'"),
         NamedTemplate(
             name="qwen3", prefix="",
             system_fmt="<|im_start|>system\n{content}<|im_end|>\n",
