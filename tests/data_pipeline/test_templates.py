@@ -85,12 +85,13 @@ def test_named_template_trains_every_assistant_turn(make_tokenizer, name):
         assert tok.convert_tokens_to_ids(special) in enc.input_ids or special not in EXPECTED[name]
 
 
-def test_qwen_default_system_and_llama3_trim():
+def test_qwen_default_system_and_llama3_keeps_contents_verbatim():
     default = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
     assert TEMPLATES["qwen"].render(CONV[1:3]).startswith(default)
     assert TEMPLATES["qwen3"].render(CONV[1:3]).startswith("<|im_start|>user\nHi")
     conv = [{"role": "user", "content": "  Hi \n"}, {"role": "assistant", "content": " Hello "}]
-    assert "\n\nHi<|eot_id|>" in TEMPLATES["llama3"].render(conv)
+    assert TEMPLATES["llama3"].render(conv).endswith("\n\n  Hi \n<|eot_id|><|start_header_id|>assistant"
+                                                     "<|end_header_id|>\n\n Hello <|eot_id|>")
 
 
 def test_named_qwen_matches_the_tiny_models_own_chatml(tiny_tok):

@@ -45,8 +45,6 @@ GLM4_EOS = ("LF glm4 (efficient_eos): the first token of every later user turn (
             "EOS id (<|endoftext|>) so the answer before it learns to end; ours leaves it -100")
 GLM4_TOP = ("LF refuses train_on_prompt with an efficient_eos template (glm4): ValueError; ours has no "
             "train_on_prompt to refuse")
-LLAMA3_TRIM = ("LF's llama3 keeps each content verbatim; ours strips it (trim_content=True, as Meta's Jinja "
-               "does), so ' What is 2 + 2? ' and ' 2 + 2 = 4.\\n' lose their spaces/newline")
 PAIR_CUTOFF = ("LF cuts a pair with infer_seqlen(prompt, max(chosen, rejected)): prompt head + answer head; ours cuts "
                "each sequence's tail, so the answers vanish")
 
@@ -74,8 +72,6 @@ def _known_difference(case: dict) -> str | None:
         reasons.append(PAIR_CUTOFF)
     if t == "glm4" and opt in ("default", "cutoff") and rec in ("alpaca_history", "sharegpt_multiturn"):
         reasons.append(GLM4_EOS)
-    if t == "llama3" and rec == "alpaca_spaces":
-        reasons.append(LLAMA3_TRIM)
     if t == "qwen3" and rec == "sharegpt_thoughts" and opt == "default":
         reasons.append(THINK_STRIPPED)
     return "; ".join(reasons) or None

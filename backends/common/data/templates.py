@@ -16,7 +16,9 @@ of the same name produces, for the plain system/user/assistant subset (no tools)
            puts it in the prompt, untrained). Qwen3's own Jinja writes that block only on the turns
            after the last user message; pass template=None to get exactly that for a Qwen3 tokenizer.
   llama3   Llama-3-Instruct: <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\\n\\n
-           {content | trim}<|eot_id|> (no default system; Llama 3.1's date preamble is not added)
+           {content}<|eot_id|> (no default system; Llama 3.1's date preamble is not added). Contents
+           are kept verbatim as LLaMA-Factory does (Meta's Jinja trims them; data written for it
+           should be trimmed beforehand).
   glm4     GLM-4-9B-Chat: [gMASK]<sop><|system|>\\n{s}<|user|>\\n{u}<|assistant|>\\n{a}; the turn has
            no end marker (generation stops at the next <|user|>), so, as GLM-4's fine-tuning code
            and LLaMA-Factory (efficient_eos), the EOS <|endoftext|> closes the conversation, trained.
@@ -113,7 +115,6 @@ class NamedTemplate(ChatTemplate):
     required_tokens: tuple[str, ...]
     default_system: str = ""
     system_in_first_user: str = ""   # e.g. "{system}\n\n{content}" (mistral)
-    trim_content: bool = False
     train_suffix: str = ""
     reference: str = ""
 
@@ -125,13 +126,13 @@ class NamedTemplate(ChatTemplate):
             msgs = msgs[1:]
         out = self.prefix
         if system and not self.system_in_first_user:
-            out += self.system_fmt.format(content=self._c(system))
+            out += self.system_fmt.format(content=system)
         first_user = True
         for m in msgs:
-            content = self._c(m["content"])
+            content = m["content"]
             if m["role"] == "user":
                 if first_user and system and self.system_in_first_user:
-                    content = self.system_in_first_user.format(system=self._c(system), content=content)
+                    content = self.system_in_first_user.format(system=system, content=content)
                 out += self.user_fmt.format(content=content)
                 first_user = False
             elif m["role"] == "assistant":
@@ -142,16 +143,12 @@ class NamedTemplate(ChatTemplate):
             out += self.assistant_header
         return out
 
-    def _c(self, text: str) -> str:
-        return text.strip() if self.trim_content else text
-
     def fingerprint(self):
         return "named:" + hashlib.sha256(repr(self).encode()).hexdigest()
 
     def __repr__(self):  # dataclass repr includes every field: a stable definition hash
         fields = (self.name, self.prefix, self.system_fmt, self.user_fmt, self.assistant_header, self.assistant_fmt,
-                  self.required_tokens, self.default_system, self.system_in_first_user, self.trim_content,
-                  self.train_suffix)
+                  self.required_tokens, self.default_system, self.system_in_first_user, self.train_suffix)
         return f"NamedTemplate{fields!r}"
 
 
@@ -178,7 +175,6 @@ TEMPLATES: dict[str, NamedTemplate] = {
             system_fmt="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
             user_fmt="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>",
             assistant_header="<|start_header_id|>assistant<|end_header_id|>\n\n", assistant_fmt="{content}<|eot_id|>",
-            trim_content=True,
             required_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
             reference="Meta-Llama-3-8B-Instruct chat_template; LLaMA-Factory template 'llama3'"),
         NamedTemplate(
