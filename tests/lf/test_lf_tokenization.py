@@ -36,8 +36,8 @@ THINK_KEPT = ("LF keeps an answer's own <think>...</think> (enable_thinking=True
 THINK_STRIPPED = ("LF (enable_thinking=False) strips every answer's <think>...</think> and puts the empty block "
                   "in the prompt; ours keeps the answer's block after the empty one")
 NO_TEMPLATE = "we have no named template {!r} (TemplateError: unknown chat template)"
-CUTOFF = ("LF cuts each turn with infer_seqlen (source head and target head kept in proportion, then stops when "
-          "the budget is spent); ours cuts the whole sequence's tail at seq_len")
+GLM4_BUDGET = ("LF reserves one token of cutoff_len for glm4's closing EOS (efficient_eos: the budget starts at 1); "
+               "ours starts at 0")
 TRAIN_ON_PROMPT = "encode_instruction has no train_on_prompt (LF: the prompt labels are the prompt ids)"
 MASK_HISTORY = ("encode_instruction has no mask_history (LF: only the last answer trained, turns kept from the "
                 "last backwards under cutoff_len)")
@@ -45,8 +45,6 @@ GLM4_EOS = ("LF glm4 (efficient_eos): the first token of every later user turn (
             "EOS id (<|endoftext|>) so the answer before it learns to end; ours leaves it -100")
 GLM4_TOP = ("LF refuses train_on_prompt with an efficient_eos template (glm4): ValueError; ours has no "
             "train_on_prompt to refuse")
-PAIR_CUTOFF = ("LF cuts a pair with infer_seqlen(prompt, max(chosen, rejected)): prompt head + answer head; ours cuts "
-               "each sequence's tail, so the answers vanish")
 
 
 def _known_difference(case: dict) -> str | None:
@@ -66,10 +64,8 @@ def _known_difference(case: dict) -> str | None:
         reasons.append(GLM4_TOP if t == "glm4" else TRAIN_ON_PROMPT)
     if opt.startswith("mask_history"):
         reasons.append(MASK_HISTORY)
-    if opt == "cutoff" and not (rec == "sharegpt_multiturn" and t in ("qwen", "llama3")):
-        reasons.append(CUTOFF)
-    if opt == "pairwise_cutoff":
-        reasons.append(PAIR_CUTOFF)
+    if opt == "cutoff" and t == "glm4":
+        reasons.append(GLM4_BUDGET)
     if t == "glm4" and opt in ("default", "cutoff") and rec in ("alpaca_history", "sharegpt_multiturn"):
         reasons.append(GLM4_EOS)
     if t == "qwen3" and rec == "sharegpt_thoughts" and opt == "default":

@@ -13,8 +13,9 @@ from .indexed import IndexedDataset, IndexedDatasetWriter, IndexedFormatError
 from .loader import MODES, MicroBatchLoader, shift_labels
 from .packing import PackStats, best_fit_decreasing, pack_stats
 from .preprocess import DatasetHandle, TokenDataset, preprocess
-from .templates import (IGNORE_INDEX, TEMPLATES, ChatTemplate, JinjaTemplate, TemplateError, encode_conversation,
-                        resolve_template, thinking_template)
+from .conversation import encode_conversation
+from .templates import (IGNORE_INDEX, TEMPLATES, ChatTemplate, JinjaTemplate, TemplateError, resolve_template,
+                        thinking_template)
 from .tokenizer import eod_id, load_tokenizer, pad_id
 
 __all__ = [

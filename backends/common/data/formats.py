@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .templates import IGNORE_INDEX, ChatTemplate, TemplateError, encode_conversation
+from . import turns
+from .conversation import encode_conversation
+from .templates import IGNORE_INDEX, ChatTemplate, TemplateError
 
 FORMATS = ("text", "alpaca", "sharegpt")
 SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -212,13 +214,63 @@ def text_of(record, file: Path, index: int) -> str:
     return _need_str(record, "text", file, index, "text", "text records need 'text'")
 
 
-def encode_instruction(tokenizer, template: ChatTemplate, fmt: str, record, file: Path, index: int) -> Sample:
+def encode_instruction(tokenizer, template: ChatTemplate, fmt: str, record, file: Path, index: int, *,
+                       cutoff_len: int | None = None) -> Sample:
+    """A record's ids and labels as LLaMA-Factory builds them (turns.py); cutoff_len cuts each turn with
+    LF's infer_seqlen (None: nothing is cut)."""
     messages = to_messages(fmt, record, file, index)
     try:
         enc = encode_conversation(tokenizer, template, messages)
     except TemplateError as exc:
         raise DataFormatError(f"{_where(file, index)}: {exc}") from exc
-    return Sample(enc.input_ids, enc.labels, enc.method)
+    if cutoff_len is None:
+        return Sample(enc.input_ids, enc.labels, enc.method)
+    ids, labels = turns.assemble(enc.turns, enc.suffix, cutoff_len=cutoff_len)
+    return Sample(ids, labels, enc.method)
+
+
+PAIRWISE_HINT = ("pairwise records are alpaca (instruction, [input], chosen, rejected: strings) or sharegpt "
+                 "(conversations ending with a user turn, chosen and rejected: one {'from', 'value'} message each)")
+
+
+def pairwise_messages(record, file: Path, index: int) -> tuple[list[dict], list[dict]]:
+    """The chosen and the rejected conversation of a ranking record (the same prompt, two answers)."""
+    if not isinstance(record, dict) or "chosen" not in record or "rejected" not in record:
+        raise DataFormatError(f"{_where(file, index)}: a pairwise record needs 'chosen' and 'rejected' "
+                              f"({PAIRWISE_HINT})")
+    base = {k: v for k, v in record.items() if k not in ("chosen", "rejected")}
+    if "instruction" in record:
+        out = []
+        for key in ("chosen", "rejected"):
+            if not isinstance(record[key], str):
+                raise DataFormatError(f"{_where(file, index)}: key {key!r} must be a string ({PAIRWISE_HINT})")
+            out.append(alpaca_messages({**base, "output": record[key]}, file, index))
+        return out[0], out[1]
+    key = "conversations" if "conversations" in record else "messages"
+    out = []
+    for answer in ("chosen", "rejected"):
+        turn = record[answer]
+        if not isinstance(turn, dict):
+            raise DataFormatError(f"{_where(file, index)}: {answer!r} must be one message object ({PAIRWISE_HINT})")
+        out.append(sharegpt_messages({**base, key: list(base.get(key) or []) + [turn]}, file, index))
+    return out[0], out[1]
+
+
+def encode_pairwise(tokenizer, template: ChatTemplate, record, file: Path, index: int,
+                    cutoff_len: int | None = None) -> tuple[Sample, Sample]:
+    """(chosen, rejected) samples of a ranking record as LLaMA-Factory's pairwise processor builds them:
+    the prompt (every turn before the last answer, masked) and each answer with its end marker, cut
+    together by infer_seqlen over the prompt and the longer answer."""
+    try:
+        encs = [encode_conversation(tokenizer, template, msgs, mode="oneturn")
+                for msgs in pairwise_messages(record, file, index)]
+    except TemplateError as exc:
+        raise DataFormatError(f"{_where(file, index)}: {exc}") from exc
+    chosen = encs[0]
+    prompt = [t for turn in chosen.turns[:-1] for t in turn.source + turn.target] + chosen.turns[-1].source
+    answers = [(e.turns[-1].target + e.suffix, e.turns[-1].target_labels + e.suffix) for e in encs]
+    pair = turns.assemble_pair(prompt, answers[0], answers[1], cutoff_len)
+    return tuple(Sample(ids, labels, enc.method) for (ids, labels), enc in zip(pair, encs))
 
 
 def truncate(sample: Sample, seq_len: int) -> tuple[Sample, bool]:

@@ -31,29 +31,15 @@ of the same name produces, for the plain system/user/assistant subset (no tools)
 A named template whose special tokens do not encode as single tokens of the tokenizer raises
 `TemplateError` naming them (a Llama 3 template on a Qwen tokenizer fails at once, not silently).
 
-How the label boundaries are guaranteed (encode_conversation)
--------------------------------------------------------------
-For every assistant message i the template renders the prefix P_i = messages[:i] with the
-generation prompt and F_i = messages[:i+1]. The pieces P_i - F_{i-1} (prompt, masked) and
-F_i - P_i (the answer and its end-of-turn marker, trained) tile the full render exactly when every
-render is a string prefix of the next; that is checked. The text is then tokenized once and every
-piece boundary is checked to be a token boundary: the ids of each prefix text must be a prefix of
-the ids of the whole ("token prefix property"). When it holds, the canonical tokenization is kept
-and each label range is exact. When a BPE merge crosses a boundary, the pieces are tokenized one by
-one and concatenated (LLaMA-Factory's way), so boundaries are exact by construction
-(`Encoded.method == "segmented"`).
-Templates that rewrite earlier turns (Qwen3's own drops the thinking block from older turns, so
-F_1 is not a prefix of P_2) are handled by rendering the whole conversation once with each assistant
-content replaced by a unique sentinel: the sentinels place every answer in the real render, each
-answer span is F_i - P_i found at its sentinel, and the render with the real contents must equal
-the plain render (`method == "sentinel"`); if not, a `TemplateError` says so.
+How a conversation becomes ids and labels: conversation.py (pieces, token boundaries) and turns.py
+(LLaMA-Factory's per-turn assembly: cutoff_len, train_on_prompt, mask_history, efficient EOS).
 Every assistant turn is trained; system, user and template text is -100.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -141,6 +127,33 @@ class NamedTemplate(ChatTemplate):
                 raise TemplateError(f"template {self.name!r}: a system message may only come first")
         if add_generation_prompt:
             out += self.assistant_header
+        return out
+
+    def pieces(self, messages, mode="multiturn"):
+        """(text, kind, turn) pieces in LLaMA-Factory's grouping: turn 0's source is prefix + system +
+        user + header, each later turn's source is its user message + header; the target is the
+        answer with its end-of-turn marker."""
+        msgs = list(messages)
+        system = self.default_system
+        if msgs and msgs[0]["role"] == "system":
+            system = msgs[0]["content"]
+            msgs = msgs[1:]
+        out = [(self.prefix, "source", 0)]
+        if system and not self.system_in_first_user:
+            out.append((self.system_fmt.format(content=system), "source", 0))
+        turn = 0
+        for k, m in enumerate(msgs):
+            if m["role"] == "user":
+                content = m["content"]
+                if k == 0 and system and self.system_in_first_user:
+                    content = self.system_in_first_user.format(system=system, content=content)
+                out.append((self.user_fmt.format(content=content), "source", turn))
+            elif m["role"] == "assistant":
+                out.append((self.assistant_header, "source", turn))
+                out.append((self.assistant_fmt.format(content=m["content"]), "target", turn))
+                turn += 1
+            else:
+                raise TemplateError(f"template {self.name!r}: a system message may only come first")
         return out
 
     def fingerprint(self):
@@ -233,140 +246,6 @@ def resolve_template(name: str | ChatTemplate | None, tokenizer) -> ChatTemplate
             f"The template does not match this model family; pass the matching template, or leave it unset to "
             f"use the tokenizer's own chat_template")
     return template
-
-
-# ------------------------------------------------------------------------------------------- masks
-
-@dataclass
-class Encoded:
-    input_ids: list[int]
-    labels: list[int]        # unshifted: labels[t] = input_ids[t] where token t is trained, else -100
-    method: str = "prefix"   # prefix | segmented | sentinel+prefix | sentinel+segmented
-    pieces: list[tuple[str, bool]] = field(default_factory=list, repr=False)
-
-
-def validate_messages(messages: list[dict]) -> None:
-    """[system] then user/assistant alternating, starting with user, ending with assistant."""
-    if not messages:
-        raise TemplateError("empty conversation")
-    body = messages[1:] if messages[0].get("role") == "system" else messages
-    if not body:
-        raise TemplateError("the conversation has only a system message")
-    for k, m in enumerate(body):
-        want = "user" if k % 2 == 0 else "assistant"
-        if m.get("role") != want:
-            raise TemplateError(f"message {k + (len(messages) - len(body))} has role {m.get('role')!r}, expected "
-                                f"{want!r} (conversations alternate user/assistant after an optional system)")
-        if not isinstance(m.get("content"), str):
-            raise TemplateError(f"message {k + (len(messages) - len(body))} content must be a string")
-    if body[-1]["role"] != "assistant":
-        raise TemplateError("the conversation ends with a user message; it must end with an assistant answer")
-
-
-def _chain_pieces(template: ChatTemplate, messages: list[dict]) -> tuple[list[tuple[str, bool]], bool]:
-    prev = ""
-    pieces: list[tuple[str, bool]] = []
-    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in answers:
-        p = template.render(messages[:i], add_generation_prompt=True)
-        f = template.render(messages[:i + 1], add_generation_prompt=False)
-        if not (p.startswith(prev) and f.startswith(p)):
-            return [], False
-        pieces.append((p[len(prev):], False))
-        pieces.append((f[len(p):], True))
-        prev = f
-    full = template.render(messages, add_generation_prompt=False)
-    if not full.startswith(prev):
-        return [], False
-    if full[len(prev):]:
-        pieces.append((full[len(prev):], False))
-    return pieces, True
-
-
-_SENTINEL = "\ue000AFANSWER{}\ue001"
-
-
-def _sentinel_pieces(template: ChatTemplate, messages: list[dict]) -> list[tuple[str, bool]]:
-    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    deltas = []
-    for i in answers:
-        p = template.render(messages[:i], add_generation_prompt=True)
-        f = template.render(messages[:i + 1], add_generation_prompt=False)
-        if not f.startswith(p):
-            raise TemplateError(f"chat template {template.name!r}: rendering an answer changes the text before it, "
-                                f"so the assistant span cannot be found; pass a named template")
-        deltas.append(f[len(p):])
-    marked = [dict(m) for m in messages]
-    for k, i in enumerate(answers):
-        marked[i]["content"] = _SENTINEL.format(k)
-    rendered = template.render(marked, add_generation_prompt=False)
-    text, spans, cursor = "", [], 0
-    for k, i in enumerate(answers):
-        mark = _SENTINEL.format(k)
-        pos = rendered.find(mark, cursor)
-        if pos < 0 or rendered.count(mark) != 1:
-            raise TemplateError(f"chat template {template.name!r} does not render assistant contents verbatim; "
-                                f"pass a named template")
-        text += rendered[cursor:pos]
-        content = messages[i]["content"]
-        start_in_delta = deltas[k].find(content)
-        if start_in_delta < 0:
-            raise TemplateError(f"chat template {template.name!r}: answer {k} is not rendered verbatim")
-        start = len(text) - start_in_delta
-        text += content
-        cursor = pos + len(mark)
-        spans.append((start, start + len(deltas[k])))
-    text += rendered[cursor:]
-    if text != template.render(messages, add_generation_prompt=False):
-        raise TemplateError(f"chat template {template.name!r} renders contents differently from their text; "
-                            f"pass a named template")
-    pieces, last = [], 0
-    for start, end in spans:
-        if start < last or text[start:end] != deltas[len(pieces) // 2]:
-            raise TemplateError(f"chat template {template.name!r}: cannot place assistant answer "
-                                f"{len(pieces) // 2} in the full render; pass a named template")
-        pieces.append((text[last:start], False))
-        pieces.append((text[start:end], True))
-        last = end
-    if text[last:]:
-        pieces.append((text[last:], False))
-    return pieces
-
-
-def encode_conversation(tokenizer, template: ChatTemplate, messages: list[dict]) -> Encoded:
-    """Token ids and unshifted labels of a conversation; every assistant turn trained (see module doc)."""
-    validate_messages(messages)
-    pieces, ok = _chain_pieces(template, messages)
-    method = ""
-    if not ok:
-        pieces = _sentinel_pieces(template, messages)
-        method = "sentinel+"
-    if template.train_suffix:
-        pieces.append((template.train_suffix, True))
-    pieces = [(t, tr) for t, tr in pieces if t]
-    full = "".join(t for t, _ in pieces)
-    cuts, acc = [], 0
-    for t, _ in pieces:
-        acc += len(t)
-        cuts.append(acc)
-    encoded = tokenizer([full[:c] for c in cuts[:-1]] + [full], add_special_tokens=False,
-                        return_attention_mask=False)["input_ids"]
-    full_ids = list(encoded[-1])
-    bounds = [len(ids) for ids in encoded[:-1]] + [len(full_ids)]
-    prefix_ok = all(list(ids) == full_ids[:len(ids)] for ids in encoded[:-1]) and bounds == sorted(bounds)
-    if prefix_ok:
-        ids, labels, start = full_ids, [IGNORE_INDEX] * len(full_ids), 0
-        for (_, trained), end in zip(pieces, bounds):
-            if trained:
-                labels[start:end] = ids[start:end]
-            start = end
-        return Encoded(ids, labels, method + "prefix", pieces)
-    seg = tokenizer([t for t, _ in pieces], add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    ids, labels = [], []
-    for (_, trained), part in zip(pieces, seg):
-        ids.extend(part)
-        labels.extend(part if trained else [IGNORE_INDEX] * len(part))
-    return Encoded(ids, labels, method + "segmented", pieces)
 
 
 # ------------------------------------------------------------------------------- thinking mode
