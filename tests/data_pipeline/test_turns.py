@@ -45,3 +45,18 @@ def test_assemble_pair_cuts_prompt_and_both_answers_by_the_longer():
     assert c_ids == prompt[:24] + list(range(10)) and c_labels == [X] * 24 + list(range(10))
     assert r_ids == prompt[:24] + list(range(20, 36)) and r_labels == [X] * 24 + list(range(20, 36))
     assert assemble_pair(prompt, chosen, rejected)[1][0] == prompt + rejected[0]
+
+
+def test_train_on_prompt_trains_the_sources_too():
+    ids, labels = assemble(_turns(), [], train_on_prompt=True)
+    assert labels == ids
+
+
+def test_mask_history_trains_the_last_answer_and_keeps_the_last_turns_first():
+    ids, labels = assemble(_turns(), [], mask_history=True)
+    assert ids == [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15, 16, 17, 18]
+    assert labels == [X] * 12 + [15, 16, 17, 18]
+    # the budget goes to the last turn first; the first turn gets what is left: infer_seqlen(4, 4, 2)
+    ids, labels = assemble(_turns(), [], mask_history=True, cutoff_len=10)
+    assert ids == [1, 5, 11, 12, 13, 14, 15, 16, 17, 18]
+    assert labels == [X] * 6 + [15, 16, 17, 18]

@@ -215,17 +215,20 @@ def text_of(record, file: Path, index: int) -> str:
 
 
 def encode_instruction(tokenizer, template: ChatTemplate, fmt: str, record, file: Path, index: int, *,
+                       train_on_prompt: bool = False, mask_history: bool = False,
                        cutoff_len: int | None = None) -> Sample:
-    """A record's ids and labels as LLaMA-Factory builds them (turns.py); cutoff_len cuts each turn with
-    LF's infer_seqlen (None: nothing is cut)."""
+    """A record's ids and labels as LLaMA-Factory builds them (turns.py). cutoff_len: each turn cut with
+    LF's infer_seqlen (None: nothing is cut); train_on_prompt: the prompt tokens are trained too;
+    mask_history: only the last answer is trained and the budget goes to the last turns first."""
     messages = to_messages(fmt, record, file, index)
     try:
-        enc = encode_conversation(tokenizer, template, messages)
+        enc = encode_conversation(tokenizer, template, messages, mode="mask_history" if mask_history else "multiturn")
     except TemplateError as exc:
         raise DataFormatError(f"{_where(file, index)}: {exc}") from exc
-    if cutoff_len is None:
+    if cutoff_len is None and not (train_on_prompt or mask_history):
         return Sample(enc.input_ids, enc.labels, enc.method)
-    ids, labels = turns.assemble(enc.turns, enc.suffix, cutoff_len=cutoff_len)
+    ids, labels = turns.assemble(enc.turns, enc.suffix, cutoff_len=cutoff_len, train_on_prompt=train_on_prompt,
+                                 mask_history=mask_history)
     return Sample(ids, labels, enc.method)
 
 
