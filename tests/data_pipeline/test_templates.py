@@ -37,22 +37,25 @@ TRAINED = {
     "qwen": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
     "qwen3": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
     "llama3": ["Hello<|eot_id|>", "Ciao<|eot_id|>"],
-    "glm4": ["\nHello", "\nCiao<|endoftext|>"],
+    "glm4": ["\nHello<|endoftext|>", "\nCiao<|endoftext|>"],   # the EOS label sits on the next '<|user|>'
     "mistral": ["Hello</s>", "Ciao</s>"],
     "deepseek": ["Hello<｜end▁of▁sentence｜>", "Ciao<｜end▁of▁sentence｜>"],
 }
 
 
 def trained_runs(tok, ids, labels):
+    """The trained label runs, decoded. A label differs from its token only where an efficient-EOS template
+    (glm4) labels the next user turn's first token with the EOS the answer ends on."""
     runs, cur = [], []
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
     for i, lab in zip(ids, labels):
         if lab == IGNORE_INDEX:
             if cur:
                 runs.append(cur)
             cur = []
         else:
-            assert lab == i
-            cur.append(i)
+            assert lab == i or lab == eos
+            cur.append(lab)
     if cur:
         runs.append(cur)
     return [tok.decode(r, skip_special_tokens=False) for r in runs]

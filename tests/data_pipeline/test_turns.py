@@ -60,3 +60,13 @@ def test_mask_history_trains_the_last_answer_and_keeps_the_last_turns_first():
     ids, labels = assemble(_turns(), [], mask_history=True, cutoff_len=10)
     assert ids == [1, 5, 11, 12, 13, 14, 15, 16, 17, 18]
     assert labels == [X] * 6 + [15, 16, 17, 18]
+
+
+def test_efficient_eos_labels_the_next_turns_first_token_and_reserves_its_place():
+    ids, labels = assemble(_turns(), [99])
+    assert ids == [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14, 15, 16, 17, 18, 99]
+    assert labels == [X] * 4 + [5, 6, 7, 8] + [99, X, X, X] + [15, 16, 17, 18, 99]
+    # one token of the budget is the EOS's: the second turn gets infer_seqlen(4, 4, 10 - 1 - 8) = (1, 0)
+    ids, labels = assemble(_turns(), [99], cutoff_len=10)
+    assert ids == [1, 2, 3, 4, 5, 6, 7, 8, 11, 99]
+    assert labels == [X] * 4 + [5, 6, 7, 8] + [99, 99]

@@ -38,12 +38,6 @@ THINK_STRIPPED = ("LF (enable_thinking=False) strips every answer's <think>...</
 THINK_MASK_HISTORY = ("LF (mask_history) puts the empty thinking block only before the last answer, the one trained; "
                       "ours puts it before every answer")
 NO_TEMPLATE = "we have no named template {!r} (TemplateError: unknown chat template)"
-GLM4_BUDGET = ("LF reserves one token of cutoff_len for glm4's closing EOS (efficient_eos: the budget starts at 1); "
-               "ours starts at 0")
-GLM4_EOS = ("LF glm4 (efficient_eos): the first token of every later user turn ('<|user|>') is labelled with the "
-            "EOS id (<|endoftext|>) so the answer before it learns to end; ours leaves it -100")
-GLM4_TOP = ("LF refuses train_on_prompt with an efficient_eos template (glm4): ValueError; ours has no "
-            "train_on_prompt to refuse")
 
 
 def _known_difference(case: dict) -> str | None:
@@ -59,13 +53,6 @@ def _known_difference(case: dict) -> str | None:
     if case["data_args"].get("enable_thinking"):
         return THINK_ON + ("; " + THINK_KEPT if rec == "sharegpt_thoughts" else "")
     reasons = []
-    if opt == "train_on_prompt" and t == "glm4":
-        reasons.append(GLM4_TOP)
-    if opt == "cutoff" and t == "glm4":
-        reasons.append(GLM4_BUDGET)
-    if t == "glm4" and (opt.startswith("mask_history") or
-                        opt in ("default", "cutoff") and rec in ("alpaca_history", "sharegpt_multiturn")):
-        reasons.append(GLM4_EOS)
     if t == "qwen3" and opt == "mask_history":
         reasons.append(THINK_MASK_HISTORY)
     if t == "qwen3" and rec == "sharegpt_thoughts" and opt == "default":

@@ -220,6 +220,11 @@ def encode_instruction(tokenizer, template: ChatTemplate, fmt: str, record, file
     """A record's ids and labels as LLaMA-Factory builds them (turns.py). cutoff_len: each turn cut with
     LF's infer_seqlen (None: nothing is cut); train_on_prompt: the prompt tokens are trained too;
     mask_history: only the last answer is trained and the budget goes to the last turns first."""
+    if train_on_prompt and template.train_suffix:
+        raise TemplateError(f"chat template {template.name!r} does not support train_on_prompt: its answers have no "
+                            f"end marker, so the EOS is learnt as the label of the next user turn's first token "
+                            f"(efficient EOS), which train_on_prompt would overwrite; LLaMA-Factory refuses it too. "
+                            f"Set train_on_prompt false or use another template")
     messages = to_messages(fmt, record, file, index)
     try:
         enc = encode_conversation(tokenizer, template, messages, mode="mask_history" if mask_history else "multiturn")

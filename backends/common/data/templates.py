@@ -21,7 +21,9 @@ of the same name produces, for the plain system/user/assistant subset (no tools)
            should be trimmed beforehand).
   glm4     GLM-4-9B-Chat: [gMASK]<sop><|system|>\\n{s}<|user|>\\n{u}<|assistant|>\\n{a}; the turn has
            no end marker (generation stops at the next <|user|>), so, as GLM-4's fine-tuning code
-           and LLaMA-Factory (efficient_eos), the EOS <|endoftext|> closes the conversation, trained.
+           and LLaMA-Factory (efficient_eos), the EOS <|endoftext|> closes the conversation, trained,
+           and is the label of each later user turn's first token (the answer before it learns to
+           stop); train_on_prompt is refused, as LLaMA-Factory does.
   mistral  Mistral-7B/Mixtral-8x7B-Instruct-v0.1 and LLaMA-Factory `mistral`:
            <s>[INST] {u} [/INST]{a}</s>; a system prompt goes before the first user message as
            "{system}\\n\\n{user}" (Mistral's later templates' convention; v0.1 has no system role).

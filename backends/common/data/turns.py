@@ -7,7 +7,7 @@ whose turns have no end marker (efficient EOS: glm4) adds `suffix`, the EOS, aft
 
 cutoff_len: each turn in order gets what `infer_seqlen` gives it out of what is left of the budget
 (the head of its source and the head of its target, in proportion when both are long); the turns
-after the budget is spent are dropped. The suffix is always kept.
+after the budget is spent are dropped. The suffix is reserved first and always kept.
 train_on_prompt: the source tokens are trained too.
 mask_history: only the last answer is trained, and the budget goes to the turns from the last one
 backwards (older turns are the first dropped).
@@ -43,9 +43,13 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
 
 def assemble(turns: list[Turn], suffix: list[int], *, cutoff_len: int | None = None, train_on_prompt: bool = False,
              mask_history: bool = False) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of a conversation; labels unshifted, -100 where not trained."""
+    """(input_ids, labels) of a conversation; labels unshifted, -100 where not trained. With a suffix
+    (efficient EOS) the first source token of each turn after the first in processing order is
+    labelled with the EOS, so the answer before it learns to stop there (LF's efficient_eos rule;
+    with mask_history the order is reversed, as in LF)."""
     budget = cutoff_len if cutoff_len is not None else float("inf")
-    total = 0
+    eos = suffix[0] if suffix else None
+    total = len(suffix)
     order = list(reversed(turns)) if mask_history else list(turns)
     ids: list[int] = []
     labels: list[int] = []
@@ -59,6 +63,8 @@ def assemble(turns: list[Turn], suffix: list[int], *, cutoff_len: int | None = N
         total += len(src) + len(tgt)
         if train_on_prompt:
             src_labels = list(src)
+        elif eos is not None and k != 0 and src:
+            src_labels = [eos] + [IGNORE_INDEX] * (len(src) - 1)
         else:
             src_labels = [IGNORE_INDEX] * len(src)
         if mask_history and k != 0:
