@@ -32,6 +32,9 @@ KERNEL_BACKENDS = ("auto", "reference", "npu", "cuda")
 ENGINE_FILE_ENV = "AF_ENGINE_FILE"
 # MindSpeed-LLM --prompt-type names that the engine's chat templates spell differently
 PROMPT_TYPE_TEMPLATES = {"deepseek3": "deepseek"}
+# where MindSpeed-LLM's configs/finetune/templates.json differs from LLaMA-Factory 0.9.5, which the named
+# templates follow: its `qwen` keeps Qwen2's default system prompt
+PROMPT_TYPE_SYSTEMS = {"qwen": "You are a helpful assistant."}
 # MindSpeed-LLM's LoRA target names (Megatron modules) → the HF linears of the native decoders that
 # make them up; a name this model lacks (linear_qb without q_lora_rank) matches nothing, as in PEFT.
 MINDSPEED_LORA_TARGETS = {
@@ -155,6 +158,16 @@ class LLMConfig:
     tokenizer_use_fast: bool = True
     enable_thinking: bool | None = None  # a reasoning template's empty thinking block: trained (True) or not
     moe_fusions: tuple[bool, bool] = (False, False)  # --moe-grouped-gemm, --moe-permute-fusion
+
+
+def prompt_template(template: str | None, tokenizer, enable_thinking: bool | None):
+    """The chat template (a --prompt-type mapped by PROMPT_TYPE_TEMPLATES) as MindSpeed-LLM encodes with it;
+    --enable-thinking is a reasoning template's switch, as in MindSpeed-LLM (unset: an answer's own thinking
+    is kept and the empty block of one without goes in the prompt)."""
+    from backends.common.data import resolve_template
+
+    return resolve_template(template, tokenizer, enable_thinking=enable_thinking,
+                            default_system=PROMPT_TYPE_SYSTEMS.get(template))
 
 
 class _Parser(argparse.ArgumentParser):

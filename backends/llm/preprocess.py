@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from backends.llm.config import HANDLER_FORMATS, PROMPT_TYPE_TEMPLATES, ConfigError, parse_args
+from backends.llm.config import HANDLER_FORMATS, PROMPT_TYPE_TEMPLATES, ConfigError, parse_args, prompt_template
 
 # the handlers whose records this engine trains on (pairwise data: llamafactory's dpo)
 HANDLERS = {name: fmt for name, fmt in HANDLER_FORMATS.items() if fmt != "pairwise"}
@@ -154,7 +154,7 @@ def _prompt_types() -> list[str]:
 
 
 def run_upstream(argv: list[str]) -> int:
-    from backends.common.data import load_tokenizer, megatron, thinking_template
+    from backends.common.data import load_tokenizer, megatron
 
     try:
         ns = upstream_parser().parse_args(argv)
@@ -175,7 +175,7 @@ def run_upstream(argv: list[str]) -> int:
             kind = "text"
         else:
             name = PROMPT_TYPE_TEMPLATES.get(ns.prompt_type, ns.prompt_type)
-            template = thinking_template(name, tokenizer, ns.enable_thinking)
+            template = prompt_template(name, tokenizer, ns.enable_thinking)
             stats = megatron.write_instruction(ns.input, fmt, tokenizer, template, ns.output_prefix, opt)
             kind = "instruction"
     except (ConfigError, ValueError, FileNotFoundError) as err:

@@ -17,7 +17,7 @@ from backends.common.distributed import barrier
 from backends.common.parallel import data_parallel
 from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
 from backends.llm import parallelize
-from backends.llm.config import ConfigError, LLMConfig, lora_targets, parse_args
+from backends.llm.config import ConfigError, LLMConfig, lora_targets, parse_args, prompt_template
 
 log = logging.getLogger("backends.llm")
 
@@ -139,13 +139,13 @@ def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
 
 
 def _build_data(cfg: LLMConfig, rt, par):
-    from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess, thinking_template
+    from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
 
     d = cfg.data
     tokenizer = load_tokenizer(cfg.model.tokenizer, use_fast=cfg.tokenizer_use_fast) if cfg.model.tokenizer else None
     cache_root = Path(d.prefix).parent
     source = d.input or d.prefix
-    template = thinking_template(d.template, tokenizer, cfg.enable_thinking) if d.fmt != "text" else d.template
+    template = prompt_template(d.template, tokenizer, cfg.enable_thinking) if d.fmt != "text" else d.template
     # rank 0 tokenizes and writes the cache; the others wait, then read the same files
     if rt.is_main:
         dataset = preprocess(source, d.fmt, tokenizer, template, d.seq_len, cache_root, max_samples=d.max_samples)

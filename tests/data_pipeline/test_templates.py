@@ -111,9 +111,40 @@ def test_named_template_with_missing_special_tokens_names_them(tiny_tok):
     for token in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"):
         assert token in msg
     assert "llama3" in msg
-    with pytest.raises(TemplateError, match=r"<think>, </think>"):
-        resolve_template("qwen3", tiny_tok)     # ChatML markers are there, the thinking tokens are not
     assert resolve_template("qwen", tiny_tok) is TEMPLATES["qwen"]
+
+
+def test_qwen3_without_thinking_tokens_encodes_the_block_as_text(tiny_tok):
+    # as LLaMA-Factory: the ChatML markers are needed, <think> / </think> may be plain text
+    assert tiny_tok.convert_tokens_to_ids("<think>") == tiny_tok.unk_token_id
+    template = resolve_template("qwen3", tiny_tok, enable_thinking=True)
+    enc = encode_conversation(tiny_tok, template, CONV)
+    block = tiny_tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert len(block) > 2
+    assert trained_runs(tiny_tok, enc.input_ids, enc.labels) == [
+        "<think>\n\n</think>\n\nHello<|im_end|>\n", "<think>\n\n</think>\n\nCiao<|im_end|>\n"]
+    assert enc.turns[0].target[:len(block)] == block
+
+
+THOUGHTS = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ciao"}]
+
+
+@pytest.mark.parametrize("thinking, trained, masked_blocks", [
+    # unset (MindSpeed-LLM's default): an answer's own thinking is kept, trained; one without gets the block masked
+    (None, ["<think>\nhm\n</think>\n\nHello<|im_end|>\n", "Ciao<|im_end|>\n"], 1),
+    (True, ["<think>\nhm\n</think>\n\nHello<|im_end|>\n", "<think>\n\n</think>\n\nCiao<|im_end|>\n"], 0),
+    (False, ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"], 2),     # thinking stripped, both blocks masked
+])
+def test_qwen3_enable_thinking(make_tokenizer, thinking, trained, masked_blocks):
+    tok = make_tokenizer(["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    template = resolve_template("qwen3", tok, enable_thinking=thinking)
+    enc = encode_conversation(tok, template, THOUGHTS)
+    assert trained_runs(tok, enc.input_ids, enc.labels) == trained
+    think = tok.convert_tokens_to_ids("<think>")
+    assert sum(1 for i, lab in zip(enc.input_ids, enc.labels) if i == think and lab == IGNORE_INDEX) == masked_blocks
+    gen = template.render(THOUGHTS[:1], add_generation_prompt=True)
+    assert gen.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
 
 
 def test_unknown_template_and_base_tokenizer_without_template(make_tokenizer):

@@ -28,36 +28,15 @@ FIXTURE = ROOT / "tests" / "fixtures" / "llamafactory" / "lf_0.9.5_reference.jso
 REFERENCE = json.loads(FIXTURE.read_text(encoding="utf-8"))
 
 # What differs from LF today (each names the LF rule; the report of issue 13 cites the LF source lines)
-THINK_ON = ("LF's qwen3 (ReasoningTemplate) with enable_thinking=True, LF's default, puts the empty "
-            "'<think>\\n\\n</think>\\n\\n' at the start of each answer, trained; ours always puts it in the "
-            "prompt, masked (and has no enable_thinking switch)")
-THINK_KEPT = ("LF keeps an answer's own <think>...</think> (enable_thinking=True) and adds no empty block; ours "
-              "adds the empty block in the prompt before it")
-THINK_STRIPPED = ("LF (enable_thinking=False) strips every answer's <think>...</think> and puts the empty block "
-                  "in the prompt; ours keeps the answer's block after the empty one")
-THINK_MASK_HISTORY = ("LF (mask_history) puts the empty thinking block only before the last answer, the one trained; "
-                      "ours puts it before every answer")
 NO_TEMPLATE = "we have no named template {!r} (TemplateError: unknown chat template)"
 
 
 def _known_difference(case: dict) -> str | None:
     """Why a case differs from LF today (None: it matches). Each reason is an xfail(strict): a case that
     starts to match without this table being updated fails, as does one that breaks."""
-    t, opt, rec = case["template"], case["id"].split("-")[1], case["record"]
-    if rec.startswith("arithmetic_"):
-        return ("LF's qwen3 accepts a tokenizer without a <think> token and encodes the trained empty block "
-                "'<think>\\n\\n</think>\\n\\n' as 19 plain BPE tokens; ours refuses (TemplateError: <think>, </think> "
-                "are not single tokens); " + THINK_ON)
-    if t in ("qwen2_vl", "gemma3"):
-        return NO_TEMPLATE.format(t)
-    if case["data_args"].get("enable_thinking"):
-        return THINK_ON + ("; " + THINK_KEPT if rec == "sharegpt_thoughts" else "")
-    reasons = []
-    if t == "qwen3" and opt == "mask_history":
-        reasons.append(THINK_MASK_HISTORY)
-    if t == "qwen3" and rec == "sharegpt_thoughts" and opt == "default":
-        reasons.append(THINK_STRIPPED)
-    return "; ".join(reasons) or None
+    if case["template"] in ("qwen2_vl", "gemma3"):
+        return NO_TEMPLATE.format(case["template"])
+    return None
 
 
 def _cases():

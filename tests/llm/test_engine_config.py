@@ -255,3 +255,20 @@ def test_lr_warmup_fraction_is_of_the_decay_steps():
     cfg = parse_args(BASE[:-1] + ["100", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50"], engine=CARD)
     assert (cfg.train.warmup_fraction, cfg.train.decay_steps) == (0.1, 50)
     assert lr_at(4, lr=1.0, min_lr=0.0, warmup=5, total=50, style="cosine") == 1.0  # what the recipe builds
+
+
+def test_prompt_types_encode_as_mindspeed_llm():
+    """--prompt-type qwen keeps MindSpeed-LLM's default system (the named `qwen` follows LLaMA-Factory's);
+    --enable-thinking is the qwen3 reasoning switch."""
+    from backends.common.data import resolve_template
+    from backends.llm.config import prompt_template
+    from tests.helpers.tiny_tokenizers import family_tokenizer
+
+    tok = family_tokenizer("qwen3")
+    assert prompt_template("qwen", tok, None).default_system == "You are a helpful assistant."
+    assert resolve_template("qwen", tok).default_system.startswith("You are Qwen, created by Alibaba Cloud.")
+    for thinking in (None, True, False):
+        assert prompt_template("qwen3", tok, thinking).enable_thinking is thinking
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert prompt_template("qwen3", tok, None).render(conv) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n")

@@ -14,8 +14,7 @@ from .loader import MODES, MicroBatchLoader, shift_labels
 from .packing import PackStats, best_fit_decreasing, pack_stats
 from .preprocess import DatasetHandle, TokenDataset, preprocess
 from .conversation import encode_conversation
-from .templates import (IGNORE_INDEX, TEMPLATES, ChatTemplate, JinjaTemplate, TemplateError, resolve_template,
-                        thinking_template)
+from .templates import IGNORE_INDEX, TEMPLATES, ChatTemplate, JinjaTemplate, TemplateError, resolve_template
 from .tokenizer import eod_id, load_tokenizer, pad_id
 
 __all__ = [
@@ -23,5 +22,4 @@ __all__ = [
     "IndexedDataset", "IndexedDatasetWriter", "IndexedFormatError", "JinjaTemplate", "MicroBatchLoader",
     "PackStats", "TemplateError", "TokenDataset", "best_fit_decreasing", "encode_conversation", "eod_id",
     "iter_records", "load_tokenizer", "pack_stats", "pad_id", "preprocess", "resolve_template", "shift_labels",
-    "thinking_template",
 ]

@@ -11,10 +11,13 @@ of the same name produces, for the plain system/user/assistant subset (no tools)
   qwen     ChatML as LLaMA-Factory `qwen` (Qwen2.5-Instruct's own default): default system prompt
            "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
            <|im_start|>{role}\\n{content}<|im_end|>\\n
-  qwen3    ChatML with no default system; every assistant turn opens with the empty thinking block
-           "<think>\\n\\n</think>\\n\\n" (as LLaMA-Factory's `qwen3` with enable_thinking=False, which
-           puts it in the prompt, untrained). Qwen3's own Jinja writes that block only on the turns
-           after the last user message; pass template=None to get exactly that for a Qwen3 tokenizer.
+  qwen3    ChatML with no default system, a reasoning template as LLaMA-Factory's and MindSpeed-LLM's
+           `qwen3`: an answer without thinking of its own gets the empty block
+           "<think>\\n\\n</think>\\n\\n": trained at the start of the answer with enable_thinking=True
+           (LF's default), in the prompt otherwise; enable_thinking=False also strips every answer's
+           <think>...</think>; None (MindSpeed-LLM's default) keeps them. <think> need not be one token
+           (the block is then plain text, as in LF). Qwen3's own Jinja writes the block only on the
+           turns after the last user message; pass template=None to get exactly that.
   llama3   Llama-3-Instruct: <|begin_of_text|><|start_header_id|>{role}<|end_header_id|>\\n\\n
            {content}<|eot_id|> (no default system; Llama 3.1's date preamble is not added). Contents
            are kept verbatim as LLaMA-Factory does (Meta's Jinja trims them; data written for it
@@ -41,6 +44,7 @@ Every assistant turn is trained; system, user and template text is -100.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, replace
 
 IGNORE_INDEX = -100
@@ -106,40 +110,35 @@ class NamedTemplate(ChatTemplate):
     train_suffix: str = ""
     reference: str = ""
 
+    thought_words: tuple[str, str] = ()   # a reasoning template's (open, close) of a thinking block
+    enable_thinking: bool | None = None   # reasoning templates only, see pieces()
+
     def render(self, messages, add_generation_prompt=False):
-        msgs = list(messages)
-        system = self.default_system
-        if msgs and msgs[0]["role"] == "system":
-            system = msgs[0]["content"]
-            msgs = msgs[1:]
-        out = self.prefix
-        if system and not self.system_in_first_user:
-            out += self.system_fmt.format(content=system)
-        first_user = True
-        for m in msgs:
-            content = m["content"]
-            if m["role"] == "user":
-                if first_user and system and self.system_in_first_user:
-                    content = self.system_in_first_user.format(system=system, content=content)
-                out += self.user_fmt.format(content=content)
-                first_user = False
-            elif m["role"] == "assistant":
-                out += self.assistant_header + self.assistant_fmt.format(content=content)
-            else:
-                raise TemplateError(f"template {self.name!r}: a system message may only come first")
+        out = "".join(text for text, _, _ in self.pieces(messages))
         if add_generation_prompt:
             out += self.assistant_header
+            if self.thought_words and not self.enable_thinking:
+                out += self.empty_thought
         return out
+
+    @property
+    def empty_thought(self) -> str:
+        return "".join(self.thought_words)
 
     def pieces(self, messages, mode="multiturn"):
         """(text, kind, turn) pieces in LLaMA-Factory's grouping: turn 0's source is prefix + system +
         user + header, each later turn's source is its user message + header; the target is the
-        answer with its end-of-turn marker."""
+        answer with its end-of-turn marker. A reasoning template (LF's ReasoningTemplate) adds the
+        empty thinking block to an answer that has no thinking of its own: trained, at the start of
+        the answer, with enable_thinking true; else in the prompt. enable_thinking false also strips
+        every answer's thinking. mode "mask_history" / "oneturn" (pairwise) strips the thinking of
+        every answer but the last and gives the empty block to the last one only."""
         msgs = list(messages)
         system = self.default_system
         if msgs and msgs[0]["role"] == "system":
             system = msgs[0]["content"]
             msgs = msgs[1:]
+        last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
         out = [(self.prefix, "source", 0)]
         if system and not self.system_in_first_user:
             out.append((self.system_fmt.format(content=system), "source", 0))
@@ -151,19 +150,35 @@ class NamedTemplate(ChatTemplate):
                     content = self.system_in_first_user.format(system=system, content=content)
                 out.append((self.user_fmt.format(content=content), "source", turn))
             elif m["role"] == "assistant":
+                content, block = self._thinking(m["content"], history=mode != "multiturn" and k != last)
                 out.append((self.assistant_header, "source", turn))
-                out.append((self.assistant_fmt.format(content=m["content"]), "target", turn))
+                if block:  # its own piece: LF tokenizes the block apart from the text around it
+                    out.append((block, "target" if self.enable_thinking else "source", turn))
+                out.append((self.assistant_fmt.format(content=content), "target", turn))
                 turn += 1
             else:
                 raise TemplateError(f"template {self.name!r}: a system message may only come first")
         return out
+
+    def _thinking(self, content: str, history: bool) -> tuple[str, str]:
+        """(the answer as encoded, the empty thinking block to add or "")."""
+        if not self.thought_words:
+            return content, ""
+        opening, closing = self.thought_words
+        if self.enable_thinking is False or history:
+            pattern = re.escape(opening) + "(.*?)" + re.escape(closing)
+            content = re.sub(pattern, "", content, flags=re.DOTALL).lstrip("\n")
+        if history or opening.strip() in content or closing.strip() in content:
+            return content, ""
+        return content, self.empty_thought
 
     def fingerprint(self):
         return "named:" + hashlib.sha256(repr(self).encode()).hexdigest()
 
     def __repr__(self):  # dataclass repr includes every field: a stable definition hash
         fields = (self.name, self.prefix, self.system_fmt, self.user_fmt, self.assistant_header, self.assistant_fmt,
-                  self.required_tokens, self.default_system, self.system_in_first_user, self.train_suffix)
+                  self.required_tokens, self.default_system, self.system_in_first_user, self.train_suffix,
+                  self.thought_words, self.enable_thinking)
         return f"NamedTemplate{fields!r}"
 
 
@@ -182,9 +197,9 @@ TEMPLATES: dict[str, NamedTemplate] = {
             name="qwen3", prefix="",
             system_fmt="<|im_start|>system\n{content}<|im_end|>\n",
             user_fmt="<|im_start|>user\n{content}<|im_end|>\n",
-            assistant_header="<|im_start|>assistant\n<think>\n\n</think>\n\n", assistant_fmt="{content}<|im_end|>\n",
-            required_tokens=_CHATML_TOKENS + ("<think>", "</think>"),
-            reference="Qwen3 chat_template with enable_thinking=False; LLaMA-Factory template 'qwen3'"),
+            assistant_header="<|im_start|>assistant\n", assistant_fmt="{content}<|im_end|>\n",
+            thought_words=("<think>\n", "\n</think>\n\n"), required_tokens=_CHATML_TOKENS,
+            reference="LLaMA-Factory / MindSpeed-LLM template 'qwen3' (ReasoningTemplate)"),
         NamedTemplate(
             name="llama3", prefix="<|begin_of_text|>",
             system_fmt="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
@@ -225,13 +240,17 @@ def missing_tokens(tokenizer, tokens) -> list[str]:
     return missing
 
 
-def resolve_template(name: str | ChatTemplate | None, tokenizer) -> ChatTemplate:
-    """None: the tokenizer's own chat_template. A name: that named template, checked against the vocab."""
+def resolve_template(name: str | ChatTemplate | None, tokenizer, *, enable_thinking: bool | None = None,
+                     default_system: str | None = None) -> ChatTemplate:
+    """None: the tokenizer's own chat_template. A name: that named template, checked against the vocab.
+    enable_thinking: a reasoning template's switch (NamedTemplate.pieces; for the tokenizer's own
+    template, passed to its Jinja: true renders thinking, else it is off). default_system replaces a
+    named template's default system prompt (as LLaMA-Factory's default_system argument)."""
     if isinstance(name, ChatTemplate):
         return name
     if name is None or name in ("", "auto", "tokenizer"):
         if getattr(tokenizer, "chat_template", None):
-            return JinjaTemplate(tokenizer)
+            return JinjaTemplate(tokenizer, enable_thinking=True) if enable_thinking else JinjaTemplate(tokenizer)
         raise TemplateError(
             f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat_template (a base model?); "
             f"pass a template name, one of: {', '.join(TEMPLATES)}")
@@ -247,26 +266,8 @@ def resolve_template(name: str | ChatTemplate | None, tokenizer) -> ChatTemplate
             f"({getattr(tokenizer, 'name_or_path', '?')}) does not have as single tokens: {', '.join(missing)}. "
             f"The template does not match this model family; pass the matching template, or leave it unset to "
             f"use the tokenizer's own chat_template")
+    if template.thought_words and enable_thinking is not None:
+        template = replace(template, enable_thinking=enable_thinking)
+    if default_system is not None:
+        template = replace(template, default_system=default_system)
     return template
-
-
-# ------------------------------------------------------------------------------- thinking mode
-
-def thinking_template(name: str | ChatTemplate | None, tokenizer, enable_thinking: bool | None) -> ChatTemplate:
-    """The template for MindSpeed-LLM's --enable-thinking. A reasoning template (qwen3) opens every
-    answer with an empty thinking block; with enable_thinking true that block belongs to the answer and
-    is trained, otherwise (false, unset) it belongs to the prompt, as in LLaMA-Factory's reasoning
-    templates. The tokens are the same either way; only the labels differ. (An answer that already
-    holds its own thinking block still gets the empty one: data with reasoning needs the tokenizer's
-    own template.)"""
-    template = resolve_template(name, tokenizer)
-    if enable_thinking and isinstance(template, NamedTemplate) and template.assistant_header.endswith(_EMPTY_THOUGHT):
-        header = template.assistant_header[: -len(_EMPTY_THOUGHT)]
-        return replace(template, assistant_header=header, assistant_fmt=_EMPTY_THOUGHT + template.assistant_fmt,
-                       name=template.name + "+thinking")
-    if enable_thinking and isinstance(template, JinjaTemplate):
-        return JinjaTemplate(tokenizer, enable_thinking=True)
-    return template
-
-
-_EMPTY_THOUGHT = "<think>\n\n</think>\n\n"
