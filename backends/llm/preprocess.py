@@ -149,8 +149,10 @@ def _templates():
 
 
 def _prompt_types() -> list[str]:
+    """The --prompt-type values this build encodes (templates MindSpeed-LLM has no prompt type for, as
+    gemma3 and qwen2_vl, are left out: its parser refuses them)."""
     back = {v: k for k, v in PROMPT_TYPE_TEMPLATES.items()}
-    return sorted(back.get(name, name) for name in _templates())
+    return sorted(p for p in (back.get(name, name) for name in _templates()) if p in PROMPT_TYPES)
 
 
 def run_upstream(argv: list[str]) -> int:

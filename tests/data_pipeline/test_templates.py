@@ -29,10 +29,15 @@ EXPECTED = {
     "mistral": "<s>[INST] S\n\nHi [/INST]Hello</s>[INST] Bye [/INST]Ciao</s>",
     "deepseek": ("<｜begin▁of▁sentence｜>S<｜User｜>Hi<｜Assistant｜>Hello<｜end▁of▁sentence｜>"
                  "<｜User｜>Bye<｜Assistant｜>Ciao<｜end▁of▁sentence｜>"),
+    "qwen2_vl": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello"
+                 "<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nCiao<|im_end|>\n"),
+    "gemma3": ("<bos><start_of_turn>user\nS\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+               "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\nCiao<end_of_turn>\n"),
 }
 GENERATION_PROMPT = {"qwen": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
                      "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n", "glm4": "<|assistant|>",
-                     "mistral": "[INST] Bye [/INST]", "deepseek": "<｜Assistant｜>"}
+                     "mistral": "[INST] Bye [/INST]", "deepseek": "<｜Assistant｜>",
+                     "qwen2_vl": "<|im_start|>assistant\n", "gemma3": "<start_of_turn>model\n"}
 TRAINED = {
     "qwen": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
     "qwen3": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
@@ -40,6 +45,8 @@ TRAINED = {
     "glm4": ["\nHello<|endoftext|>", "\nCiao<|endoftext|>"],   # the EOS label sits on the next '<|user|>'
     "mistral": ["Hello</s>", "Ciao</s>"],
     "deepseek": ["Hello<｜end▁of▁sentence｜>", "Ciao<｜end▁of▁sentence｜>"],
+    "qwen2_vl": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
+    "gemma3": ["Hello<end_of_turn>\n", "Ciao<end_of_turn>\n"],
 }
 
 
@@ -65,7 +72,7 @@ def tokenizer_for(make_tokenizer, name):
     return make_tokenizer(TEMPLATES[name].required_tokens)
 
 
-def test_all_six_named_templates_exist():
+def test_all_named_templates_exist():
     assert set(TEMPLATES) == set(EXPECTED)
 
 

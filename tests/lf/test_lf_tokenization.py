@@ -27,15 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "llamafactory" / "lf_0.9.5_reference.json"
 REFERENCE = json.loads(FIXTURE.read_text(encoding="utf-8"))
 
-# What differs from LF today (each names the LF rule; the report of issue 13 cites the LF source lines)
-NO_TEMPLATE = "we have no named template {!r} (TemplateError: unknown chat template)"
-
-
 def _known_difference(case: dict) -> str | None:
     """Why a case differs from LF today (None: it matches). Each reason is an xfail(strict): a case that
-    starts to match without this table being updated fails, as does one that breaks."""
-    if case["template"] in ("qwen2_vl", "gemma3"):
-        return NO_TEMPLATE.format(case["template"])
+    starts to match without this table being updated fails, as does one that breaks. Every case matches
+    now; a new fixture case that differs names its LF rule here."""
     return None
 
 

@@ -32,6 +32,11 @@ of the same name produces, for the plain system/user/assistant subset (no tools)
            "{system}\\n\\n{user}" (Mistral's later templates' convention; v0.1 has no system role).
   deepseek DeepSeek-V3 / R1: <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>{a}
            <｜end▁of▁sentence｜> (no default system; the system text follows BOS unmarked)
+  qwen2_vl Qwen2-VL-Instruct and LLaMA-Factory `qwen2_vl`, text only (no image/video tokens are
+           expanded): ChatML with the default system "You are a helpful assistant."
+  gemma3   Gemma-3-it and LLaMA-Factory `gemma3`, text only: <bos><start_of_turn>user\\n{u}<end_of_turn>\\n
+           <start_of_turn>model\\n{a}<end_of_turn>\\n; a system prompt goes into the first user turn
+           as "{system}\\n\\n{user}" (no default system)
 
 A named template whose special tokens do not encode as single tokens of the tokenizer raises
 `TemplateError` naming them (a Llama 3 template on a Qwen tokenizer fails at once, not silently).
@@ -225,6 +230,19 @@ TEMPLATES: dict[str, NamedTemplate] = {
             required_tokens=("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                              "<｜end▁of▁sentence｜>"),
             reference="DeepSeek-V3 chat_template; LLaMA-Factory template 'deepseek3'"),
+        NamedTemplate(
+            name="qwen2_vl", prefix="",
+            system_fmt="<|im_start|>system\n{content}<|im_end|>\n",
+            user_fmt="<|im_start|>user\n{content}<|im_end|>\n",
+            assistant_header="<|im_start|>assistant\n", assistant_fmt="{content}<|im_end|>\n",
+            default_system="You are a helpful assistant.", required_tokens=_CHATML_TOKENS,
+            reference="Qwen2-VL-Instruct chat_template (text); LLaMA-Factory template 'qwen2_vl'"),
+        NamedTemplate(
+            name="gemma3", prefix="<bos>", system_fmt="", system_in_first_user="{system}\n\n{content}",
+            user_fmt="<start_of_turn>user\n{content}<end_of_turn>\n",
+            assistant_header="<start_of_turn>model\n", assistant_fmt="{content}<end_of_turn>\n",
+            required_tokens=("<bos>", "<start_of_turn>", "<end_of_turn>"),
+            reference="Gemma-3-it chat_template (text); LLaMA-Factory template 'gemma3'"),
     )
 }
 
