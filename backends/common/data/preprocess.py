@@ -48,7 +48,7 @@ from .formats import FORMATS, DataFormatError
 from .templates import IGNORE_INDEX, ChatTemplate, resolve_template
 from .tokenizer import eod_id, fingerprint, vocab_size
 
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2  # 2: LLaMA-Factory 0.9.5 labels (glm4 efficient EOS on later user turns)
 PREFIX = "dataset"
 TEXT_SUFFIX = "_text_document"
 IDS_SUFFIX = "_packed_input_ids_document"
