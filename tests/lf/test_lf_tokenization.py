@@ -3,18 +3,14 @@ input_ids and labels (tests/fixtures/llamafactory/lf_0.9.5_reference.json, built
 with make_reference.py).
 
 How a case calls our code: resolve_template(name, tok[, enable_thinking=]) +
-formats.encode_instruction(...[, train_on_prompt=, mask_history=, cutoff_len=]), else
-formats.truncate at cutoff_len. An option the signature has is always passed; one it lacks is passed
-only when the case turns it on (so today's code raises TypeError there), so each xfail below turns
-into a pass, and strict=True makes it fail, once the option is built and matches LF. Pairwise records go
-through formats.encode_pairwise when it exists, else each of prompt+chosen / prompt+rejected is
-encoded as a conversation.
+formats.encode_instruction(..., train_on_prompt=, mask_history=, cutoff_len=) for a conversation,
+formats.encode_pairwise(..., cutoff_len=) for a ranking record; the data arguments are the case's.
+Every case matches; a fixture case added later that differs needs the code fixed, not an xfail.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 from pathlib import Path
 
@@ -27,24 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "llamafactory" / "lf_0.9.5_reference.json"
 REFERENCE = json.loads(FIXTURE.read_text(encoding="utf-8"))
 
-def _known_difference(case: dict) -> str | None:
-    """Why a case differs from LF today (None: it matches). Each reason is an xfail(strict): a case that
-    starts to match without this table being updated fails, as does one that breaks. Every case matches
-    now; a new fixture case that differs names its LF rule here."""
-    return None
-
 
 def _cases():
     return REFERENCE["cases"]
-
-
-def _params():
-    out = []
-    for case in _cases():
-        reason = _known_difference(case)
-        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-        out.append(pytest.param(case, id=case["id"], marks=marks))
-    return out
 
 
 def _tokenizer(family: str):
@@ -55,41 +36,21 @@ def _tokenizer(family: str):
     return tok
 
 
-def _accepts(fn, name: str) -> bool:
-    return name in inspect.signature(fn).parameters
-
-
-def _options(fn, wanted: dict) -> dict:
-    """The options fn takes; one it lacks is still passed when set (a TypeError: not built yet)."""
-    return {k: v for k, v in wanted.items() if _accepts(fn, k) or v}
-
-
 def encode_ours(case: dict) -> dict:
     """Our ids/labels for a case, keyed as LF's processors key them."""
     rec = REFERENCE["records"][case["record"]]
     args = case["data_args"]
     tok = _tokenizer(case["tokenizer"])
-    thinking = {"enable_thinking": args["enable_thinking"]} if "enable_thinking" in args else {}
-    template = resolve_template(case["template"], tok, **_options(resolve_template, thinking))
-    cutoff = args["cutoff_len"]
-    opts = _options(formats.encode_instruction, {k: bool(args.get(k)) for k in ("train_on_prompt", "mask_history")})
+    template = resolve_template(case["template"], tok, enable_thinking=args.get("enable_thinking"))
     where = Path(FIXTURE.name)
     if rec["ranking"]:
-        record = rec["record"]
-        if hasattr(formats, "encode_pairwise"):
-            chosen, rejected = formats.encode_pairwise(tok, template, record, where, 0, cutoff_len=cutoff)
-        else:
-            base = {k: v for k, v in record.items() if k not in ("chosen", "rejected")}
-            chosen, rejected = (formats.truncate(formats.encode_instruction(
-                tok, template, "alpaca", {**base, "output": record[k]}, where, 0), cutoff)[0]
-                for k in ("chosen", "rejected"))
+        chosen, rejected = formats.encode_pairwise(tok, template, rec["record"], where, 0,
+                                                   cutoff_len=args["cutoff_len"])
         return {"chosen_input_ids": chosen.input_ids, "chosen_labels": chosen.labels,
                 "rejected_input_ids": rejected.input_ids, "rejected_labels": rejected.labels}
-    if _accepts(formats.encode_instruction, "cutoff_len"):
-        opts["cutoff_len"] = cutoff
-    sample = formats.encode_instruction(tok, template, rec["formatting"], rec["record"], where, 0, **opts)
-    if "cutoff_len" not in opts:
-        sample, _ = formats.truncate(sample, cutoff)
+    sample = formats.encode_instruction(tok, template, rec["formatting"], rec["record"], where, 0,
+                                        train_on_prompt=bool(args.get("train_on_prompt")),
+                                        mask_history=bool(args.get("mask_history")), cutoff_len=args["cutoff_len"])
     return {"input_ids": sample.input_ids, "labels": sample.labels}
 
 
@@ -111,7 +72,7 @@ def describe_difference(tok, ours: dict, expected: dict) -> str:
     return "; ".join(lines)
 
 
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c["id"])
 def test_matches_llamafactory(case):
     expected = case["expected"]
     if "error" in expected:
