@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from backends.common.data import TEMPLATES, DataFormatError, iter_records
-from backends.common.data.formats import (alpaca_messages, encode_instruction, encode_text, sharegpt_messages,
-                                          text_of)
+from backends.common.data.formats import (alpaca_messages, encode_instruction, encode_pairwise, encode_text,
+                                          sharegpt_messages, text_of)
 from backends.common.data.templates import IGNORE_INDEX
 
 from .test_templates import trained_runs
@@ -135,3 +135,27 @@ def test_bad_text_record_and_bad_json(tmp_path):
         list(iter_records(tmp_path / "e.txt"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         list(iter_records(tmp_path / "nope.json"))
+
+
+def test_pairwise_records_alpaca_and_sharegpt_give_the_same_pair(tiny_tok):
+    alpaca = {"instruction": "What is 2 + 2?", "chosen": "4.", "rejected": "5."}
+    sharegpt = {"conversations": [{"from": "human", "value": "What is 2 + 2?"}],
+                "chosen": {"from": "gpt", "value": "4."}, "rejected": {"from": "gpt", "value": "5."}}
+    pairs = [encode_pairwise(tiny_tok, TEMPLATES["qwen"], r, None, 0) for r in (alpaca, sharegpt)]
+    assert [(s.input_ids, s.labels) for s in pairs[0]] == [(s.input_ids, s.labels) for s in pairs[1]]
+    chosen, rejected = pairs[0]
+    assert trained_runs(tiny_tok, chosen.input_ids, chosen.labels) == ["4.<|im_end|>\n"]
+    assert trained_runs(tiny_tok, rejected.input_ids, rejected.labels) == ["5.<|im_end|>\n"]
+    n_prompt = chosen.labels.index(next(v for v in chosen.labels if v != IGNORE_INDEX))
+    assert chosen.input_ids[:n_prompt] == rejected.input_ids[:n_prompt]
+
+
+@pytest.mark.parametrize("record, pattern", [
+    ({"instruction": "Q", "chosen": "A"}, r"record 0: a pairwise record needs 'chosen' and 'rejected'"),
+    ({"instruction": "Q", "chosen": "A", "rejected": 3}, r"record 0: key 'rejected' must be a string"),
+    ({"conversations": [{"from": "human", "value": "Q"}], "chosen": "A", "rejected": "B"},
+     r"record 0: 'chosen' must be one message object"),
+])
+def test_bad_pairwise_records(tiny_tok, record, pattern):
+    with pytest.raises(DataFormatError, match=pattern):
+        encode_pairwise(tiny_tok, TEMPLATES["qwen"], record, Path("p.json"), 0)

@@ -8,8 +8,10 @@
             optional top-level "system"
 
 Instruction formats give (input_ids, labels) with labels -100 on every prompt token and every
-assistant turn trained (templates.encode_conversation). A bad record raises `DataFormatError`
-naming the file, the record index and what is missing.
+assistant turn trained (conversation.encode_conversation), built turn by turn as LLaMA-Factory 0.9.5
+builds them (turns.py: cutoff_len, train_on_prompt, mask_history). Pairwise (ranking) records, alpaca
+or sharegpt with "chosen" and "rejected", give a chosen and a rejected sample (encode_pairwise).
+A bad record raises `DataFormatError` naming the file, the record index and what is missing.
 """
 
 from __future__ import annotations
