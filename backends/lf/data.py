@@ -24,8 +24,8 @@ SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
 _ENTRY_KEYS = {"file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "formatting",
                "ranking", "columns", "tags", "subset", "split", "folder", "num_samples", "load_from"}
 # our template names for LLaMA-Factory's (backends.common.data.templates implements these)
-TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "qwen3_nothink": "qwen3", "llama3": "llama3", "glm4": "glm4",
-             "mistral": "mistral", "deepseek3": "deepseek"}
+TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "glm4", "qwen2_vl": "qwen2_vl",
+             "gemma3": "gemma3", "mistral": "mistral", "deepseek3": "deepseek"}
 
 
 @dataclass
@@ -115,7 +115,11 @@ def canonical(entry: DatasetEntry, stage: str, record: Any, where: str) -> dict:
         query = _text(record, c["query"], where)
         if stage == "pt":  # LLaMA-Factory pre-trains on the prompt (+ query) text
             return {"text": f"{prompt}\n{query}" if query else prompt}
-        out = {"instruction": prompt, "input": query, "output": _text(record, c["response"], where, required=True)}
+        if entry.ranking:
+            out = {"instruction": prompt, "input": query,
+                   **{k: _text(record, c.get(k) or k, where, required=True) for k in ("chosen", "rejected")}}
+        else:
+            out = {"instruction": prompt, "input": query, "output": _text(record, c["response"], where, required=True)}
         if c.get("system"):
             out["system"] = _text(record, c["system"], where)
         if c.get("history") and record.get(c["history"]):
@@ -138,6 +142,13 @@ def canonical(entry: DatasetEntry, stage: str, record: Any, where: str) -> dict:
     if stage == "pt":
         return {"text": messages[0]["content"]}
     out = {"messages": messages}
+    if entry.ranking:  # chosen / rejected: one assistant message each, after the prompt turns
+        for key in ("chosen", "rejected"):
+            turn = record.get(c.get(key) or key)
+            if not isinstance(turn, dict) or t["content_tag"] not in turn:
+                raise DataFormatError(f"{where}: column {c.get(key) or key!r} must be one message with "
+                                      f"{t['content_tag']!r} (a ranking record's {key} answer)")
+            out[key] = {"role": "assistant", "content": turn[t["content_tag"]]}
     if c.get("system") and record.get(c["system"]):
         out["system"] = _text(record, c["system"], where)
     return out
@@ -151,6 +162,9 @@ def _records(entry: DatasetEntry, stage: str) -> Iterator[dict]:
 def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path) -> tuple[Path, str]:
     """(a JSONL of every named dataset's canonical records, its format), content-addressed in the cache."""
     fmt = "text" if stage == "pt" else ("sharegpt" if any(e.formatting == "sharegpt" for e in entries) else "alpaca")
+    if any(e.ranking for e in entries) and len({e.formatting for e in entries}) > 1:
+        raise LFConfigError("dataset: ranking datasets of both formattings (alpaca and sharegpt) in one run are not "
+                            "built; convert them to one formatting")
     digest = hashlib.sha256()
     for e in entries:
         stat = e.file.stat()
@@ -185,23 +199,16 @@ def _alpaca_as_sharegpt(rec: dict) -> dict:
 
 def build_template(cfg: LFConfig, tokenizer):
     """The chat template the training file names (None for pre-training text), with LLaMA-Factory's
-    enable_thinking rule for reasoning templates and its default_system."""
-    from dataclasses import replace
-
-    from backends.common.data.templates import NamedTemplate, TemplateError, thinking_template
+    enable_thinking and default_system."""
+    from backends.common.data.templates import TemplateError, resolve_template
 
     if cfg.stage == "pt":
         return None
-    name = template_name(cfg)
     try:
-        template = thinking_template(name, tokenizer, cfg.enable_thinking)
+        return resolve_template(template_name(cfg), tokenizer, enable_thinking=cfg.enable_thinking,
+                                default_system=cfg.default_system)
     except TemplateError as err:
         raise LFConfigError(f"template: {err}") from None
-    if cfg.default_system is not None:
-        if not isinstance(template, NamedTemplate):
-            raise LFConfigError("default_system: needs a named template (set template:)")
-        template = replace(template, default_system=cfg.default_system)
-    return template
 
 
 def template_name(cfg: LFConfig) -> str | None:

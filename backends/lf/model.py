@@ -26,20 +26,19 @@ class HFCausalLMWithLoss(nn.Module):
     def body(self) -> nn.Module:
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
-    def forward(self, input_ids, labels, position_ids=None):
+    def forward(self, input_ids, labels, position_ids=None, logps: bool = False):
+        """(summed token loss, token count); logps: per-row sums of the label tokens' log-probabilities
+        and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too)."""
         hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()
+        if logps:
+            logits = head(hidden).float()
+            mask = labels != -100
+            picked = torch.gather(logits.log_softmax(-1), -1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            return (picked * mask).sum(-1), mask.sum(-1)
         loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
                                                       labels.reshape(-1))
         return loss_sum, count
-
-    def token_logps(self, input_ids, labels, position_ids=None):
-        """Per-sequence sums of the label tokens' log-probabilities [B] (DPO), full logits per row."""
-        hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        logits = self.hf.get_output_embeddings()(hidden).float()
-        mask = labels != -100
-        picked = torch.gather(logits.log_softmax(-1), -1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        return (picked * mask).sum(-1), mask.sum(-1)
 
     def parts(self) -> ModelParts:
         body = "hf." + next(n for n, m in self.hf.named_modules() if m is self.body())

@@ -53,11 +53,14 @@ def recompute(cfg: LFConfig, model) -> int:
     return apply_recompute(model.parts(), "full")
 
 
-def wrap(model, cfg: LFConfig, par: Parallel, device: torch.device):
+def wrap(model, cfg: LFConfig, par: Parallel, device: torch.device, frozen: bool = False):
     """The model on its device, wrapped for the ZeRO stage (FSDP2 units: one per decoder layer, the
-    rest in the root)."""
+    rest in the root). frozen: a model that only runs forward (DPO's reference): replicated below
+    stage 3, sharded like the policy at stage 3."""
     z = cfg.zero
     model.to(device)
+    if frozen and (par.grad_world == 1 or z.stage < 3):
+        return model
     if par.grad_world == 1 or not par.fsdp:
         return data_parallel.wrap_data_parallel(model, model.parts(), par, device)
     from torch.distributed.fsdp import fully_shard

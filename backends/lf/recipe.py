@@ -122,9 +122,6 @@ class LFRecipe(Recipe):
         from backends.lf import parallel
 
         cfg = self.cfg
-        if cfg.stage == "dpo":
-            raise LFConfigError(f"{cfg.source}: stage dpo is not built in this version of backends.lf (pt and sft "
-                                "are); train DPO with LLaMA-Factory itself for now")
         seed_everything(cfg.seed)
         overrides = {**lfmodel.attention_override(cfg.flash_attn), **cfg.engine.get("kernels.overrides", {})}
         kernels.configure(default=cfg.engine.get("kernels.backend"), overrides=overrides or None)
@@ -145,6 +142,7 @@ class LFRecipe(Recipe):
         self.steps_per_epoch = max(len(self.loader) // cfg.gradient_accumulation_steps, 1)
         model = parallel.wrap(model, cfg, par, rt.device)
         self.model = model
+        self.reference = self._reference(par, rt) if cfg.stage == "dpo" else None
         optimizer = data_parallel.build_optimizer(model, par, lr=cfg.learning_rate,
                                                   betas=(cfg.adam_beta1, cfg.adam_beta2),
                                                   weight_decay=cfg.weight_decay)
@@ -170,25 +168,57 @@ class LFRecipe(Recipe):
                         log_interval=max(1, int(cfg.logging_steps)), metrics_file=metrics,
                         keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora")
 
+    def _reference(self, par, rt):
+        """DPO's reference: none for orpo / simpo, the policy with its adapters off under LoRA, else a
+        frozen copy of the starting model (sharded like the policy under ZeRO-3)."""
+        from backends.lf import model as lfmodel
+        from backends.lf import parallel
+        from backends.lf.dpo import uses_reference
+
+        cfg = self.cfg
+        if not uses_reference(cfg.pref_loss) or cfg.finetuning_type == "lora":
+            return None
+        hf = lfmodel.load_hf_model(cfg)
+        lfmodel.apply_kernels(hf)
+        hf.requires_grad_(False)
+        ref = HFCausalLMWithLoss(hf).eval()
+        ref.to(rt.device)
+        return parallel.wrap(ref, cfg, par, rt.device, frozen=True)
+
     def _data(self, rt, par):
         from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
         from backends.lf.data import build_template, read_dataset_info, write_canonical
+        from backends.lf.pairs import PairLoader, build_pairs
 
         cfg = self.cfg
         tokenizer = load_tokenizer(cfg.model_name_or_path, use_fast=cfg.use_fast_tokenizer)
         entries = read_dataset_info(cfg)
         cache = Path(cfg.output_dir) / "data"
         template = build_template(cfg, tokenizer)
+        if cfg.stage == "dpo" and not all(e.ranking for e in entries):
+            raise LFConfigError(f"dataset: stage dpo needs ranking datasets (ranking: true in dataset_info.json); "
+                                f"{', '.join(e.name for e in entries if not e.ranking)} is not one")
+        if cfg.stage != "dpo" and any(e.ranking for e in entries):
+            raise LFConfigError(f"dataset: {', '.join(e.name for e in entries if e.ranking)} is a ranking dataset, "
+                                f"which stage {cfg.stage} cannot train (stage dpo does)")
 
         def build():
             records, fmt = write_canonical(entries, cfg.stage, cache)
-            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples)
+            if cfg.stage == "dpo":
+                return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples)
+            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples,
+                              lf_rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
         # rank 0 tokenizes and writes the cache; the others wait, then read the same files
         dataset = build() if rt.is_main else None
         barrier()
         if dataset is None:
             dataset = build()
+        if cfg.stage == "dpo":
+            loader = PairLoader(dataset, cfg.per_device_train_batch_size, dp_rank=par.dp_rank, dp_world=par.layout.dp,
+                                seed=cfg.seed, pad_id=pad_id(tokenizer))
+            log.info("data: %s", dataset.summary())
+            return dataset, loader, tokenizer
         mode = "packed" if cfg.packing else "dynamic"
         loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.per_device_train_batch_size,
                                   seq_len=cfg.cutoff_len, dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.seed,
@@ -221,8 +251,38 @@ class LFRecipe(Recipe):
         return out
 
     def loss(self, model, mb: dict) -> Loss:
+        if self.cfg.stage == "dpo":
+            return self._preference_loss(model, mb)
         loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"))
         return Loss(loss_sum)
+
+    def _preference_loss(self, model, mb: dict) -> Loss:
+        """LLaMA-Factory's DPO step on one micro-batch of pairs (chosen rows first, then rejected)."""
+        from backends.lf.dpo import adapters_disabled, pair_losses, split_logps, uses_reference
+
+        cfg = self.cfg
+        args = (mb["input_ids"], mb["labels"], mb.get("position_ids"))
+        ref_c = ref_r = None
+        if uses_reference(cfg.pref_loss):
+            with torch.no_grad():
+                if self.reference is not None:
+                    sums, counts = self.reference(*args, logps=True)
+                else:  # LoRA: the base model is the policy with its adapters off
+                    with adapters_disabled(model):
+                        sums, counts = model(*args, logps=True)
+            ref_c, ref_r, _ = split_logps(sums, counts, cfg.pref_loss)
+        sums, counts = model(*args, logps=True)
+        chosen, rejected, chosen_avg = split_logps(sums, counts, cfg.pref_loss)
+        losses, r_chosen, r_rejected = pair_losses(cfg.pref_loss, cfg.pref_beta, chosen, rejected, ref_c, ref_r,
+                                                   label_smoothing=cfg.dpo_label_smoothing,
+                                                   simpo_gamma=cfg.simpo_gamma)
+        if cfg.pref_ftx > 1e-6:
+            losses = losses + cfg.pref_ftx * -chosen_avg
+        metrics = {"rewards/chosen": r_chosen.mean(), "rewards/rejected": r_rejected.mean(),
+                   "rewards/accuracies": (r_chosen > r_rejected).float().mean(),
+                   "rewards/margins": (r_chosen - r_rejected).mean(),
+                   "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
+        return Loss(losses.sum(), metrics={k: float(v) for k, v in metrics.items()})
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict()}
@@ -231,7 +291,8 @@ class LFRecipe(Recipe):
         self.loader.load_state_dict(state["loader"])
 
     def start_info(self) -> dict:
-        return {"grad_accum": self.cfg.gradient_accumulation_steps, "samples": self.dataset.stats.get("samples"),
+        return {"grad_accum": self.cfg.gradient_accumulation_steps,
+                "samples": self.dataset.stats.get("samples", self.dataset.stats.get("pairs")),
                 "parameters": self.total, "trainable": self.trainable, "zero_stage": self.cfg.zero.stage}
 
     def logged(self, record: dict) -> None:

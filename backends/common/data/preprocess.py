@@ -211,7 +211,9 @@ def _instruction(base: str) -> tuple[str, str, str]:
 
 def preprocess(records_path: str | os.PathLike, fmt: str, tokenizer, template: str | ChatTemplate | None,
                seq_len: int, cache_root: str | os.PathLike, max_samples: int | None = None,
-               progress: Progress | None = None) -> DatasetHandle:
+               progress: Progress | None = None, lf_rules: dict | None = None) -> DatasetHandle:
+    """lf_rules: LLaMA-Factory's encoding of instruction data ({"train_on_prompt", "mask_history"}):
+    each turn cut to seq_len by its infer_seqlen instead of cutting the sample's tail."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     found = megatron_prefix(records_path)
@@ -227,6 +229,12 @@ def preprocess(records_path: str | os.PathLike, fmt: str, tokenizer, template: s
     tmpl = None if fmt == "text" else resolve_template(template, tokenizer)
     root = Path(cache_root)
     key = cache_key(files, fmt, tokenizer, tmpl, seq_len, max_samples)
+    if lf_rules is not None and fmt != "text":
+        lf_rules = {"train_on_prompt": bool(lf_rules.get("train_on_prompt")),
+                    "mask_history": bool(lf_rules.get("mask_history"))}
+        key = hashlib.sha256(json.dumps([key, lf_rules], sort_keys=True).encode()).hexdigest()[:24]
+    else:
+        lf_rules = None
     final = root / key
     meta_file = final / "meta.json"
     if meta_file.is_file():
@@ -237,7 +245,7 @@ def preprocess(records_path: str | os.PathLike, fmt: str, tokenizer, template: s
     tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        meta = _write(tmp, files, fmt, tokenizer, tmpl, seq_len, max_samples, progress)
+        meta = _write(tmp, files, fmt, tokenizer, tmpl, seq_len, max_samples, progress, lf_rules)
         meta.update({"pipeline": PIPELINE_VERSION, "key": key, "source": [str(f) for f in files],
                      "template": None if tmpl is None else tmpl.name})
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -263,7 +271,7 @@ def _handle(folder: Path, meta: dict, seq_len: int, from_cache: bool) -> Dataset
 
 
 def _write(folder: Path, files: list[Path], fmt: str, tokenizer, template, seq_len: int,
-           max_samples: int | None, progress: Progress | None) -> dict:
+           max_samples: int | None, progress: Progress | None, lf_rules: dict | None = None) -> dict:
     start = time.perf_counter()
     total = None
     counts = [formats.count_records(f) if f.suffix != ".json" else None for f in files]
@@ -303,7 +311,11 @@ def _write(folder: Path, files: list[Path], fmt: str, tokenizer, template, seq_l
                 flush_text()
             tick()
             continue
-        sample = formats.encode_instruction(tokenizer, template, fmt, record, file, index)
+        if lf_rules is None:
+            sample = formats.encode_instruction(tokenizer, template, fmt, record, file, index)
+        else:
+            sample = formats.encode_instruction(tokenizer, template, fmt, record, file, index, cutoff_len=seq_len,
+                                                **lf_rules)
         stats["records"] += 1
         if sample.method.endswith("segmented"):
             stats["segmented"] += 1

@@ -1,0 +1,118 @@
+"""DPO in backends.lf on a tiny Qwen2: the log-probabilities against plain transformers, each
+pref_loss's first-step value from them, the reference model (a frozen copy, or the LoRA base with
+its adapters off), rewards that separate as training goes, ZeRO-3 with the reference sharded, and
+clear errors for bad preference data."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.lf_runs import DATA, DATASETS, lf_file, losses, metrics, run_lf
+from tests.helpers.tiny_hf import make_tiny_hf
+
+PAIRS = {"pairs": {"file_name": str(DATA / "arithmetic_pairs.json"), "ranking": True,
+                   "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}}}
+BETA = 0.1
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return make_tiny_hf("qwen2", tmp_path_factory.mktemp("qwen2") / "model")
+
+
+def dpo_file(folder, model, **keys):
+    keys = {"model_name_or_path": str(model), "stage": "dpo", "dataset": "pairs", "max_samples": 32,
+            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "pref_beta": BETA, **keys}
+    path = lf_file(folder, **keys)
+    (folder / "dataset_info.json").write_text(json.dumps({**DATASETS, **PAIRS}))
+    return path
+
+
+def steps(out):
+    return [r for r in metrics(out) if "step" in r and "event" not in r]
+
+
+def hf_logps(path, model_dir):
+    """(sums, counts) of the label tokens' log-probabilities per row of the engine's first step, from
+    an unpatched transformers model; rows: each micro-batch's chosen, then its rejected."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.common.distributed import init_runtime
+    from backends.lf.recipe import LFRecipe, parse_command
+
+    recipe = LFRecipe(parse_command(["train", str(path)]))
+    recipe.build(init_runtime("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chosen, rejected = [], []
+    with torch.no_grad():
+        for mb in recipe.next_micro_batches():
+            logp = model(mb["input_ids"]).logits.float().log_softmax(-1)
+            y = mb["labels"]
+            keep = y != -100
+            picked = torch.gather(logp, -1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1) * keep
+            b = y.shape[0] // 2
+            for rows, into in ((slice(0, b), chosen), (slice(b, None), rejected)):
+                into.append((picked[rows].sum(-1), keep[rows].sum(-1)))
+    cat = lambda parts: (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))  # noqa: E731
+    return cat(chosen), cat(rejected)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "orpo", "simpo"])
+def test_first_step_loss_from_transformers_logps(tmp_path, qwen2, loss_type):
+    path = dpo_file(tmp_path, qwen2, max_steps=1, pref_loss=loss_type)
+    run_lf(path)
+    (c_sum, c_n), (r_sum, r_n) = hf_logps(path, qwen2)
+    if loss_type in ("sigmoid", "ipo", "hinge"):  # at step 1 the policy is its reference: h = 0
+        expect = {"sigmoid": math.log(2), "ipo": (1 / (2 * BETA)) ** 2, "hinge": 1.0}[loss_type]
+    elif loss_type == "simpo":
+        expect = float((-F.logsigmoid(BETA * (c_sum / c_n - r_sum / r_n) - 0.5)).mean())
+    else:
+        c, r = c_sum / c_n, r_sum / r_n
+        log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+        expect = float((-c + BETA * -F.logsigmoid(log_odds)).mean())
+    first = steps(tmp_path / "out")[0]
+    assert first["loss"] == pytest.approx(expect, abs=1e-5)
+    averaged = loss_type in ("ipo", "orpo", "simpo")  # LLaMA-Factory logs the per-token average there
+    c, r = (c_sum / c_n, r_sum / r_n) if averaged else (c_sum, r_sum)
+    assert first["logps/chosen"] == pytest.approx(float(c.mean()), abs=1e-4)
+    assert first["logps/rejected"] == pytest.approx(float(r.mean()), abs=1e-4)
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_rewards_separate_as_dpo_trains(tmp_path, qwen2, finetuning):
+    keys = {"finetuning_type": finetuning, "learning_rate": 5e-3 if finetuning == "full" else 2e-2, "max_steps": 12}
+    run_lf(dpo_file(tmp_path, qwen2, **keys))
+    rows = steps(tmp_path / "out")
+    assert rows[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the reference is the starting model
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    late = rows[-4:]
+    assert sum(r["rewards/margins"] for r in late) / 4 > 0.05
+    assert sum(r["rewards/accuracies"] for r in late) / 4 > 0.6
+    assert sum(r["loss"] for r in late) / 4 < math.log(2) - 0.01
+
+
+def test_zero3_dpo_with_a_sharded_reference_matches_one_process(tmp_path, qwen2):
+    one = dpo_file(tmp_path / "one", qwen2, max_steps=3, gradient_accumulation_steps=2)
+    run_lf(one)
+    ds = tmp_path / "ds3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    two = dpo_file(tmp_path / "two", qwen2, max_steps=3, gradient_accumulation_steps=1, deepspeed=str(ds))
+    run_lf(two, nproc=2)
+    assert losses(tmp_path / "two" / "out") == pytest.approx(losses(tmp_path / "one" / "out"), abs=1e-5)
+    margins = [[r["rewards/margins"] for r in steps(tmp_path / d / "out")] for d in ("one", "two")]
+    assert margins[1] == pytest.approx(margins[0], abs=1e-5)
+
+
+def test_bad_preference_data_is_one_clear_error(tmp_path, qwen2):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"instruction": "What is 1 + 1?", "input": "", "chosen": "2"}]))
+    path = dpo_file(tmp_path, qwen2)
+    info = {"bad": {**PAIRS["pairs"], "file_name": str(bad)}, **DATASETS}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    res = run_lf(path, "dataset=bad", check=False)
+    assert res.returncode == 2 and str(bad) in res.stderr and "'rejected'" in res.stderr, res.stderr
+    res = run_lf(path, "dataset=alpaca", check=False)
+    assert res.returncode == 2 and "ranking" in res.stderr and "Traceback" not in res.stderr, res.stderr
