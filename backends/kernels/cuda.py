@@ -43,6 +43,15 @@ def flash_window(window: int | None, causal: bool) -> tuple[int, int]:
     return (window - 1, 0 if causal else window - 1)
 
 
+def flash_varlen_args(cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of flash_attn_varlen_func for packed
+    self-attention: the same int32 cumulative offsets (leading 0 kept) for queries and keys, and the
+    longest document as both maxima (0 when there is none)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return cu, cu, max_len, max_len
+
+
 def _flash_ok(q) -> bool:
     d = q.shape[-1]
     return flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
@@ -78,9 +87,7 @@ def _flash_attention(q, k, v, causal, cu_seqlens, window, scale, dropout, return
     if cu_seqlens is None:
         res = flash_attn_func(q, k, v, **kw)
     else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        max_len = int((cu[1:] - cu[:-1]).max())
-        res = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, **kw)
+        res = flash_attn_varlen_func(q, k, v, *flash_varlen_args(cu_seqlens, q.device), **kw)
     if return_lse:
         out, lse = res[0], res[1]
         if cu_seqlens is None:
@@ -103,8 +110,8 @@ def flash_backward_args(q, k, v, out, dout, lse, cu_seqlens, causal: bool) -> tu
     As torch.nn.attention.varlen calls it: varlen (cumulative int32 lengths for queries and keys), no
     dropout (rng_state two zeros, an empty `unused`), out and dout in the dtype of q.
     """
-    cu = (torch.tensor([0, q.shape[0]]) if cu_seqlens is None else cu_seqlens).to(device=q.device, dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    cu, _, max_len, _ = flash_varlen_args(torch.tensor([0, q.shape[0]]) if cu_seqlens is None else cu_seqlens,
+                                          q.device)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
     return (dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),

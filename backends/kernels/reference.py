@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import masks, rotary, tiled_attention
+from . import buckets, masks, rotary, tiled_attention
 from .loss import linear_cross_entropy  # noqa: F401  (portable: same code on every backend)
 from .moe import grouped_mm, moe_permute, moe_route, moe_unpermute, swiglu  # noqa: F401
 
 IMPL_NAMES = {
-    "attention": "reference (sdpa+mask; packed: per document; with lse: tiled)",
+    "attention": "reference (sdpa+mask; packed: length-bucketed padded batches; with lse: tiled)",
     "attention_backward": f"reference (tiled, blocks of <= {tiled_attention.BLOCK} rows)",
     "rms_norm": "reference (torch fp32)",
     "apply_rotary": "reference (torch)",
@@ -30,34 +30,54 @@ def impl_name(op: str) -> str:
 # ---------------------------------------------------------------- attention
 
 
-def sdpa_batched(q, k, v, *, causal, window, scale, dropout, enable_gqa=True):
-    """q [B,Sq,H,D], k/v [B,Skv,Hkv,D] -> [B,Sq,H,D] through SDPA (explicit mask only when needed)."""
+def sdpa_batched(q, k, v, *, causal, window, scale, dropout, enable_gqa=True, key_lengths=None):
+    """q [B,Sq,H,D], k/v [B,Skv,Hkv,D] -> [B,Sq,H,D] through SDPA (explicit mask only when needed).
+
+    key_lengths [B]: row b's keys from key_lengths[b] on are padding, never attended by its real queries."""
     sq, skv = q.shape[1], k.shape[1]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = enable_gqa and q.shape[2] != k.shape[2]
-    if causal and window is None and sq == skv:
+    # Causal rows never reach the padding after their document (Sq == Skv, padding at the end).
+    if key_lengths is not None and causal and sq == skv:
+        key_lengths = None
+    if causal and window is None and sq == skv and key_lengths is None:
         out = F.scaled_dot_product_attention(
             qt, kt, vt, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
         )
     else:
-        mask = masks.allowed(sq, skv, causal=causal, window=window, device=q.device)
+        mask = _with_key_lengths(masks.allowed(sq, skv, causal=causal, window=window, device=q.device), key_lengths,
+                                 sq, skv)
         out = F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa
         )
     return out.transpose(1, 2)
 
 
-def explicit_attention(q, k, v, *, causal, window, scale, dropout):
-    """Softmax attention written out, returning (out, lse [B,H,Sq] fp32). GQA by head grouping (no repeat)."""
+def _with_key_lengths(mask, key_lengths, sq, skv):
+    """[Sq, Skv] mask (or None) and key_lengths [B] -> [B, 1, Sq, Skv] with the padded keys of real
+    queries masked, or mask as is. Padding query rows (dropped later) keep their keys: a row masked
+    everywhere would give NaN, and NaN times their zero gradient would still reach dk and dv."""
+    if key_lengths is None:
+        return mask
+    lens = key_lengths[:, None, None]
+    keep = (torch.arange(skv, device=lens.device)[None, None, :] < lens) | (
+        torch.arange(sq, device=lens.device)[None, :, None] >= lens)
+    return (keep if mask is None else keep & mask)[:, None]
+
+
+def explicit_attention(q, k, v, *, causal, window, scale, dropout, key_lengths=None):
+    """Softmax attention written out, returning (out, lse [B,H,Sq] fp32). GQA by head grouping (no repeat).
+    key_lengths as for sdpa_batched."""
     b, sq, h, d = q.shape
     skv, hkv = k.shape[1], k.shape[2]
     g = h // hkv
     scale = d**-0.5 if scale is None else scale
     qf = q.float().reshape(b, sq, hkv, g, d)
     scores = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale
-    mask = masks.allowed(sq, skv, causal=causal, window=window, device=q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    mask = _with_key_lengths(masks.allowed(sq, skv, causal=causal, window=window, device=q.device), key_lengths, sq,
+                             skv)
+    if mask is not None:  # [Sq, Skv] or [B, 1, Sq, Skv]; scores are [B, Hkv, g, Sq, Skv]
+        scores = scores.masked_fill(~(mask if mask.dim() == 2 else mask[:, :, None]), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
     if dropout:
@@ -66,24 +86,27 @@ def explicit_attention(q, k, v, *, causal, window, scale, dropout):
     return out.to(q.dtype), lse.reshape(b, h, sq)
 
 
-def _per_document(fn, q, k, v, cu_seqlens, **kw):
-    # Packed input runs one document at a time. On CPU this beats one SDPA call with a
-    # block-diagonal mask by ~10x at T=1-2k with 8 documents: the mask forces SDPA's math path
-    # over the full T x T scores, while each document uses the fused is_causal kernel on L x L.
-    bounds = [int(x) for x in cu_seqlens.tolist()]
+def _bucketed(fn, q, k, v, cu_seqlens, **kw):
+    # Packed input as a few padded batches of similar-length documents (buckets.py): one fused call
+    # per bucket. Not one SDPA call with a block-diagonal [T, T] mask: that forces SDPA's math path
+    # over all T² scores (~8x slower on a CPU at T=2k with 8 documents, bench/RESULTS.md).
+    bounds = cu_seqlens.tolist()
+    p = buckets.plan(tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])), str(q.device))
+    if not p.tops:
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        return (out, out.new_zeros(q.shape[1], 0, dtype=torch.float32)) if fn is explicit_attention else out
     outs, lses = [], []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        res = fn(q[None, start:end], k[None, start:end], v[None, start:end], **kw)
+    for qb, kb, vb, lens in zip(buckets.to_buckets(q, p), buckets.to_buckets(k, p), buckets.to_buckets(v, p),
+                                p.key_lengths):
+        res = fn(qb, kb, vb, key_lengths=lens, **kw)
         if isinstance(res, tuple):
-            outs.append(res[0][0])
-            lses.append(res[1][0])
-        else:
             outs.append(res[0])
-    out = torch.cat(outs) if outs else q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+            lses.append(res[1].transpose(1, 2))  # [B, L, H]: token-major like the outputs
+        else:
+            outs.append(res)
+    out = buckets.from_buckets(outs, p)
     if lses:
-        return out, torch.cat(lses, dim=-1)
+        return out, buckets.from_buckets(lses, p).t()
     return out
 
 
@@ -110,7 +133,7 @@ def attention(q, k, v, *, causal, cu_seqlens=None, window=None, scale=None, drop
         return _tiled_with_lse(q, k, v, [int(x) for x in cu_seqlens.tolist()], causal=causal, window=window,
                                scale=scale)
     fn = explicit_attention if return_lse else sdpa_batched
-    return _per_document(fn, q, k, v, cu_seqlens, **kw)
+    return _bucketed(fn, q, k, v, cu_seqlens, **kw)
 
 
 def attention_backward(q, k, v, out, dout, lse, *, causal, cu_seqlens=None, scale=None, block=None):

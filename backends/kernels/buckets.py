@@ -1,0 +1,161 @@
+"""Packed documents as a few padded batches: documents grouped by length into buckets, each bucket
+one [B, L, H, D] batch (documents at row start, padding at the end), so packed attention is a few
+fused SDPA calls instead of one per document.
+
+Why not one call per document: with hundreds of short documents the per-call work (slicing,
+autograd nodes, each slice's backward writing a full-size zero gradient) dominates; why not one
+padded batch: with long, uneven documents the padding's quadratic scores dominate. The bucket
+plan minimises a cost model of both (plan()); gather and scatter are one index_copy and one
+index_select over all buckets (no Python work per document).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+# Cost model, in padded score elements per head: one bucket (an SDPA forward + backward, its gathers)
+# costs CALL_COST fixed plus B·L·(L + ROW_COST) (scores, and the per-row softmax and copies). On a CPU
+# (H8/2, D64; bench/kernels.py's short-document case) the time is flat for CALL_COST between 64² and
+# 256²; accelerators, where a call costs more next to its scores, favour the larger end.
+CALL_COST = 128 * 128
+ROW_COST = 64
+MAX_CANDIDATES = 128  # distinct lengths the O(m²) plan looks at; beyond, lengths round up to a grid
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bucket b holds sizes[b] documents padded to tops[b] tokens; its rows follow bucket b-1's in one
+    row numbering. dest[t]: the row of packed token t; src[b]: the token each of bucket b's rows reads
+    (padding rows read their document's first token: any finite value will do, attention never uses
+    them and their outputs are dropped); pad: the padding rows; key_lengths[b]: the documents' lengths."""
+
+    tops: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dest: torch.Tensor
+    src: tuple[torch.Tensor, ...]
+    pad: torch.Tensor
+    key_lengths: tuple[torch.Tensor, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(b * t for b, t in zip(self.sizes, self.tops))
+
+
+def bucket_tops(lengths: list[int]) -> list[int]:
+    """Ascending bucket maxima: a document goes to the first top >= its length (documents of length 0
+    excluded). Minimises Σ_buckets CALL_COST + B·top·(top + ROW_COST) over splits of the sorted lengths."""
+    counts: dict[int, int] = {}
+    for n in lengths:
+        if n > 0:
+            counts[n] = counts.get(n, 0) + 1
+    if not counts:
+        return []
+    cand = sorted(counts)
+    if len(cand) > MAX_CANDIDATES:  # round up to a geometric grid so the plan stays O(MAX_CANDIDATES²)
+        lo, hi = cand[0], cand[-1]
+        ratio = (hi / lo) ** (1 / (MAX_CANDIDATES - 1))
+        grid = sorted({min(hi, int(-(-lo * ratio**i // 1))) for i in range(MAX_CANDIDATES)} | {hi})
+        merged: dict[int, int] = {}
+        j = 0
+        for n in cand:
+            while grid[j] < n:
+                j += 1
+            merged[grid[j]] = merged.get(grid[j], 0) + counts[n]
+        counts, cand = merged, sorted(merged)
+    m = len(cand)
+    before = [0] * (m + 1)  # documents with length among cand[:i]
+    for i, n in enumerate(cand):
+        before[i + 1] = before[i] + counts[n]
+    best, cut = [0.0] + [float("inf")] * m, [0] * (m + 1)
+    for j in range(1, m + 1):  # best[j]: the cheapest plan of the j shortest distinct lengths
+        top = cand[j - 1]
+        per_doc = top * (top + ROW_COST)
+        for i in range(j):
+            cost = best[i] + CALL_COST + (before[j] - before[i]) * per_doc
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    tops, j = [], m
+    while j:
+        tops.append(cand[j - 1])
+        j = cut[j]
+    tops.reverse()
+    # A grid top may exceed every length of its bucket: pad only to the longest document in it.
+    t = torch.tensor([n for n in lengths if n > 0], dtype=torch.int64)
+    idx = torch.searchsorted(torch.tensor(tops, dtype=torch.int64), t)
+    longest = torch.zeros(len(tops), dtype=torch.int64).scatter_reduce(0, idx, t, "amax")
+    return [int(x) for x in longest if x > 0]
+
+
+@lru_cache(maxsize=16)
+def plan(lengths: tuple[int, ...], device: str) -> Plan:
+    """The bucket plan of these document lengths, its index tensors on `device` (cached: every layer of
+    a step sees the same documents)."""
+    tops = bucket_tops(list(lengths))
+    nb = len(tops)
+    n = torch.tensor(lengths, dtype=torch.int64)
+    if not nb:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return Plan((), (), empty, (), empty, ())
+    top_t = torch.tensor(tops, dtype=torch.int64)
+    bucket = torch.where(n > 0, torch.searchsorted(top_t, n), nb)  # length-0 documents own no token: bucket nb
+    sizes = torch.bincount(bucket, minlength=nb + 1)[:nb]
+    order = torch.argsort(bucket, stable=True)[: int(sizes.sum())]  # documents bucket by bucket
+    first = torch.cumsum(sizes, 0) - sizes  # position in `order` of each bucket's first document
+    start = torch.cumsum(n, 0) - n
+    # Row r of the buffer: document order[r // L] of its bucket, position r % L in it.
+    row_doc = torch.cat([order[f:f + b].repeat_interleave(t) for f, b, t in zip(first.tolist(), sizes.tolist(), tops)])
+    row_pos = torch.cat([torch.arange(t).repeat(b) for b, t in zip(sizes.tolist(), tops)])
+    real = row_pos < n[row_doc]
+    src = start[row_doc] + torch.where(real, row_pos, 0)
+    dest = torch.empty(int(n.sum()), dtype=torch.int64)
+    dest[src[real]] = torch.arange(len(src))[real]
+    src_b = torch.split(src.to(device), [b * t for b, t in zip(sizes.tolist(), tops)])
+    key_lengths = tuple(n[order[f:f + b]].to(device) for f, b in zip(first.tolist(), sizes.tolist()))
+    return Plan(tuple(tops), tuple(sizes.tolist()), dest.to(device), src_b, torch.nonzero(~real)[:, 0].to(device),
+                key_lengths)
+
+
+class _ToBuckets(torch.autograd.Function):
+    """Packed [T, ...] -> one [B, L, ...] batch per bucket: one gather per bucket; the backward adds
+    every bucket's rows into one gradient (padding rows carry exact zeros, see from_buckets)."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        ctx.p, ctx.shape = p, x.shape
+        return tuple(x.index_select(0, s).view(b, t, *x.shape[1:]) for s, b, t in zip(p.src, p.sizes, p.tops))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = grads[0].new_zeros(ctx.shape)
+        for s, gb in zip(ctx.p.src, grads):
+            if gb is not None:
+                g.index_add_(0, s, gb.reshape(-1, *ctx.shape[1:]))
+        return g, None
+
+
+class _FromBuckets(torch.autograd.Function):
+    """[B, L, ...] per bucket -> packed [T, ...], padding rows dropped. Their gradient is exactly zero,
+    so a padding query row adds nothing to the key / value gradients."""
+
+    @staticmethod
+    def forward(ctx, p, *outs):
+        ctx.p, ctx.shape = p, outs[0].shape[2:]
+        return torch.cat([o.reshape(-1, *ctx.shape) for o in outs]).index_select(0, p.dest)
+
+    @staticmethod
+    def backward(ctx, g):
+        p = ctx.p
+        rows = g.new_empty(p.rows, *ctx.shape).index_copy_(0, p.dest, g).index_fill_(0, p.pad, 0)
+        parts = torch.split(rows, [b * t for b, t in zip(p.sizes, p.tops)])
+        return (None, *(part.view(b, t, *ctx.shape) for part, b, t in zip(parts, p.sizes, p.tops)))
+
+
+def to_buckets(x: torch.Tensor, p: Plan) -> tuple[torch.Tensor, ...]:
+    return _ToBuckets.apply(x, p)
+
+
+def from_buckets(outs, p: Plan) -> torch.Tensor:
+    return _FromBuckets.apply(p, *outs)
