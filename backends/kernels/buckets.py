@@ -27,16 +27,17 @@ MAX_CANDIDATES = 128  # distinct lengths the O(m²) plan looks at; beyond, lengt
 
 @dataclass(frozen=True)
 class Plan:
-    """Bucket b holds sizes[b] documents padded to tops[b] tokens; its rows follow bucket b-1's in one
-    row numbering. dest[t]: the row of packed token t; src[b]: the token each of bucket b's rows reads
-    (padding rows read their document's first token: any finite value will do, attention never uses
-    them and their outputs are dropped); pad: the padding rows; key_lengths[b]: the documents' lengths."""
+    """Bucket b holds sizes[b] documents padded to tops[b] tokens, as B·L rows. Per bucket: src, the
+    packed token each row reads (padding rows read their document's first token: any finite value
+    does, no real query attends them and their outputs are dropped); dst, the token each row's output
+    goes to (padding rows: T, a scratch row); pad, the padding rows; key_lengths, the documents' lengths."""
 
     tops: tuple[int, ...]
     sizes: tuple[int, ...]
-    dest: torch.Tensor
+    total: int
     src: tuple[torch.Tensor, ...]
-    pad: torch.Tensor
+    dst: tuple[torch.Tensor, ...]
+    pad: tuple[torch.Tensor, ...]
     key_lengths: tuple[torch.Tensor, ...]
 
     @property
@@ -96,31 +97,34 @@ def plan(lengths: tuple[int, ...], device: str) -> Plan:
     tops = bucket_tops(list(lengths))
     nb = len(tops)
     n = torch.tensor(lengths, dtype=torch.int64)
+    total = int(n.sum())
     if not nb:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return Plan((), (), empty, (), empty, ())
+        return Plan((), (), total, (), (), (), ())
     top_t = torch.tensor(tops, dtype=torch.int64)
     bucket = torch.where(n > 0, torch.searchsorted(top_t, n), nb)  # length-0 documents own no token: bucket nb
-    sizes = torch.bincount(bucket, minlength=nb + 1)[:nb]
-    order = torch.argsort(bucket, stable=True)[: int(sizes.sum())]  # documents bucket by bucket
-    first = torch.cumsum(sizes, 0) - sizes  # position in `order` of each bucket's first document
+    sizes = torch.bincount(bucket, minlength=nb + 1)[:nb].tolist()
+    order = torch.argsort(bucket, stable=True)  # documents bucket by bucket, packed order inside
+    first = [0]
+    for b in sizes:
+        first.append(first[-1] + b)
     start = torch.cumsum(n, 0) - n
-    # Row r of the buffer: document order[r // L] of its bucket, position r % L in it.
-    row_doc = torch.cat([order[f:f + b].repeat_interleave(t) for f, b, t in zip(first.tolist(), sizes.tolist(), tops)])
-    row_pos = torch.cat([torch.arange(t).repeat(b) for b, t in zip(sizes.tolist(), tops)])
-    real = row_pos < n[row_doc]
-    src = start[row_doc] + torch.where(real, row_pos, 0)
-    dest = torch.empty(int(n.sum()), dtype=torch.int64)
-    dest[src[real]] = torch.arange(len(src))[real]
-    src_b = torch.split(src.to(device), [b * t for b, t in zip(sizes.tolist(), tops)])
-    key_lengths = tuple(n[order[f:f + b]].to(device) for f, b in zip(first.tolist(), sizes.tolist()))
-    return Plan(tuple(tops), tuple(sizes.tolist()), dest.to(device), src_b, torch.nonzero(~real)[:, 0].to(device),
-                key_lengths)
+    src, dst, pad, key_lengths = [], [], [], []
+    for b, top, f in zip(sizes, tops, first):  # one iteration per bucket, vectorised over its rows
+        docs = order[f:f + b]
+        pos = torch.arange(top).repeat(b)
+        real = pos < n[docs].repeat_interleave(top)
+        tok = start[docs].repeat_interleave(top) + pos
+        src.append(torch.where(real, tok, start[docs].repeat_interleave(top)).to(device))
+        dst.append(torch.where(real, tok, total).to(device))
+        pad.append(torch.nonzero(~real)[:, 0].to(device))
+        key_lengths.append(n[docs].to(device))
+    return Plan(tuple(tops), tuple(sizes), total, tuple(src), tuple(dst), tuple(pad), tuple(key_lengths))
 
 
 class _ToBuckets(torch.autograd.Function):
-    """Packed [T, ...] -> one [B, L, ...] batch per bucket: one gather per bucket; the backward adds
-    every bucket's rows into one gradient (padding rows carry exact zeros, see from_buckets)."""
+    """Packed [T, ...] -> one [B, L, ...] batch per bucket: one gather each; the backward writes every
+    bucket's real rows back into one gradient (each token has exactly one; padding rows go to a scratch
+    row and carry exact zeros anyway, see _FromBuckets)."""
 
     @staticmethod
     def forward(ctx, x, p):
@@ -129,28 +133,30 @@ class _ToBuckets(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        g = grads[0].new_zeros(ctx.shape)
-        for s, gb in zip(ctx.p.src, grads):
-            if gb is not None:
-                g.index_add_(0, s, gb.reshape(-1, *ctx.shape[1:]))
-        return g, None
+        p, shape = ctx.p, ctx.shape
+        g = grads[0].new_empty(shape[0] + 1, *shape[1:])
+        for d, gb, b, t in zip(p.dst, grads, p.sizes, p.tops):
+            g.index_copy_(0, d, gb.reshape(-1, *shape[1:]) if gb is not None else g.new_zeros(b * t, *shape[1:]))
+        return g[: shape[0]], None
 
 
 class _FromBuckets(torch.autograd.Function):
-    """[B, L, ...] per bucket -> packed [T, ...], padding rows dropped. Their gradient is exactly zero,
-    so a padding query row adds nothing to the key / value gradients."""
+    """[B, L, ...] per bucket -> packed [T, ...], padding rows dropped (written to a scratch row). Their
+    gradient is exactly zero, so a padding query row adds nothing to the key / value gradients."""
 
     @staticmethod
     def forward(ctx, p, *outs):
         ctx.p, ctx.shape = p, outs[0].shape[2:]
-        return torch.cat([o.reshape(-1, *ctx.shape) for o in outs]).index_select(0, p.dest)
+        out = outs[0].new_empty(p.total + 1, *ctx.shape)
+        for d, o in zip(p.dst, outs):
+            out.index_copy_(0, d, o.reshape(-1, *ctx.shape))
+        return out[: p.total]
 
     @staticmethod
     def backward(ctx, g):
         p = ctx.p
-        rows = g.new_empty(p.rows, *ctx.shape).index_copy_(0, p.dest, g).index_fill_(0, p.pad, 0)
-        parts = torch.split(rows, [b * t for b, t in zip(p.sizes, p.tops)])
-        return (None, *(part.view(b, t, *ctx.shape) for part, b, t in zip(parts, p.sizes, p.tops)))
+        return (None, *(g.index_select(0, s).index_fill_(0, pad, 0).view(b, t, *ctx.shape)
+                        for s, pad, b, t in zip(p.src, p.pad, p.sizes, p.tops)))
 
 
 def to_buckets(x: torch.Tensor, p: Plan) -> tuple[torch.Tensor, ...]:

@@ -61,7 +61,7 @@ def test_bucketed_equals_per_document(case):
     _, causal, window, h, hkv, scale = case
     q, k, v, cu = _inputs(RAGGED, h, hkv)
     p = buckets.plan(tuple(cu.diff().tolist()), "cpu")
-    assert 1 < len(p.tops) < len(RAGGED) and p.rows > cu[-1]  # several buckets, real padding inside them
+    assert 1 < len(p.tops) < len(RAGGED) and p.rows > p.total == cu[-1]  # several buckets, real padding inside them
     kw = dict(causal=causal, window=window, scale=scale)
     got, got_g = _out_and_grads(lambda *t: K.attention(*t, cu_seqlens=cu, **kw), q, k, v)
     want, want_g = _out_and_grads(lambda *t: per_document(*t, cu, **kw), q, k, v)
@@ -139,10 +139,14 @@ def test_plan_covers_every_token_once_and_beats_both_extremes(lengths):
     p = buckets.plan(tuple(lengths), "cpu")
     real = [x for x in lengths if x]
     assert sum(p.sizes) == len(real) and max(p.tops) == max(real)
-    assert sorted(p.dest.tolist()) == sorted(set(p.dest.tolist())) and max(p.dest) < p.rows
-    src = torch.cat(p.src)
-    assert torch.equal(src[p.dest], torch.arange(sum(lengths)))  # row dest[t] reads token t
-    assert p.pad.numel() == p.rows - sum(lengths)
+    t = sum(lengths)
+    src, dst = torch.cat(p.src), torch.cat(p.dst)
+    kept = dst < t
+    assert sorted(dst[kept].tolist()) == list(range(t))  # every token's output comes from exactly one row
+    assert torch.equal(src[kept], dst[kept])  # ... the row that read that token
+    assert (dst[~kept] == t).all() and sum(x.numel() for x in p.pad) == p.rows - t
+    for pad, d in zip(p.pad, p.dst):
+        assert (d[pad] == t).all()
     assert sorted(torch.cat(p.key_lengths).tolist()) == sorted(real)
     tops = list(p.tops)
     assert _model_cost(real, tops) <= _model_cost(real, [max(real)])  # one padded batch
