@@ -5,12 +5,13 @@ fused SDPA calls instead of one per document.
 Why not one call per document: with hundreds of short documents the per-call work (slicing,
 autograd nodes, each slice's backward writing a full-size zero gradient) dominates; why not one
 padded batch: with long, uneven documents the padding's quadratic scores dominate. The bucket
-plan minimises a cost model of both (plan()); gather and scatter are one index_copy and one
-index_select over all buckets (no Python work per document).
+plan minimises a cost model of both (bucket_tops()) and is cached per set of lengths; moving
+tokens in and out is one index_select and one index_copy_ per bucket (no Python work per document).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,17 +49,17 @@ class Plan:
 def bucket_tops(lengths: list[int]) -> list[int]:
     """Ascending bucket maxima: a document goes to the first top >= its length (documents of length 0
     excluded). Minimises Σ_buckets CALL_COST + B·top·(top + ROW_COST) over splits of the sorted lengths."""
-    counts: dict[int, int] = {}
-    for n in lengths:
-        if n > 0:
-            counts[n] = counts.get(n, 0) + 1
-    if not counts:
+    nonzero = torch.tensor(lengths, dtype=torch.int64)
+    nonzero = nonzero[nonzero > 0]
+    if not len(nonzero):
         return []
+    values, number = torch.unique(nonzero, return_counts=True)
+    counts = dict(zip(values.tolist(), number.tolist()))
     cand = sorted(counts)
     if len(cand) > MAX_CANDIDATES:  # round up to a geometric grid so the plan stays O(MAX_CANDIDATES²)
         lo, hi = cand[0], cand[-1]
         ratio = (hi / lo) ** (1 / (MAX_CANDIDATES - 1))
-        grid = sorted({min(hi, int(-(-lo * ratio**i // 1))) for i in range(MAX_CANDIDATES)} | {hi})
+        grid = sorted({min(hi, math.ceil(lo * ratio**i)) for i in range(MAX_CANDIDATES)} | {hi})
         merged: dict[int, int] = {}
         j = 0
         for n in cand:
@@ -84,9 +85,8 @@ def bucket_tops(lengths: list[int]) -> list[int]:
         j = cut[j]
     tops.reverse()
     # A grid top may exceed every length of its bucket: pad only to the longest document in it.
-    t = torch.tensor([n for n in lengths if n > 0], dtype=torch.int64)
-    idx = torch.searchsorted(torch.tensor(tops, dtype=torch.int64), t)
-    longest = torch.zeros(len(tops), dtype=torch.int64).scatter_reduce(0, idx, t, "amax")
+    idx = torch.searchsorted(torch.tensor(tops, dtype=torch.int64), nonzero)
+    longest = torch.zeros(len(tops), dtype=torch.int64).scatter_reduce(0, idx, nonzero, "amax")
     return [int(x) for x in longest if x > 0]
 
 

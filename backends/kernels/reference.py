@@ -37,9 +37,6 @@ def sdpa_batched(q, k, v, *, causal, window, scale, dropout, enable_gqa=True, ke
     sq, skv = q.shape[1], k.shape[1]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = enable_gqa and q.shape[2] != k.shape[2]
-    # Causal rows never reach the padding after their document (Sq == Skv, padding at the end).
-    if key_lengths is not None and causal and sq == skv:
-        key_lengths = None
     if causal and window is None and sq == skv and key_lengths is None:
         out = F.scaled_dot_product_attention(
             qt, kt, vt, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
@@ -98,7 +95,8 @@ def _bucketed(fn, q, k, v, cu_seqlens, **kw):
     outs, lses = [], []
     for qb, kb, vb, lens in zip(buckets.to_buckets(q, p), buckets.to_buckets(k, p), buckets.to_buckets(v, p),
                                 p.key_lengths):
-        res = fn(qb, kb, vb, key_lengths=lens, **kw)
+        # Causal: a document's queries never reach the padding after it, so no key mask is needed.
+        res = fn(qb, kb, vb, key_lengths=None if kw["causal"] else lens, **kw)
         if isinstance(res, tuple):
             outs.append(res[0])
             lses.append(res[1].transpose(1, 2))  # [B, L, H]: token-major like the outputs
