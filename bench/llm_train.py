@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
+    sys.path.pop(0)  # else bench/kernels.py shadows the `kernels` package transformers probes for
 sys.path.insert(0, str(ROOT))
 
 MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -235,7 +237,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        from results import RESULTS, write_section
+        from bench.results import RESULTS, write_section
 
         write_section(RESULTS, "## LLM engine (bench/llm_train.py)", f"## LLM engine (bench/llm_train.py)\n\n{text}\n")
 
