@@ -32,6 +32,14 @@ def positive_int(value: Any) -> str | None:
     return None if isinstance(value, int) and not isinstance(value, bool) and value > 0 else "a positive integer"
 
 
+def positive_number(value: Any) -> str | None:
+    return None if is_number(value) and value > 0 else "a positive number"
+
+
+def fraction(value: Any) -> str | None:
+    return None if is_number(value) and 0 <= value < 1 else "a number in [0, 1)"
+
+
 def kernel_backend(value: Any) -> str | None:
     return None if value in KERNEL_BACKENDS else f"one of {', '.join(KERNEL_BACKENDS)}"
 

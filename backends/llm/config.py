@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from backends.common import engine_file as ef
 
 HANDLER_FORMATS = {
     "GeneralPretrainHandler": "text",
@@ -28,8 +29,6 @@ HANDLER_FORMATS = {
     "AlpacaStylePairwiseHandler": "pairwise",
 }
 CP_ALGOS = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid"}
-KERNEL_BACKENDS = ("auto", "reference", "npu", "cuda")
-ENGINE_FILE_ENV = "AF_ENGINE_FILE"
 # MindSpeed-LLM --prompt-type names that the engine's chat templates spell differently
 PROMPT_TYPE_TEMPLATES = {"deepseek3": "deepseek"}
 # where MindSpeed-LLM's configs/finetune/templates.json differs from LLaMA-Factory 0.9.5, which the named
@@ -408,65 +407,17 @@ class EngineFile:
 
 
 _TEXT_KEYS = ("model_id", "model_family", "load_hf", "metrics_file", "export_hf")
-_ENGINE_KEYS = (*_TEXT_KEYS, "train_epochs", "kernels.backend", "kernels.overrides", "lora.dropout",
-                "lora.merge_on_export")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _engine_problem(key: str, value: Any) -> str | None:
-    """What is wrong with one sidecar setting (None: nothing)."""
-    if value is None:
-        return None
-    if key in _TEXT_KEYS and not isinstance(value, str):
-        return "a string"
-    if key == "train_epochs" and not (_is_number(value) and value > 0):
-        return "a positive number"
-    if key == "kernels.backend" and value not in KERNEL_BACKENDS:
-        return f"one of {', '.join(KERNEL_BACKENDS)}"
-    if key == "kernels.overrides" and not (isinstance(value, Mapping) and set(value.values()) <= set(KERNEL_BACKENDS)):
-        return f"a mapping op: backend ({', '.join(KERNEL_BACKENDS)})"
-    if key == "lora.dropout" and not (_is_number(value) and 0 <= value < 1):
-        return "a number in [0, 1)"
-    if key == "lora.merge_on_export" and not isinstance(value, bool):
-        return "true or false"
-    return None
+_ENGINE_KEYS = {**{key: ef.text for key in _TEXT_KEYS}, "train_epochs": ef.positive_number,
+                "kernels.backend": ef.kernel_backend, "kernels.overrides": ef.kernel_overrides,
+                "lora.dropout": ef.fraction, "lora.merge_on_export": ef.flag}
 
 
 def read_engine_file(engine: Mapping | str | Path | None = None) -> EngineFile:
     """The sidecar from a mapping, a path, or (None) the file $AF_ENGINE_FILE names; unset: defaults."""
-    source = "engine.yaml"
-    if engine is None:
-        engine = os.environ.get(ENGINE_FILE_ENV) or None
-        if engine is None:
-            return EngineFile(source=f"engine.yaml (${ENGINE_FILE_ENV} is not set)")
-    if not isinstance(engine, Mapping):
-        import yaml
-
-        source = str(engine)
-        try:
-            engine = yaml.safe_load(Path(engine).read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as err:
-            raise ConfigError(f"{source} (${ENGINE_FILE_ENV}): cannot read it: {err}") from None
-        if not isinstance(engine, Mapping):
-            raise ConfigError(f"{source}: expected a mapping of settings, got {type(engine).__name__}")
-    flat: dict[str, Any] = {}
-    for key, value in engine.items():
-        if key in ("kernels", "lora") and value is not None:
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{source}: {key} must be a mapping, not {value!r}")
-            flat.update({f"{key}.{sub}": v for sub, v in value.items()})
-        else:
-            flat[str(key)] = value
-    unknown = sorted(set(flat) - set(_ENGINE_KEYS))
-    if unknown:
-        raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_ENGINE_KEYS)}")
-    for key, value in flat.items():
-        want = _engine_problem(key, value)
-        if want:
-            raise ConfigError(f"{source}: {key} must be {want}, not {value!r}")
+    try:
+        flat, source = ef.read_engine_file(_ENGINE_KEYS, engine)
+    except ef.EngineFileError as err:
+        raise ConfigError(str(err)) from None
     epochs, dropout = flat.get("train_epochs"), flat.get("lora.dropout")
     return EngineFile(**{key: flat.get(key) or None for key in _TEXT_KEYS},
                       kernel_backend=flat.get("kernels.backend") or "auto",
@@ -577,7 +528,7 @@ def check_model_facts(config, checks: dict[str, tuple[str, Any]], source: str) -
     wrong = []
     for flag, (path, want) in checks.items():
         have = _attr(config, path)
-        same = have == want or (_is_number(have) and _is_number(want) and math.isclose(have, want, rel_tol=1e-6))
+        same = have == want or (ef.is_number(have) and ef.is_number(want) and math.isclose(have, want, rel_tol=1e-6))
         if not same:
             wrong.append(f"{flag} {want} (the model has {path}={have!r})")
     if wrong:
