@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +43,10 @@ def _bench_module(name: str):
     spec.loader.exec_module(module)
     return module
 
-MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
-             pad_token_id=0)
+LLM = _bench_module("llm_train")  # its model shape, batches and transformers loop are the baseline here too
+MODEL, BATCH, SEQ = LLM.MODEL, LLM.BATCH, LLM.SEQ
 SMALL = dict(MODEL, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=8000)
-BATCH, SEQ = 4, 256
 LEN_SEQ, LEN_MICRO, N_SAMPLES = 512, 4, 2000
 
 
@@ -59,33 +56,6 @@ def make_model(path: Path, shape: dict) -> None:
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(Qwen3Config(**shape)).save_pretrained(path)
-
-
-def _batch(seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, MODEL["vocab_size"], (BATCH, SEQ + 1), generator=g)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-
-def _hf_stepper(path: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-
-    def step(ids, targets):
-        t0 = time.perf_counter()
-        logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0, float(loss)
-
-    return step
 
 
 def _lf_stepper(path: Path):
@@ -99,7 +69,7 @@ def _lf_stepper(path: Path):
     hf = AutoModelForCausalLM.from_pretrained(path)
     apply_kernels(hf)
     model = HFCausalLMWithLoss(hf).train()
-    part = Part(model, build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999)))
+    part = Part(model, build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95)))  # as the baseline
 
     def loss(m, mb):
         return Loss(m(mb["input_ids"], mb["labels"], mb.get("position_ids"))[0])
@@ -116,17 +86,7 @@ def _lf_stepper(path: Path):
 
 
 def case_equal(path: Path, steps: int) -> dict:
-    hf, ours = _hf_stepper(path), _lf_stepper(path)
-    out = {"hf": [], "ours": []}
-    for i in range(steps + 1):
-        ids, targets = _batch(i)
-        for name, fn in (("hf", hf), ("ours", ours)):
-            seconds, loss = fn(ids, targets)
-            if i == 0:
-                out[f"{name}_loss"] = loss
-            else:
-                out[name].append(seconds)
-    return out
+    return LLM.case_equal(path, steps, our_stepper=_lf_stepper)
 
 
 def case_lengths(path: Path, steps: int) -> dict:
@@ -134,7 +94,7 @@ def case_lengths(path: Path, steps: int) -> dict:
     document, as backends.lf feeds them) and on dynamic padding, in turn."""
     from backends.common.data import MicroBatchLoader
 
-    LengthDataset = _bench_module("llm_train").LengthDataset
+    LengthDataset = LLM.LengthDataset
 
     data = LengthDataset(N_SAMPLES, LEN_SEQ)
     loaders = {"dynamic": MicroBatchLoader(data, mode="dynamic", micro_batch=LEN_MICRO * 3, seq_len=LEN_SEQ, seed=0,

@@ -96,9 +96,10 @@ def _our_stepper(path: Path):
     return step
 
 
-def case_equal(path: Path, steps: int) -> dict:
-    """Both loops in one process, step by step in turn, so machine noise hits them alike."""
-    hf, ours = _hf_stepper(path), _our_stepper(path)
+def case_equal(path: Path, steps: int, our_stepper=None) -> dict:
+    """Both loops in one process, step by step in turn, so machine noise hits them alike
+    (our_stepper: another engine's stepper, as bench/lf_train.py measures it)."""
+    hf, ours = _hf_stepper(path), (our_stepper or _our_stepper)(path)
     out = {"hf": [], "ours": [], "hf_loss": None, "ours_loss": None}
     for i in range(steps + 1):
         ids, targets = _batch(i)
