@@ -19,6 +19,7 @@ from ascendfactory.plan import make_plan
 from ascendfactory.render import render
 from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
+from tests.helpers.starters import starters
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = Path(os.environ.get("AF_UPSTREAM_DIR") or ROOT.parent / "shared" / "upstream")
@@ -120,15 +121,7 @@ def test_every_example_renders_llamafactory_keys(path, tmp_path, monkeypatch):
     assert_upstream_valid(make_plan(load_job(path), check_memory=False), tmp_path)
 
 
-def _starters():
-    fw = adapter(FW)
-    for model_id, row in catalog.table(FW).rows.items():
-        for stage in fw.stages:
-            if fw.serves(row, stage):
-                yield model_id, stage
-
-
-@pytest.mark.parametrize("model_id,stage", list(_starters()))
+@pytest.mark.parametrize("model_id,stage", list(starters(FW)))
 def test_every_init_starter_renders_llamafactory_keys(model_id, stage, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     tree = assert_upstream_valid(make_plan(parse_job(starter_job(model_id, FW, stage)), check_memory=False),

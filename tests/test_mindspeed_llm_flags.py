@@ -12,11 +12,11 @@ import yaml
 
 from ascendfactory import catalog
 from ascendfactory.errors import JobError
-from ascendfactory.frameworks import adapter
 from ascendfactory.plan import make_plan
 from ascendfactory.render import SIDECAR_ENV, SIDECAR_NAME, render
 from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
+from tests.helpers.starters import starters
 from tests.helpers.megatron_flags import TSV_NAME, FlagError, check, problems, read_tsv, upstream_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,15 +109,7 @@ def test_every_example_renders_upstream_valid_flags(path, parser, deprecated, tm
     assert_upstream_valid(make_plan(load_job(path), check_memory=False), tmp_path, parser, deprecated)
 
 
-def _starters():
-    fw = adapter(FW)
-    for model_id, row in catalog.table(FW).rows.items():
-        for stage in fw.stages:
-            if fw.serves(row, stage):
-                yield model_id, stage
-
-
-@pytest.mark.parametrize("model_id,stage", list(_starters()))
+@pytest.mark.parametrize("model_id,stage", list(starters(FW)))
 def test_every_init_starter_renders_upstream_valid_flags(model_id, stage, parser, deprecated, tmp_path):
     text = starter_job(model_id, FW, stage)
     assert_upstream_valid(make_plan(parse_job(text), check_memory=False), tmp_path / "plain", parser, deprecated)
