@@ -39,8 +39,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _state(hf: nn.Module, skip_lora: bool = True):
     """(HF name, full tensor) one at a time; every rank walks the same order (the gathers are collective)."""
+    transient = _non_persistent(hf)
     for name, t in list(hf.named_parameters()) + [(n, b) for n, b in hf.named_buffers()
-                                                   if n.rsplit(".", 1)[-1] not in _non_persistent(hf)]:
+                                                   if n.rsplit(".", 1)[-1] not in transient]:
         if skip_lora and (".lora_A." in name or ".lora_B." in name):
             continue
         yield name.replace(".base_layer.", "."), _full(t.detach())

@@ -76,16 +76,6 @@ def apply_kernels(model: nn.Module) -> dict:
     return patch_hf_model(model)
 
 
-def enable_checkpointing(model: nn.Module, cfg: LFConfig) -> bool:
-    """LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing."""
-    if cfg.disable_gradient_checkpointing:
-        return False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": cfg.use_reentrant_gc})
-    if cfg.finetuning_type != "full" and cfg.use_reentrant_gc:
-        model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
-    return True
-
-
 def _num_layers(model: nn.Module) -> int:
     config = getattr(model.config, "text_config", model.config)
     n = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", None)

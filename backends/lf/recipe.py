@@ -161,7 +161,6 @@ class LFRecipe(Recipe):
         metrics = cfg.engine.get("metrics_file") or str(out / "metrics.jsonl")
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
-        self._resume_asked = resume
         return Settings(total_steps=steps, save_dir=str(save_dir),
                         save_interval=int(cfg.save_steps) if cfg.save_strategy == "steps" else None,
                         exit_interval=cfg.engine.get("exit_interval"), resume=resume,
