@@ -201,7 +201,9 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
     warnings += more
     if problems:
         n = len(problems)
-        raise JobError(f"The parallel layout does not work ({n} problem{'s' if n != 1 else ''})", problems)
+        layout_only = all(pr.where.startswith(("parallel", "resources", "rl.")) for pr in problems)
+        what = "The parallel layout does not work" if layout_only else "The job cannot be planned"
+        raise JobError(f"{what} ({n} problem{'s' if n != 1 else ''})", problems)
     device = job.resources.device
     limit = job.resources.device_memory_gib or DEFAULT_DEVICE_MEMORY_GIB.get(device)
     mem = estimate(job, arch, layout, card, device_memory_gib=limit)
