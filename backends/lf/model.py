@@ -92,23 +92,31 @@ def setup_freeze(model: nn.Module, cfg: LFConfig) -> list[str]:
     names = [name for name, _ in model.named_parameters()]
     hidden = {name.split(".0.")[-1].split(".")[0] for name in names if ".0." in name}
     outside = {name.split(".")[-2] for name in names if re.search(r"\.\d+\.", name) is None and "." in name}
-    wanted = []
-    for module in cfg.names("freeze_trainable_modules"):
+    modules = cfg.names("freeze_trainable_modules")
+    for module in modules:
         if module != "all" and module not in hidden:
             raise LFConfigError(f"freeze_trainable_modules: {module!r} is not a module of the layers "
                                 f"(choose from {', '.join(sorted(hidden))}, or all)")
-        wanted += [f".{i}.{'' if module == 'all' else module}" for i in ids]
-    for module in cfg.names("freeze_extra_modules"):
+    extra = cfg.names("freeze_extra_modules")
+    for module in extra:
         if module not in outside:
             raise LFConfigError(f"freeze_extra_modules: {module!r} is not a module outside the layers "
                                 f"(choose from {', '.join(sorted(outside))})")
-        wanted.append(module)
     trained = []
     for name, p in model.named_parameters():
-        p.requires_grad_(any(w in name for w in wanted))
+        p.requires_grad_(_freeze_trains(name.split("."), set(ids), modules, extra))
         if p.requires_grad:
             trained.append(name)
     return trained
+
+
+def _freeze_trains(parts: list[str], ids: set[int], modules: list[str], extra: list[str]) -> bool:
+    """Whole-name matching: LLaMA-Factory tests substrings, so there `norm` also trains every layer's
+    input_layernorm; here a module name must be a whole component of the parameter's path."""
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit() and int(part) in ids and ("all" in modules or parts[i + 1] in modules):
+            return True
+    return any(module in parts[:-1] for module in extra)
 
 
 def setup_lora(model: nn.Module, cfg: LFConfig) -> list[str]:
