@@ -112,6 +112,11 @@ def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_mem
         per_layer = r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h))
         trainable = per_layer * stage_layers / layout.tp
         est.notes.append(f"LoRA r={r}: {trainable / 1e6:.1f} M trainable parameters on this device")
+    elif job.finetuning == "freeze":
+        # the trainable layers only (extra modules such as the head are left out of this estimate)
+        trainable = layer_only * layout.tp * min(abs(job.freeze.trainable_layers), layers)
+        est.notes.append(f"freeze: {trainable / 1e6:.1f} M trainable parameters in "
+                         f"{min(abs(job.freeze.trainable_layers), layers)} layers")
 
     fw = adapter(job.framework)
     states = fw.states(job, on_device, trainable, layer_only, c, layout.dp)

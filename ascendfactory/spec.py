@@ -93,6 +93,26 @@ class LoraSpec(_Block):
     merge_on_export: bool = Field(False, description="also write merged full weights at HF export")
 
 
+class FreezeSpec(_Block):
+    """Partial-parameter fine-tuning: the last (or first) layers train, the rest stay frozen."""
+    trainable_layers: bounded(-L.MAX_LAYERS, L.MAX_LAYERS, "at most the model's layer count: lower it") = Field(
+        2, description="layers that train: the last N, or the first |N| when negative "
+                       "(LLaMA-Factory freeze_trainable_layers)")
+    trainable_modules: list[str] = Field(
+        default_factory=lambda: ["all"],
+        description="modules of those layers that train: 'all' or names such as self_attn, mlp")
+    extra_modules: list[str] = Field(
+        default_factory=list, description="modules outside the layers that also train, e.g. embed_tokens, lm_head")
+
+    @field_validator("trainable_layers")
+    @classmethod
+    def _nonzero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("0 layers would train nothing: use a positive count (the last layers) or a negative one "
+                             "(the first layers)")
+        return value
+
+
 class DataSpec(_Block):
     path: str = Field(..., description="data file or directory (JSON/JSONL/parquet), or a Megatron prefix")
     format: Literal["alpaca", "sharegpt", "text", "pairwise", "prompt"] = "alpaca"
@@ -290,8 +310,10 @@ class JobSpec(_Block):
         default_factory=dict, description="architecture numbers to change for random init (e.g. num_layers: 2)")
     framework: Framework
     stage: Stage = "sft"
-    finetuning: Literal["full", "lora"] = "full"
+    finetuning: Literal["full", "freeze", "lora"] = Field(
+        "full", description="full: every parameter; freeze: the layers a freeze block names; lora: adapters")
     lora: Optional[LoraSpec] = None
+    freeze: Optional[FreezeSpec] = None
     data: DataSpec
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     kernels: KernelSpec = Field(default_factory=KernelSpec)
@@ -356,6 +378,10 @@ class JobSpec(_Block):
             problems.append("a lora block needs finetuning: lora")
         if self.finetuning == "lora" and self.lora is None:
             self.lora = LoraSpec()
+        if self.freeze is not None and self.finetuning != "freeze":
+            problems.append("a freeze block needs finetuning: freeze")
+        if self.finetuning == "freeze" and self.freeze is None:
+            self.freeze = FreezeSpec()
         if self.stage in RL_STAGES:
             if self.rl is None:
                 self.rl = RLSpec()

@@ -51,7 +51,7 @@ def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int
         "# model_path: /path/to/hf/model   # local HF weights; without it the model starts from random init",
         f"framework: {framework}",
         f"stage: {stage}                    # pt | sft | dpo | grpo | dapo | ppo",
-        "finetuning: full                 # full | lora (then a lora: {rank, alpha, targets} block)",
+        "finetuning: full                 # full | lora (then a lora: {rank, alpha, targets} block) | freeze (llamafactory)",
         "data:",
         f"  path: {path}       # file or directory (JSON/JSONL/parquet)",
         f"  format: {fmt}                 # alpaca | sharegpt | text | pairwise | prompt",

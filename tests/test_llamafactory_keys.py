@@ -43,6 +43,9 @@ ENUMS = {
 FEATURE_JOBS = {
     "lora": dict(finetuning="lora", lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}),
     "packing": dict(data={"packing": True, "neat_packing": True}),
+    "freeze": dict(finetuning="freeze", freeze={"trainable_layers": -3, "trainable_modules": ["mlp", "self_attn"],
+                                                "extra_modules": ["embed_tokens"]}),
+    "freeze-default": dict(finetuning="freeze"),
     "zero1": dict(parallel={"zero": 1}),
     "zero2-recompute": dict(parallel={"zero": 2, "recompute": "full"}),
     "fsdp": dict(parallel={"fsdp": True}, train={"precision": "fp16"}),
@@ -138,6 +141,10 @@ def test_feature_jobs_render_llamafactory_keys(name, plan_of, tmp_path, monkeypa
     expect = {
         "lora": {"lora_rank": 4, "lora_alpha": 8, "lora_target": "q_proj,v_proj", "finetuning_type": "lora"},
         "packing": {"packing": True, "neat_packing": True},
+        "freeze": {"finetuning_type": "freeze", "freeze_trainable_layers": -3,
+                   "freeze_trainable_modules": "mlp,self_attn", "freeze_extra_modules": "embed_tokens"},
+        "freeze-default": {"finetuning_type": "freeze", "freeze_trainable_layers": 2,
+                           "freeze_trainable_modules": "all", "freeze_extra_modules": None},
         "zero2-recompute": {"disable_gradient_checkpointing": False},
         "fsdp": {"fp16": True, "bf16": False},
         "cosine-floor": {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1e-6},

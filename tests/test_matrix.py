@@ -97,3 +97,28 @@ def test_capabilities_json_matches_tables():
                                                          "megatron_backend": "unsupported", "long_seq": "unsupported"}
     assert catalog.row("mindspeed-rl", "qwen2-7b") == "unlisted"
     json.dumps(row)
+
+
+@pytest.mark.parametrize("framework,model,stage", [("mindspeed-llm", "qwen3-8b", "sft"),
+                                                   ("mindspeed-mm", "qwen2.5-vl-7b", "sft"),
+                                                   ("verl", "qwen3-14b", "grpo")])
+def test_freeze_finetuning_is_refused_outside_llamafactory(job_text, framework, model, stage):
+    job = parse_job(job_text(framework=framework, model=model, stage=stage, finetuning="freeze"))
+    text = "\n".join(p.render() for p in check(job).refusals)
+    assert f"{framework} fine-tunes with" in text and "not freeze" in text and "framework: llamafactory" in text
+
+
+def test_lora_is_refused_by_mindspeed_mm_by_name(job_text):
+    job = parse_job(job_text(framework="mindspeed-mm", model="qwen2.5-vl-7b", finetuning="lora"))
+    text = "\n".join(p.render() for p in check(job).refusals)
+    assert "finetuning: mindspeed-mm fine-tunes with full only, not lora" in text
+
+
+def test_freeze_layers_beyond_the_model_are_refused(job_text):
+    from ascendfactory.plan import make_plan
+
+    job = parse_job(job_text(framework="llamafactory", model="qwen2.5-0.5b", finetuning="freeze",
+                             freeze={"trainable_layers": -25}))
+    with pytest.raises(JobError) as err:
+        make_plan(job, check_memory=False)
+    assert "The job cannot be planned" in str(err.value) and "at most 24" in err.value.render()

@@ -103,6 +103,9 @@ def test_missing_file_and_directory(tmp_path):
 
 def test_cross_field_rules(job_text):
     assert "finetuning: lora" in problems_of(job_text(lora={"rank": 4})).render()
+    assert "finetuning: freeze" in problems_of(job_text(freeze={"trainable_layers": 2})).render()
+    assert "0 layers would train nothing" in problems_of(
+        job_text(finetuning="freeze", freeze={"trainable_layers": 0})).render()
     assert "only used by the RL stages" in problems_of(job_text(rl={"n": 4})).render()
     assert "not both" in problems_of(job_text(train={"steps": 5, "epochs": 1})).render()
     assert "node_rank 2 must be below nnodes 2" in problems_of(
@@ -113,6 +116,9 @@ def test_cross_field_rules(job_text):
 def test_lora_and_rl_blocks_get_defaults(job_text):
     job = parse_job(job_text(finetuning="lora"))
     assert job.lora.rank == 8 and job.lora.targets == ["all"]
+    frozen = parse_job(job_text(framework="llamafactory", finetuning="freeze"))
+    assert (frozen.freeze.trainable_layers, frozen.freeze.trainable_modules, frozen.freeze.extra_modules) == (
+        2, ["all"], [])
     dapo = parse_job(job_text(framework="verl", stage="dapo", model="qwen3-14b"))
     assert dapo.rl.clip_eps_high == 0.28 and dapo.rl.clip_eps_low == 0.2
     grpo = parse_job(job_text(framework="verl", stage="grpo", model="qwen3-14b"))

@@ -60,6 +60,7 @@ class Adapter:
     sidecar_template: str = ""            # engine.yaml: what the engine needs beyond the upstream file
     cp_algos: tuple[str, ...] = ("ring", "ulysses", "hybrid")
     rollout_engines: tuple[str, ...] = ()
+    finetuning_methods: tuple[str, ...] = ("full", "lora")
     model_parallel: bool = True           # offers tp / pp / ep (the starter searches them)
     starter_sharding: tuple[dict[str, Any], ...] = ({}, {"distributed_optimizer": True})
 
@@ -89,6 +90,11 @@ class Adapter:
             others = [name for name in serving if name != self.name]
             out.append(self.refuse("stage", f"does not train stage {job.stage} (it trains {', '.join(self.stages)})",
                                    f"use framework: {' or '.join(others)}" if others else "choose another stage"))
+        if job.finetuning not in self.finetuning_methods:
+            others = [] if job.finetuning != "freeze" else ["framework: llamafactory"]
+            out.append(self.refuse("finetuning", f"fine-tunes with {' / '.join(self.finetuning_methods)} only, not "
+                                   f"{job.finetuning}", f"use finetuning: {self.finetuning_methods[-1]}"
+                                   + "".join(f", or {o}" for o in others)))
         if job.parallel.cp > 1 and job.parallel.cp_algo not in self.cp_algos:
             out.append(self.refuse("parallel.cp_algo", f"offers {' / '.join(self.cp_algos)} context parallel only",
                                    f"set parallel.cp_algo: {self.cp_algos[0]}"))

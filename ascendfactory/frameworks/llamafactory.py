@@ -32,6 +32,7 @@ class LlamaFactory(Adapter):
     config_name = "llamafactory_train.yaml"
     model_parallel = False
     starter_sharding = ({"zero": 0}, {"zero": 1}, {"zero": 2}, {"zero": 3})
+    finetuning_methods = ("full", "freeze", "lora")
 
     def limits(self, job):
         p, out = job.parallel, []
@@ -61,6 +62,11 @@ class LlamaFactory(Adapter):
         if job.finetuning == "lora" and job.lora and not float(job.lora.alpha).is_integer():
             out.append(self.refuse("lora.alpha", f"takes an integer lora_alpha, not {job.lora.alpha}",
                                    "set lora.alpha to a whole number (2 × lora.rank is LLaMA-Factory's default)"))
+        if job.finetuning == "freeze" and abs(job.freeze.trainable_layers) > arch["num_layers"]:
+            out.append(self.refuse("freeze.trainable_layers", f"cannot train {abs(job.freeze.trainable_layers)} "
+                                   f"layers of a {arch['num_layers']}-layer model",
+                                   f"set freeze.trainable_layers to at most {arch['num_layers']}, or use "
+                                   f"finetuning: full"))
         if job.train.min_lr and job.train.schedule != "cosine":
             out.append(self.refuse("train.min_lr", f"has a learning-rate floor only for the cosine schedule, not "
                                    f"{job.train.schedule}", "set train.min_lr: 0, or train.schedule: cosine"))

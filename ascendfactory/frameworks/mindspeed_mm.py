@@ -13,12 +13,10 @@ class MindSpeedMM(Adapter):
     template = "engines/mindspeed-mm.yaml.j2"
     config_name = "mindspeed_mm.yaml"
     cp_algos = ("ulysses",)
+    finetuning_methods = ("full",)     # the matrix has no LoRA column for it
 
     def limits(self, job):
         p, out = job.parallel, []
-        if job.finetuning == "lora":
-            out.append(self.refuse("finetuning", "is in the matrix for full training only (no LoRA column)",
-                                   "use finetuning: full, or framework: llamafactory"))
         if p.zero:
             out.append(self.refuse("parallel.zero", "has no ZeRO stages",
                                    "use parallel.fsdp: true or distributed_optimizer: true"))

@@ -46,28 +46,60 @@ def test_pt_example(tmp_path):
     assert len(run) == 20 and sum(run[-5:]) / 5 < run[0] - 0.5
 
 
-def test_dpo_job_runs_from_its_rendered_files(tmp_path):
-    """A DPO job (the card of Qwen2.5-14B, which the matrix lists for DPO, on a tiny Qwen2 of its
-    family) through `ascendfactory run`: dataset_info.json marks the pairs as ranking data, and the
-    rewards separate."""
+def run_job(job: dict, tmp_path: Path) -> Path:
+    """Write `job` as a job file, run it through `ascendfactory run`, return its output_dir."""
     import yaml
 
+    out = tmp_path / "out"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "output_dir": str(out)}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "ascendfactory", "run", str(tmp_path / "job.yaml")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    logs = "".join(p.read_text() for p in (out / "logs").glob("*.log")) if (out / "logs").exists() else ""
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + logs[-3000:]
+    return out
+
+
+def tiny_job(model: Path, **fields) -> dict:
+    """A job on a tiny Qwen2 under the card of Qwen2.5-14B (the matrix lists it for SFT and DPO)."""
+    return {"model": "qwen2.5-14b", "model_path": str(model), "framework": "llamafactory",
+            "train": {"lr": 5e-3, "global_batch": 4, "micro_batch": 2, "steps": 10, "precision": "fp32"},
+            "resources": {"device": "cpu"}, "launcher": "local", **fields}
+
+
+def test_dpo_job_runs_from_its_rendered_files(tmp_path):
+    """A DPO job through `ascendfactory run`: dataset_info.json marks the pairs as ranking data, and
+    the rewards separate."""
     from tests.helpers.tiny_hf import make_tiny_hf
 
     model = make_tiny_hf("qwen2", tmp_path / "qwen2")
-    job = {"model": "qwen2.5-14b", "model_path": str(model), "framework": "llamafactory", "stage": "dpo",
-           "data": {"path": str(ROOT / "examples" / "data" / "arithmetic_pairs.json"), "format": "pairwise",
-                    "template": "qwen", "seq_len": 256, "max_samples": 32},
-           "train": {"lr": 5e-3, "global_batch": 4, "micro_batch": 2, "steps": 10, "precision": "fp32"},
-           "resources": {"device": "cpu"}, "launcher": "local", "output_dir": str(tmp_path / "out")}
-    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(job))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "ascendfactory", "run", str(tmp_path / "dpo.yaml")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    out = tmp_path / "out"
-    logs = "".join(p.read_text() for p in (out / "logs").glob("*.log")) if (out / "logs").exists() else ""
-    assert res.returncode == 0, res.stdout[-3000:] + logs[-3000:]
+    out = run_job(tiny_job(model, stage="dpo", data={
+        "path": str(ROOT / "examples" / "data" / "arithmetic_pairs.json"), "format": "pairwise",
+        "template": "qwen", "seq_len": 256, "max_samples": 32}), tmp_path)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r and "event" not in r]
     assert len(steps) == 10 and steps[-1]["rewards/margins"] > steps[0]["rewards/margins"]
     assert json.loads((out / "dataset_info.json").read_text())["arithmetic_pairs"]["ranking"] is True
+
+
+def test_freeze_job_trains_only_the_named_modules(tmp_path):
+    """`finetuning: freeze` in the job file: the first layer's MLP and the final norm train, every
+    other weight of the saved model is the base model's, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.helpers.tiny_hf import make_tiny_hf
+
+    model = make_tiny_hf("qwen2", tmp_path / "qwen2")
+    out = run_job(tiny_job(model, finetuning="freeze", train={
+        "lr": 5e-3, "global_batch": 2, "micro_batch": 2, "steps": 2, "precision": "fp32"},
+        freeze={"trainable_layers": -1, "trainable_modules": ["mlp"], "extra_modules": ["norm"]},
+        data={"path": str(ROOT / "examples" / "data" / "arithmetic_alpaca.json"), "format": "alpaca",
+              "template": "qwen", "seq_len": 128, "max_samples": 8}), tmp_path)
+    rendered = (out / "llamafactory_train.yaml").read_text()
+    assert "freeze_trainable_layers: -1" in rendered and "finetuning_type: freeze" in rendered
+    trained, base = load_file(out / "model.safetensors"), load_file(model / "model.safetensors")
+    changed = {k for k in base if not torch.equal(trained[k], base[k])}
+    assert changed and all(k.startswith("model.layers.0.mlp.") or k == "model.norm.weight" for k in changed), changed
+    assert "model.norm.weight" in changed
+
