@@ -113,6 +113,27 @@ class FreezeSpec(_Block):
         return value
 
 
+class VisionSpec(_Block):
+    """Vision-language models: which parts train, and the pixel budget images are resized into."""
+    freeze_tower: bool = Field(True, description="keep the vision tower frozen (LLaMA-Factory freeze_vision_tower)")
+    freeze_projector: bool = Field(True, description="keep the projector / patch merger frozen "
+                                                     "(freeze_multi_modal_projector)")
+    freeze_language_model: bool = Field(False, description="keep the language model frozen (freeze_language_model)")
+    image_max_pixels: bounded(1, 1 << 30, "pixels of one image after resizing: lower it") = Field(
+        589824, description="larger images are scaled down to at most this many pixels")
+    image_min_pixels: bounded(1, 1 << 30, "pixels of one image after resizing: lower it") = Field(
+        1024, description="smaller images are scaled up to at least this many pixels")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.image_min_pixels > self.image_max_pixels:
+            raise ValueError(f"image_min_pixels {self.image_min_pixels} is above image_max_pixels "
+                             f"{self.image_max_pixels}")
+        if self.freeze_tower and self.freeze_projector and self.freeze_language_model:
+            raise ValueError("freeze_tower, freeze_projector and freeze_language_model all true would train nothing")
+        return self
+
+
 class DataSpec(_Block):
     path: str = Field(..., description="data file or directory (JSON/JSONL/parquet), or a Megatron prefix")
     format: Literal["alpaca", "sharegpt", "text", "pairwise", "prompt"] = "alpaca"
@@ -314,6 +335,7 @@ class JobSpec(_Block):
         "full", description="full: every parameter; freeze: the layers a freeze block names; lora: adapters")
     lora: Optional[LoraSpec] = None
     freeze: Optional[FreezeSpec] = None
+    vision: Optional[VisionSpec] = Field(None, description="vision-language models: parts to freeze, image sizes")
     data: DataSpec
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     kernels: KernelSpec = Field(default_factory=KernelSpec)
@@ -382,6 +404,7 @@ class JobSpec(_Block):
             problems.append("a freeze block needs finetuning: freeze")
         if self.finetuning == "freeze" and self.freeze is None:
             self.freeze = FreezeSpec()
+        problems += self._resolve_vision()
         if self.stage in RL_STAGES:
             if self.rl is None:
                 self.rl = RLSpec()
@@ -402,6 +425,20 @@ class JobSpec(_Block):
             raise ValueError("; ".join(problems))
         return self
 
+
+    def _resolve_vision(self) -> list[str]:
+        """A vision-language model gets the vision defaults; a text model takes no vision block."""
+        from ascendfactory.catalog import models
+
+        card = models()[self.model]
+        if card.get("type") == "multimodal":
+            if self.vision is None:
+                self.vision = VisionSpec()
+            return []
+        if self.vision is not None:
+            return [f"a vision block needs a vision-language model; {self.model} is a {card.get('type', 'text')} "
+                    "model: remove the vision block"]
+        return []
 
     def _resolve_roles(self) -> list[str]:
         """Every role's layout and learning rate made explicit: what a role leaves out, it inherits."""

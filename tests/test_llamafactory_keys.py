@@ -58,6 +58,8 @@ FEATURE_JOBS = {
                                                         "format": "pairwise"}),
     "glm": dict(model="glm-4-9b-chat"),
     "vl": dict(model="qwen2.5-vl-7b"),
+    "vl-vision": dict(model="qwen2-vl-7b", finetuning="lora",
+                      vision={"freeze_tower": False, "freeze_projector": False, "image_max_pixels": 200704}),
     "gemma3": dict(model="gemma3-27b"),
 }
 
@@ -152,7 +154,13 @@ def test_feature_jobs_render_llamafactory_keys(name, plan_of, tmp_path, monkeypa
         "constant-epochs": {"lr_scheduler_type": "constant_with_warmup", "num_train_epochs": 2.0,
                             "max_grad_norm": 0.0},
         "no-flash": {"flash_attn": "sdpa", "overwrite_output_dir": True},
-        "glm": {"template": "glm4"}, "vl": {"template": "qwen2_vl"}, "gemma3": {"template": "gemma3"},
+        "glm": {"template": "glm4", "freeze_vision_tower": None, "image_max_pixels": None},
+        "vl": {"template": "qwen2_vl", "freeze_vision_tower": True, "freeze_multi_modal_projector": True,
+               "freeze_language_model": False, "image_max_pixels": 589824, "image_min_pixels": 1024,
+               "media_dir": None},
+        "vl-vision": {"freeze_vision_tower": False, "freeze_multi_modal_projector": False,
+                      "image_max_pixels": 200704},
+        "gemma3": {"template": "gemma3"},
         "dpo": {"template": "qwen", "pref_loss": "sigmoid"},
     }.get(name, {})
     assert {k: tree.get(k) for k in expect} == expect
@@ -187,3 +195,24 @@ def test_defaults_the_engine_assumes_are_llamafactorys():
 
         upstream = ast.literal_eval(raw)
         assert upstream == default or (default is None and upstream in ("", None)), (key, default, raw)
+
+
+def test_image_data_renders_the_images_column_and_media_dir(plan_of, tmp_path, monkeypatch):
+    """Records with an images list: dataset_info.json maps the column, and media_dir is the data file's
+    folder (LLaMA-Factory resolves relative image paths against it); a text model or packing is refused."""
+    from ascendfactory.errors import JobError
+
+    monkeypatch.chdir(ROOT)
+    data = tmp_path / "vl.json"
+    data.write_text(json.dumps([{"messages": [{"role": "user", "content": "<image>What colour?"},
+                                              {"role": "assistant", "content": "red"}], "images": ["red.png"]}]))
+    vl = dict(framework=FW, model="qwen2.5-vl-7b", data={"path": str(data), "format": "sharegpt"})
+    run = tmp_path / "run"
+    tree = assert_upstream_valid(plan_of(**vl), run)
+    assert tree["media_dir"] == str(tmp_path.resolve())
+    entry = json.loads(render(plan_of(**vl), run).files["dataset_info.json"])["vl"]
+    assert entry["columns"] == {"messages": "messages", "images": "images"} and entry["tags"]["role_tag"] == "role"
+    with pytest.raises(JobError, match="carry images, but qwen3-8b is a text model"):
+        plan_of(**{**vl, "model": "qwen3-8b"})
+    with pytest.raises(JobError, match="does not pack samples with images"):
+        plan_of(**{**vl, "data": {**vl["data"], "packing": True}})

@@ -108,6 +108,15 @@ def test_freeze_finetuning_is_refused_outside_llamafactory(job_text, framework, 
     assert f"{framework} fine-tunes with" in text and "not freeze" in text and "framework: llamafactory" in text
 
 
+def test_vision_settings_are_refused_where_the_engine_does_not_take_them(job_text):
+    job = parse_job(job_text(framework="verl", model="qwen2.5-vl-7b", stage="grpo",
+                             vision={"freeze_tower": False, "image_max_pixels": 200704}))
+    text = "\n".join(p.render() for p in check(job).refusals)
+    assert "verl does not take vision settings yet (freeze_tower, image_max_pixels)" in text
+    defaults = parse_job(job_text(framework="verl", model="qwen2.5-vl-7b", stage="grpo"))
+    assert "vision settings" not in "\n".join(p.render() for p in check(defaults).refusals)
+
+
 def test_lora_is_refused_by_mindspeed_mm_by_name(job_text):
     job = parse_job(job_text(framework="mindspeed-mm", model="qwen2.5-vl-7b", finetuning="lora"))
     text = "\n".join(p.render() for p in check(job).refusals)

@@ -113,6 +113,19 @@ def test_cross_field_rules(job_text):
     assert "environment variable names" in problems_of(job_text(env={"A;B": "1"})).render()
 
 
+def test_vision_block_belongs_to_vision_language_models(job_text):
+    assert "a vision block needs a vision-language model; qwen3-8b is a llm model" in problems_of(
+        job_text(vision={"freeze_tower": False})).render()
+    vl = parse_job(job_text(framework="llamafactory", model="qwen2.5-vl-7b"))
+    assert (vl.vision.freeze_tower, vl.vision.freeze_projector, vl.vision.freeze_language_model,
+            vl.vision.image_max_pixels, vl.vision.image_min_pixels) == (True, True, False, 589824, 1024)
+    assert parse_job(job_text()).vision is None
+    assert "image_min_pixels 4096 is above image_max_pixels 1024" in problems_of(job_text(
+        model="qwen2.5-vl-7b", vision={"image_max_pixels": 1024, "image_min_pixels": 4096})).render()
+    assert "would train nothing" in problems_of(job_text(model="qwen2.5-vl-7b", vision={
+        "freeze_tower": True, "freeze_projector": True, "freeze_language_model": True})).render()
+
+
 def test_lora_and_rl_blocks_get_defaults(job_text):
     job = parse_job(job_text(finetuning="lora"))
     assert job.lora.rank == 8 and job.lora.targets == ["all"]

@@ -62,6 +62,7 @@ class Adapter:
     rollout_engines: tuple[str, ...] = ()
     finetuning_methods: tuple[str, ...] = ("full", "lora")
     model_parallel: bool = True           # offers tp / pp / ep (the starter searches them)
+    reads_vision: bool = False            # honours the job's vision block (freezing per part, image sizes)
     starter_sharding: tuple[dict[str, Any], ...] = ({}, {"distributed_optimizer": True})
 
     # ------------------------------------------------------------------ capability check
@@ -95,6 +96,10 @@ class Adapter:
             out.append(self.refuse("finetuning", f"fine-tunes with {' / '.join(self.finetuning_methods)} only, not "
                                    f"{job.finetuning}", f"use finetuning: {self.finetuning_methods[-1]}"
                                    + "".join(f", or {o}" for o in others)))
+        if not self.reads_vision and job.vision is not None and job.vision != type(job.vision)():
+            changed = [k for k, v in job.vision.model_dump().items() if v != type(job.vision).model_fields[k].default]
+            out.append(self.refuse("vision", f"does not take vision settings yet ({', '.join(changed)})",
+                                   "remove them from the vision block, or use framework: llamafactory"))
         if job.parallel.cp > 1 and job.parallel.cp_algo not in self.cp_algos:
             out.append(self.refuse("parallel.cp_algo", f"offers {' / '.join(self.cp_algos)} context parallel only",
                                    f"set parallel.cp_algo: {self.cp_algos[0]}"))

@@ -33,6 +33,7 @@ class LlamaFactory(Adapter):
     model_parallel = False
     starter_sharding = ({"zero": 0}, {"zero": 1}, {"zero": 2}, {"zero": 3})
     finetuning_methods = ("full", "freeze", "lora")
+    reads_vision = True
 
     def limits(self, job):
         p, out = job.parallel, []
@@ -70,6 +71,14 @@ class LlamaFactory(Adapter):
         if job.train.min_lr and job.train.schedule != "cosine":
             out.append(self.refuse("train.min_lr", f"has a learning-rate floor only for the cosine schedule, not "
                                    f"{job.train.schedule}", "set train.min_lr: 0, or train.schedule: cosine"))
+        sample = data_sample(job)
+        if "images" in sample and job.vision is None:
+            out.append(self.refuse("data.path", f"records of {job.data.path} carry images, but {job.model} is a text "
+                                   "model", "use a vision-language model (qwen2-vl-*, qwen2.5-vl-*, gemma3-27b), or "
+                                   "data without an images column"))
+        if "images" in sample and job.data.packing:
+            out.append(self.refuse("data.packing", "does not pack samples with images here",
+                                   "set data.packing: false (each batch is padded to its longest sample)"))
         if job.data.dynamic_seq_len:
             out.append(self.refuse("data.dynamic_seq_len", "always pads each batch to its longest sample",
                                    "leave data.dynamic_seq_len unset"))
@@ -101,7 +110,8 @@ class LlamaFactory(Adapter):
                        job.data.template or TEMPLATE_OF_FAMILY.get(context["family"], context["family"]),
                        lr_scheduler="cosine_with_min_lr" if t.schedule == "cosine" and t.min_lr else
                        SCHEDULERS[t.schedule],
-                       deepspeed_file=str(run_dir / deepspeed_name(job)) if self.zero_stage(job) else None)
+                       deepspeed_file=str(run_dir / deepspeed_name(job)) if self.zero_stage(job) else None,
+                       media_dir=str(Path(job.data.path).resolve().parent) if "images" in data_sample(job) else None)
         return super().render_config(shell, yml, context, job, run_dir)
 
     def extra_files(self, context: dict[str, Any], job) -> dict[str, str]:
@@ -146,6 +156,12 @@ def first_record(path: Path, limit: int = 1 << 20) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def data_sample(job) -> dict:
+    """The data file's first record (empty for a folder or an unreadable file)."""
+    path = Path(job.data.path)
+    return first_record(path) if path.is_file() else {}
+
+
 def dataset_entry(job) -> dict[str, Any]:
     """The data file's dataset_info.json entry: LLaMA-Factory's formatting, columns and tags for it
     (file_name absolute, so dataset_dir can be the run directory)."""
@@ -176,6 +192,8 @@ def dataset_entry(job) -> dict[str, Any]:
                              "system_tag": "system"}
         if "system" in sample:
             entry["columns"]["system"] = "system"
+    if "images" in sample and "columns" in entry:  # paths relative to media_dir (the data file's folder)
+        entry["columns"]["images"] = "images"
     return entry
 
 
