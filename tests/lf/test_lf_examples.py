@@ -67,18 +67,19 @@ def tiny_job(model: Path, **fields) -> dict:
             "resources": {"device": "cpu"}, "launcher": "local", **fields}
 
 
-def test_dpo_job_runs_from_its_rendered_files(tmp_path):
-    """A DPO job through `ascendfactory run`: dataset_info.json marks the pairs as ranking data, and
-    the rewards separate."""
-    from tests.helpers.tiny_hf import make_tiny_hf
+def test_dpo_example_separates_chosen_from_rejected(tmp_path):
+    """The DPO example through `ascendfactory run`: dataset_info.json marks the pairs as ranking data,
+    and over the run the implicit rewards' accuracy and margin rise."""
+    out = run_example("dpo.yaml", tmp_path / "dpo")
+    steps = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
+             if "step" in r and "event" not in r]
+    assert len(steps) == 20
 
-    model = make_tiny_hf("qwen2", tmp_path / "qwen2")
-    out = run_job(tiny_job(model, stage="dpo", data={
-        "path": str(ROOT / "examples" / "data" / "arithmetic_pairs.json"), "format": "pairwise",
-        "template": "qwen", "seq_len": 256, "max_samples": 32}), tmp_path)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "step" in r and "event" not in r]
-    assert len(steps) == 10 and steps[-1]["rewards/margins"] > steps[0]["rewards/margins"]
+    def mean(key, rows):
+        return sum(r[key] for r in rows) / len(rows)
+
+    assert mean("rewards/accuracies", steps[-5:]) > mean("rewards/accuracies", steps[:5]) + 0.2
+    assert mean("rewards/margins", steps[-5:]) > mean("rewards/margins", steps[:5]) + 0.2
     assert json.loads((out / "dataset_info.json").read_text())["arithmetic_pairs"]["ranking"] is True
 
 
