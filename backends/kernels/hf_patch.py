@@ -42,6 +42,7 @@ ROTARY_CLASSES = {
 }
 MROPE_CLASSES = {"Qwen2VLRotaryEmbedding", "Qwen2_5_VLRotaryEmbedding"}
 # router class -> whether HF casts the routing weights back to the logits dtype
+_KERNEL_SUFFIXES = ("RMSNorm", "Attention", "MLP", "Mlp", "RotaryEmbedding")
 ROUTER_CLASSES = {"MixtralTopKRouter": False, "Qwen3MoeTopKRouter": True}
 EXPERTS_CLASSES = {"MixtralExperts", "Qwen3MoeExperts"}
 
@@ -233,6 +234,7 @@ def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:
     patched: Counter[str] = Counter()
     classes: dict[str, set[str]] = {}
     skipped: list[str] = []
+    unknown: Counter[str] = Counter()
 
     def mark(kind: str, module: torch.nn.Module, fn) -> None:
         module.forward = types.MethodType(fn, module)
@@ -263,6 +265,12 @@ def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:
                 mark("moe_experts", module, _experts_forward)
             else:
                 skipped.append(f"{name} ({cls}: activation is not SiLU)")
+        elif cls.endswith(_KERNEL_SUFFIXES):
+            unknown[cls] += 1
+    # Classes that look like a kernel's but are not listed run as transformers computes them (Gemma3's
+    # RMSNorm scales by 1 + w, its attention has soft-capping and sliding windows, vision towers differ).
+    skipped += [f"{cls} x{n} (not a class this patch knows: kept as transformers computes it)"
+                for cls, n in sorted(unknown.items())]
 
     if patched["attention"]:
         if hasattr(model, "set_attn_implementation"):

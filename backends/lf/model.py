@@ -14,6 +14,16 @@ from backends import kernels
 from backends.common.parallel.parts import ModelParts
 from backends.lf.config import LFConfig, LFConfigError
 
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "gemma3")
+# LLaMA-Factory's composite-model keys (model/model_utils/visual.py), matched as substrings of names as there
+VL_KEYS = {
+    "qwen2_vl": {"projector": ["visual.merger"], "vision": ["visual.patch_embed", "visual.blocks"],
+                 "language": ["language_model", "lm_head"], "lora_conflict": ["patch_embed"]},
+    "gemma3": {"projector": ["multi_modal_projector"], "vision": ["vision_tower"],
+               "language": ["language_model", "lm_head"], "lora_conflict": []},
+}
+VL_KEYS["qwen2_5_vl"] = VL_KEYS["qwen2_vl"]
+
 
 class HFCausalLMWithLoss(nn.Module):
     """The HF model plus its loss, as one module (under FSDP2 the root unit holds the embedding, final
@@ -22,14 +32,25 @@ class HFCausalLMWithLoss(nn.Module):
     def __init__(self, hf: nn.Module):
         super().__init__()
         self.hf = hf
+        self.vision = getattr(hf.config, "model_type", None) in VL_MODEL_TYPES
+        if getattr(getattr(hf.config, "text_config", hf.config), "final_logit_softcapping", None):
+            raise LFConfigError("this model caps its logits (final_logit_softcapping), which the chunked linear "
+                                "cross entropy does not do")
 
     def body(self) -> nn.Module:
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
-    def forward(self, input_ids, labels, position_ids=None, logps: bool = False):
+    def forward(self, input_ids, labels, position_ids=None, logps: bool = False, **vision):
         """(summed token loss, token count); logps: per-row sums of the label tokens' log-probabilities
-        and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too)."""
-        hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too).
+        vision: a VL batch's pixel_values, image_grid_thw, mm_token_type_ids / token_type_ids."""
+        if self.vision:
+            # The VL model merges the image features into the embeddings; Qwen's M-RoPE positions come from
+            # input_ids + image_grid_thw inside it, so no 1-D positions are passed (right padding needs none).
+            hidden = self.hf.model(input_ids=input_ids, use_cache=False,
+                                   **{k: v for k, v in vision.items() if v is not None}).last_hidden_state
+        else:
+            hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()
         if logps:
             logits = head(hidden).float()
@@ -41,13 +62,16 @@ class HFCausalLMWithLoss(nn.Module):
         return loss_sum, count
 
     def parts(self) -> ModelParts:
+        """The language model's layers are the blocks (FSDP2 units, recompute). A VL model's vision tower and
+        projector stay in the root unit: they run once per step, often frozen, and a rank whose micro-batch
+        has no image would otherwise skip their units' collectives."""
         body = "hf." + next(n for n, m in self.hf.named_modules() if m is self.body())
         head = self.hf.get_output_embeddings()
         tied = head.weight is self.hf.get_input_embeddings().weight
         head_name = "hf." + next(n for n, m in self.hf.named_modules() if m is head)
         return ModelParts(root=self, blocks=f"{body}.layers", embedding=f"{body}.embed_tokens", norm=f"{body}.norm",
                           head=None if tied else head_name, attention="self_attn", mlp="mlp",
-                          hidden_size=int(self.hf.config.hidden_size))
+                          hidden_size=int(getattr(self.hf.config, "text_config", self.hf.config).hidden_size))
 
 
 def attention_override(flash_attn: str) -> dict[str, str]:
@@ -58,11 +82,14 @@ def attention_override(flash_attn: str) -> dict[str, str]:
 
 
 def load_hf_model(cfg: LFConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from backends.lf.mm_plugin import is_vl
 
     path = cfg.model_name_or_path
+    auto = AutoModelForImageTextToText if is_vl(path) else AutoModelForCausalLM  # LF's loader picks it so too
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+        model = auto.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                      trust_remote_code=cfg.trust_remote_code)
     except OSError as err:
         raise LFConfigError(f"model_name_or_path: cannot load {path!r} as a local Hugging Face model ({err}); this "
@@ -102,12 +129,47 @@ def setup_freeze(model: nn.Module, cfg: LFConfig) -> list[str]:
         if module not in outside:
             raise LFConfigError(f"freeze_extra_modules: {module!r} is not a module outside the layers "
                                 f"(choose from {', '.join(sorted(outside))})")
+    keys = VL_KEYS.get(model.config.model_type)
+    projector = keys["projector"] if keys and not cfg.freeze_multi_modal_projector else []
+    forbidden = forbidden_modules(model, cfg)
     trained = []
     for name, p in model.named_parameters():
-        p.requires_grad_(_freeze_trains(name.split("."), set(ids), modules, extra))
+        trains = _freeze_trains(name.split("."), set(ids), modules, extra) or any(k in name for k in projector)
+        p.requires_grad_(trains and not any(k in name for k in forbidden))
         if p.requires_grad:
             trained.append(name)
     return trained
+
+
+def forbidden_modules(model: nn.Module, cfg: LFConfig) -> set[str]:
+    """LLaMA-Factory's get_forbidden_modules: the VL parts freeze_vision_tower / freeze_multi_modal_projector /
+    freeze_language_model keep frozen (substrings of parameter names; none for a text model)."""
+    keys = VL_KEYS.get(getattr(model.config, "model_type", None))
+    if keys is None:
+        return set()
+    out = set()
+    for flag, part in (("freeze_vision_tower", "vision"), ("freeze_multi_modal_projector", "projector"),
+                       ("freeze_language_model", "language")):
+        if getattr(cfg, flag):
+            out.update(keys[part])
+    return out
+
+
+def vl_lora_targets(model: nn.Module, cfg: LFConfig, targets: list[str]) -> list[str]:
+    """LLaMA-Factory's VL LoRA targets: 'all' = the leaf names of every linear outside lm_head, the projector
+    and (freeze_vision_tower) the vision tower; then every linear whose name contains a target and none of
+    the forbidden modules (patch_target_modules, lora_conflict_keys included)."""
+    keys = VL_KEYS[model.config.model_type]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if [t.lower() for t in targets] in ([], ["all"]):
+        skip = {"lm_head", *keys["projector"], *(keys["vision"] if cfg.freeze_vision_tower else [])}
+        targets = sorted({n.rsplit(".", 1)[-1] for n in linears if not any(k in n for k in skip)})
+    forbidden = forbidden_modules(model, cfg) | set(keys["lora_conflict"])
+    chosen = [n for n in linears if any(t in n for t in targets) and not any(k in n for k in forbidden)]
+    if not chosen:
+        raise LFConfigError(f"lora_target: {', '.join(targets)} selects no linear layer outside the frozen "
+                            "vision-language parts")
+    return chosen
 
 
 def _freeze_trains(parts: list[str], ids: set[int], modules: list[str], extra: list[str]) -> bool:
@@ -123,6 +185,9 @@ def setup_lora(model: nn.Module, cfg: LFConfig) -> list[str]:
     from backends.common.lora import inject_lora, linear_names
 
     targets = cfg.names("lora_target")
+    if getattr(model.config, "model_type", None) in VL_KEYS:
+        return inject_lora(model, r=cfg.lora_rank, alpha=float(cfg.lora_alpha), dropout=cfg.lora_dropout,
+                           targets=vl_lora_targets(model, cfg, targets))
     if [t.lower() for t in targets] != ["all"]:
         leaves = {n.rsplit(".", 1)[-1] for n in linear_names(model)}
         missing = [t for t in targets if t not in leaves]
@@ -139,6 +204,7 @@ def make_trainable(model: nn.Module, cfg: LFConfig) -> list[str]:
         return setup_lora(model, cfg)
     if cfg.finetuning_type == "freeze":
         return setup_freeze(model, cfg)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return [n for n, _ in model.named_parameters()]
+    forbidden = forbidden_modules(model, cfg)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not any(k in name for k in forbidden))
+    return [n for n, p in model.named_parameters() if p.requires_grad]
