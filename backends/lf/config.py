@@ -99,6 +99,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     # dataset
     "dataset": (None, _kind(str, list)),
     "dataset_dir": ("data", _kind(str)),
+    "media_dir": (None, _kind(str, none=True)),
     "template": (None, _kind(str, none=True)),
     "cutoff_len": (2048, _kind(int)),
     "train_on_prompt": (False, _kind(bool)),

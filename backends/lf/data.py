@@ -85,10 +85,9 @@ def _entry(name: str, raw: Any, folder: Path, info_path: Path) -> DatasetEntry:
         if key not in allowed:
             raise LFConfigError(f"{where}: unknown column {key!r} for {fmt} (known: {', '.join(sorted(allowed))})")
         columns[key] = value
-    for media in ("images", "videos", "audios"):
+    for media in ("videos", "audios"):
         if columns.get(media):
-            raise LFConfigError(f"{where}: the {media} column is for vision-language models, which this engine "
-                                "does not train yet")
+            raise LFConfigError(f"{where}: the {media} column is not built here (this engine trains images only)")
     tags = dict(SHAREGPT_TAGS)
     tags.update(raw.get("tags") or {})
     return DatasetEntry(name, file, fmt, bool(raw.get("ranking", False)), columns, tags)
@@ -105,10 +104,55 @@ def _text(record: dict, key: str | None, where: str, required: bool = False) -> 
     return value
 
 
-def canonical(entry: DatasetEntry, stage: str, record: Any, where: str) -> dict:
-    """One record in the shape the shared pipeline reads: text (pt), alpaca or sharegpt."""
+def _images(entry: DatasetEntry, record: dict, media_dir: Path, where: str) -> list[str]:
+    """The record's image paths, resolved as LLaMA-Factory's _find_medias does: media_dir/path when that
+    file exists, else the path as given (absolute, or from the working directory); missing is an error."""
+    key = entry.columns.get("images")
+    value = record.get(key) if key else None
+    if value in (None, "", []):
+        return []
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise DataFormatError(f"{where}: column {key!r} must hold image paths (strings), got "
+                                  f"{type(item).__name__}")
+        found = next((p for p in (media_dir / item, Path(item)) if p.is_file()), None)
+        if found is None:
+            raise DataFormatError(f"{where}: image {item!r} does not exist (looked in media_dir {media_dir} and "
+                                  "as given)")
+        out.append(str(found.resolve()))
+    return out
+
+
+def canonical(entry: DatasetEntry, stage: str, record: Any, where: str, media_dir: Path | None = None) -> dict:
+    """One record in the shape the shared pipeline reads: text (pt), alpaca or sharegpt; with an images
+    column, its resolved image paths ride along as `images`."""
     if not isinstance(record, dict):
         raise DataFormatError(f"{where}: a record must be a JSON object")
+    out = _canonical(entry, stage, record, where)
+    if entry.columns.get("images"):
+        images = _images(entry, record, media_dir or entry.file.parent, where)
+        if stage == "pt" and images:
+            raise DataFormatError(f"{where}: stage pt trains on text; images are trained at stage sft or dpo")
+        if stage != "pt":
+            from backends.lf.mm_plugin import check_placeholders
+
+            check_placeholders(_prompt_texts(out), len(images), where)
+            out["images"] = images
+            out["source"] = where
+    return out
+
+
+def _prompt_texts(rec: dict) -> list[dict]:
+    """The canonical record's prompt-side texts in order (where image placeholders may stand)."""
+    if "messages" in rec:
+        return [{"content": m["content"]} for m in rec["messages"]]
+    texts = [{"content": t} for pair in rec.get("history") or [] for t in pair]
+    return texts + [{"content": rec.get("instruction", "")}, {"content": rec.get("input", "")}]
+
+
+def _canonical(entry: DatasetEntry, stage: str, record: dict, where: str) -> dict:
     c = entry.columns
     if entry.formatting == "alpaca":
         prompt = _text(record, c["prompt"], where, required=True)
@@ -154,12 +198,18 @@ def canonical(entry: DatasetEntry, stage: str, record: Any, where: str) -> dict:
     return out
 
 
-def _records(entry: DatasetEntry, stage: str) -> Iterator[dict]:
+def _records(entry: DatasetEntry, stage: str, media_dir: Path | None) -> Iterator[dict]:
     for file, index, record in iter_records(entry.file):
-        yield canonical(entry, stage, record, f"{file} record {index} (dataset {entry.name!r})")
+        yield canonical(entry, stage, record, f"{file} record {index} (dataset {entry.name!r})", media_dir)
 
 
-def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path) -> tuple[Path, str]:
+def media_dir(cfg: LFConfig) -> Path:
+    """LLaMA-Factory's media_dir (default: dataset_dir)."""
+    return Path(cfg.media_dir or cfg.dataset_dir)
+
+
+def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path,
+                    media: Path | None = None) -> tuple[Path, str]:
     """(a JSONL of every named dataset's canonical records, its format), content-addressed in the cache."""
     fmt = "text" if stage == "pt" else ("sharegpt" if any(e.formatting == "sharegpt" for e in entries) else "alpaca")
     if any(e.ranking for e in entries) and len({e.formatting for e in entries}) > 1:
@@ -169,7 +219,7 @@ def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path) -
     for e in entries:
         stat = e.file.stat()
         digest.update(json.dumps([e.name, str(e.file.resolve()), stat.st_size, stat.st_mtime_ns, e.formatting,
-                                  e.columns, e.tags, stage]).encode())
+                                  e.columns, e.tags, stage, str(media)]).encode())
     out = cache_root / f"records-{digest.hexdigest()[:16]}.jsonl"
     if out.is_file():
         return out, fmt
@@ -177,7 +227,7 @@ def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path) -
     tmp = out.with_suffix(".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for e in entries:
-            for rec in _records(e, stage):
+            for rec in _records(e, stage, media):
                 if fmt == "sharegpt" and "instruction" in rec:  # mixed formats: one shape for all
                     rec = _alpaca_as_sharegpt(rec)
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -192,8 +242,9 @@ def _alpaca_as_sharegpt(rec: dict) -> dict:
     prompt = f"{rec['instruction']}\n{rec['input']}" if rec.get("input") else rec["instruction"]
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": rec["output"]}]
     out = {"messages": messages}
-    if rec.get("system"):
-        out["system"] = rec["system"]
+    for key in ("system", "images", "source"):
+        if rec.get(key):
+            out[key] = rec[key]
     return out
 
 

@@ -186,7 +186,8 @@ class LFRecipe(Recipe):
 
     def _data(self, rt, par):
         from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
-        from backends.lf.data import build_template, read_dataset_info, write_canonical
+        from backends.lf.data import build_template, media_dir, read_dataset_info, write_canonical
+        from backends.lf.mm_plugin import is_vl
         from backends.lf.pairs import PairLoader, build_pairs
 
         cfg = self.cfg
@@ -201,8 +202,21 @@ class LFRecipe(Recipe):
             raise LFConfigError(f"dataset: {', '.join(e.name for e in entries if e.ranking)} is a ranking dataset, "
                                 f"which stage {cfg.stage} cannot train (stage dpo does)")
 
+        with_images = [e.name for e in entries if e.columns.get("images")]
+        vl_model = is_vl(cfg.model_name_or_path)
+        if with_images and not vl_model:
+            raise LFConfigError(f"dataset: {', '.join(with_images)} has an images column, but "
+                                f"{cfg.model_name_or_path} is not a vision-language model this engine trains "
+                                "(qwen2_vl, qwen2_5_vl, gemma3)")
+        if vl_model and cfg.packing:
+            raise LFConfigError("packing / neat_packing: not built for vision-language models here (the HF model "
+                                "computes M-RoPE positions and image attention per row, so packed documents would "
+                                "see each other); set packing: false")
+        if with_images and cfg.stage != "pt":
+            return self._vl_data(rt, par, entries, tokenizer, template, cache)
+
         def build():
-            records, fmt = write_canonical(entries, cfg.stage, cache)
+            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg))
             if cfg.stage == "dpo":
                 return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples)
             return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples,
@@ -226,6 +240,34 @@ class LFRecipe(Recipe):
         packing = getattr(loader, "packing", None)
         log.info("data: %s; %s batches%s", dataset.summary(), mode,
                  f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
+        return dataset, loader, tokenizer
+
+    def _vl_data(self, rt, par, entries, tokenizer, template, cache):
+        """Records with images: LF's mm plugin expansion, the VL cache and loader (backends.lf.vl_data)."""
+        from backends.common.data import pad_id
+        from backends.lf.data import media_dir, write_canonical
+        from backends.lf.mm_plugin import load_plugin
+        from backends.lf.vl_data import VLLoader, build_vl
+
+        cfg = self.cfg
+        plugin = load_plugin(cfg.model_name_or_path, tokenizer, cfg.image_max_pixels, cfg.image_min_pixels)
+
+        def build():
+            records, _ = write_canonical(entries, cfg.stage, cache, media_dir(cfg))
+            return build_vl(records, "sharegpt", tokenizer, template, plugin, cfg.cutoff_len, cache,
+                            pairwise=cfg.stage == "dpo", max_samples=cfg.max_samples,
+                            rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
+
+        if any(e.formatting == "alpaca" for e in entries) and not all(e.formatting == "alpaca" for e in entries):
+            raise LFConfigError("dataset: image datasets of both formattings in one run are not built; convert "
+                                "them to one formatting")
+        dataset = build() if rt.is_main else None
+        barrier()
+        if dataset is None:
+            dataset = build()
+        loader = VLLoader(dataset, plugin, cfg.per_device_train_batch_size, dp_rank=par.dp_rank,
+                          dp_world=par.layout.dp, seed=cfg.seed, pad_id=pad_id(tokenizer))
+        log.info("data: %s; dynamic batches with images (%s plugin)", dataset.summary(), plugin.kind)
         return dataset, loader, tokenizer
 
     # ------------------------------------------------------------------ steps
@@ -252,7 +294,7 @@ class LFRecipe(Recipe):
     def loss(self, model, mb: dict) -> Loss:
         if self.cfg.stage == "dpo":
             return self._preference_loss(model, mb)
-        loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"))
+        loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), **_vision(mb))
         return Loss(loss_sum)
 
     def _preference_loss(self, model, mb: dict) -> Loss:
@@ -261,16 +303,17 @@ class LFRecipe(Recipe):
 
         cfg = self.cfg
         args = (mb["input_ids"], mb["labels"], mb.get("position_ids"))
+        vision = _vision(mb)
         ref_c = ref_r = None
         if uses_reference(cfg.pref_loss):
             with torch.no_grad():
                 if self.reference is not None:
-                    sums, counts = self.reference(*args, logps=True)
+                    sums, counts = self.reference(*args, logps=True, **vision)
                 else:  # LoRA: the base model is the policy with its adapters off
                     with adapters_disabled(model):
-                        sums, counts = model(*args, logps=True)
+                        sums, counts = model(*args, logps=True, **vision)
             ref_c, ref_r, _ = split_logps(sums, counts, cfg.pref_loss)
-        sums, counts = model(*args, logps=True)
+        sums, counts = model(*args, logps=True, **vision)
         chosen, rejected, chosen_avg = split_logps(sums, counts, cfg.pref_loss)
         losses, r_chosen, r_rejected = pair_losses(cfg.pref_loss, cfg.pref_beta, chosen, rejected, ref_c, ref_r,
                                                    label_smoothing=cfg.dpo_label_smoothing,
@@ -312,6 +355,13 @@ class LFRecipe(Recipe):
 
         if self.cfg.engine.get("export_hf", True):
             export(self.model, self.cfg, self.tokenizer)
+
+
+def _vision(mb: dict) -> dict:
+    """A VL micro-batch's vision inputs (none for text)."""
+    from backends.lf.vl_data import VISION_KEYS
+
+    return {k: mb[k] for k in VISION_KEYS if k in mb}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,227 @@
+"""Vision-language samples: canonical records with `images` tokenized as LLaMA-Factory's supervised and
+pairwise processors do after its mm plugin has expanded the `<image>` placeholders, cached once (ids and
+labels as Megatron indexed datasets, each sample's image paths in images.json), and batched with the
+images' model inputs.
+
+Rules: image tokens never carry a label (train_on_prompt included); a cutoff_len that would cut into an
+image's tokens is an error naming the record (the model needs every token of an image); packing is
+refused by the recipe. Batches are dynamically padded rows (a multiple of 8), shuffled per epoch from
+(seed, epoch); global micro-step k covers units [k·G, (k+1)·G), G = micro × dp, rank r taking its micro of
+them (as pairs.PairLoader). For DPO a unit is a pair: the chosen rows, then the rejected rows, both with
+the prompt's images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from backends.common.data.formats import DataFormatError, encode_instruction, encode_pairwise, has_target, \
+    iter_records
+from backends.common.data.indexed import IndexedDataset, IndexedDatasetWriter
+from backends.common.data.loader import round_up, shift_labels
+from backends.common.data.templates import IGNORE_INDEX
+from backends.lf.mm_plugin import IMAGE_PLACEHOLDER, MediaError, VisionPlugin
+
+VL_VERSION = 1
+
+
+@dataclass
+class VLDataset:
+    ids: IndexedDataset
+    labels: IndexedDataset
+    images: list[list[str]]    # per unit (sample, or pair)
+    pairwise: bool
+    stats: dict
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def rows(self, unit: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        idx = (2 * unit, 2 * unit + 1) if self.pairwise else (unit,)
+        return [(np.asarray(self.ids[i], dtype=np.int64), np.asarray(self.labels[i], dtype=np.int64)) for i in idx]
+
+    def summary(self) -> str:
+        s = self.stats
+        what = "pairs" if self.pairwise else "samples"
+        return (f"vision-language dataset {s['folder']} ({'cache hit' if s.get('cached') else 'written'}): "
+                f"{s['units']} {what}, {s['images']} images, {s['tokens']} tokens, longest row {s['max_len']}, "
+                f"{s['dropped']} without a trained token dropped")
+
+
+def _expand_record(rec: dict, plugin: VisionPlugin, images: list, where: str) -> dict:
+    """The canonical record with each placeholder replaced by its image's tokens, in prompt order."""
+    rec = json.loads(json.dumps(rec))
+    slots = []  # (container, key) of every prompt-side text, in the order the turns come
+    if "messages" in rec:
+        slots = [(m, "content") for m in rec["messages"]]
+    else:
+        slots = [(pair, i) for pair in rec.get("history") or [] for i in (0, 1)]
+        slots += [(rec, k) for k in ("instruction", "input") if k in rec]
+    expanded = plugin.expand([{"content": c[k]} for c, k in slots], images, where)
+    for (c, k), m in zip(slots, expanded):
+        c[k] = m["content"]
+    return rec
+
+
+def _key(records: Path, fmt: str, tokenizer, template, plugin: VisionPlugin, cutoff_len: int, max_samples,
+         rules: dict, pairwise: bool) -> str:
+    import hashlib
+
+    from backends.common.data.preprocess import cache_key
+
+    base = cache_key([records], fmt, tokenizer, template, cutoff_len, max_samples)
+    extra = [VL_VERSION, base, plugin.kind, plugin.max_pixels, plugin.min_pixels, plugin.merge_size,
+             plugin.image_seq_length, plugin.image_processor.to_json_string(), rules, pairwise]
+    return "vl-" + hashlib.sha256(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def build_vl(records: Path, fmt: str, tokenizer, template, plugin: VisionPlugin, cutoff_len: int, cache: Path, *,
+             pairwise: bool = False, max_samples: int | None = None, rules: dict | None = None) -> VLDataset:
+    rules = rules or {}
+    folder = cache / _key(records, fmt, tokenizer, template, plugin, cutoff_len, max_samples, rules, pairwise)
+    if not (folder / "meta.json").is_file():
+        tmp = cache / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        try:
+            _write(tmp, records, fmt, tokenizer, template, plugin, cutoff_len, pairwise, max_samples, rules)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays in the cache
+            raise
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished the same cache first
+            shutil.rmtree(tmp, ignore_errors=True)
+        cached = False
+    else:
+        cached = True
+    meta = json.loads((folder / "meta.json").read_text())
+    images = json.loads((folder / "images.json").read_text())
+    return VLDataset(IndexedDataset(folder / "ids"), IndexedDataset(folder / "labels"), images, pairwise,
+                     {**meta, "folder": str(folder), "cached": cached})
+
+
+def _write(tmp: Path, records: Path, fmt: str, tokenizer, template, plugin: VisionPlugin, cutoff_len: int,
+           pairwise: bool, max_samples, rules: dict) -> None:
+    ids_w, labels_w = IndexedDatasetWriter(tmp / "ids"), IndexedDatasetWriter(tmp / "labels")
+    all_images, tokens, dropped, longest, n_images = [], 0, 0, 0, 0
+    for file, index, rec in iter_records(records):
+        if max_samples is not None and len(all_images) + dropped >= max_samples:
+            break
+        where = rec.pop("source", f"{file} record {index}")
+        paths = rec.pop("images", [])
+        images = []
+        for path in paths:
+            try:
+                images.append(plugin.open(path))
+            except OSError as err:
+                raise MediaError(f"{where}: cannot read image {path}: {err}") from None
+        rec = _expand_record(rec, plugin, images, where)
+        try:
+            if pairwise:
+                samples = list(encode_pairwise(tokenizer, template, rec, file, index, cutoff_len=cutoff_len))
+            else:
+                samples = [encode_instruction(tokenizer, template, fmt, rec, file, index, cutoff_len=cutoff_len,
+                                              train_on_prompt=rules.get("train_on_prompt", False),
+                                              mask_history=rules.get("mask_history", False))]
+        except DataFormatError as err:
+            raise DataFormatError(f"{where}: {err}") from None
+        need = sum(plugin.tokens_per_image(images))
+        rows = []
+        for sample in samples:
+            ids = np.asarray(sample.input_ids, dtype=np.int64)
+            got = int((ids == plugin.image_token_id).sum())
+            if got != need:
+                raise MediaError(f"{where}: cutoff_len {cutoff_len} cuts into its images' tokens ({got} of {need} "
+                                 f"kept); raise cutoff_len or lower image_max_pixels")
+            labels = np.asarray(sample.labels, dtype=np.int64)
+            labels[ids == plugin.image_token_id] = IGNORE_INDEX  # image tokens are never targets
+            rows.append((ids, labels))
+        if not all(has_target(type(s)(list(i), list(y))) for s, (i, y) in zip(samples, rows)):
+            dropped += 1
+            continue
+        for ids, labels in rows:
+            ids_w.add_document(ids)
+            labels_w.add_document(labels)
+            tokens += len(ids)
+            longest = max(longest, len(ids))
+        all_images.append(paths)
+        n_images += len(paths)
+    ids_w.finalize()
+    labels_w.finalize()
+    if not all_images:
+        raise DataFormatError(f"{records}: no record has a trained token within cutoff_len {cutoff_len}")
+    (tmp / "images.json").write_text(json.dumps(all_images))
+    meta = {"version": VL_VERSION, "units": len(all_images), "images": n_images, "tokens": tokens,
+            "dropped": dropped, "max_len": longest, "samples" if not pairwise else "pairs": len(all_images)}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+
+
+class VLLoader:
+    """Micro-batches of `micro_batch` units for this dp rank, with their images' model inputs."""
+
+    def __init__(self, dataset: VLDataset, plugin: VisionPlugin, micro_batch: int, dp_rank: int = 0,
+                 dp_world: int = 1, seed: int = 0, pad_id: int = 0, pad_to_multiple_of: int = 8):
+        self.dataset, self.plugin, self.micro_batch = dataset, plugin, micro_batch
+        self.dp_rank, self.dp_world, self.seed, self.pad_id = dp_rank, dp_world, seed, pad_id
+        self.multiple = pad_to_multiple_of
+        self.n_units = len(dataset)
+        self.position = 0
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return -(-self.n_units // (self.micro_batch * self.dp_world))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n_units)}
+        return self._orders[epoch]
+
+    def _units(self, start: int, count: int) -> list[int]:
+        return [int(self._order(p // self.n_units)[p % self.n_units]) for p in range(start, start + count)]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        import torch
+
+        units = self._units(self.position + self.dp_rank * self.micro_batch, self.micro_batch)
+        self.position += self.micro_batch * self.dp_world
+        per_unit = [self.dataset.rows(u) for u in units]
+        n_rows = len(per_unit[0])
+        # pairs: every chosen row, then every rejected row (LF's pairwise collator); images follow the rows
+        order = [(j, i) for j in range(n_rows) for i in range(len(units))]
+        rows = [per_unit[i][j] for j, i in order]
+        paths = [p for _, i in order for p in self.dataset.images[units[i]]]
+        width = round_up(max(len(x) for x, _ in rows), self.multiple)
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        for r, (x, y) in enumerate(rows):
+            ids[r, :len(x)] = x
+            labels[r, :len(x)] = shift_labels(y)
+        input_ids = torch.from_numpy(ids)
+        images = [self.plugin.open(p) for p in paths]
+        out = {"input_ids": input_ids, "labels": torch.from_numpy(labels),
+               "n_tokens": torch.tensor(len(units) if self.dataset.pairwise else int((labels != IGNORE_INDEX).sum())),
+               "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(len(x) for x, _ in rows))}
+        out.update(self.plugin.batch_inputs(images, input_ids))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "n_units": self.n_units}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("n_units") != self.n_units or state.get("seed") != self.seed:
+            raise ValueError(f"loader state was saved with {state.get('n_units')} units and seed {state.get('seed')}, "
+                             f"this run has {self.n_units} and {self.seed}: the order would differ")
+        self.position = int(state["position"])
+
+
+VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
+__all__ = ["IMAGE_PLACEHOLDER", "VISION_KEYS", "VLDataset", "VLLoader", "build_vl"]
