@@ -1,0 +1,282 @@
+"""Vision-language training in backends.lf (Qwen2-VL, Qwen2.5-VL, Gemma3) as LLaMA-Factory 0.9.5 does it:
+placeholder expansion against transformers' own processors, the first-step loss against plain transformers,
+end-to-end SFT / DPO / LoRA runs on the bundled tiny Qwen2.5-VL, the freeze_* switches, ZeRO-3 at dp 2,
+and bad records refused by name."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers.lf_runs import ROOT, losses, metrics, run_lf
+
+sys.path.insert(0, str(ROOT / "examples"))
+import make_tiny_vl_model as tiny  # noqa: E402
+
+DATA = ROOT / "examples" / "data"
+BUNDLED = ROOT / "examples" / "tiny-qwen2.5-vl"
+KINDS = ("qwen2_vl", "qwen2_5_vl", "gemma3")
+TEMPLATE = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "gemma3": "gemma3"}
+TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+        "system_tag": "system"}
+INFO = {"vl_sft": {"file_name": "vl_sft.json", "formatting": "sharegpt", "tags": TAGS,
+                   "columns": {"messages": "messages", "images": "images"}},
+        "vl_pairs": {"file_name": "vl_pairs.json", "formatting": "sharegpt", "ranking": True, "tags": TAGS,
+                     "columns": {"messages": "messages", "chosen": "chosen", "rejected": "rejected",
+                                 "images": "images"}}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlmodels")
+    return {k: tiny.build(k, root / k) for k in KINDS}
+
+
+def vl_file(folder: Path, records: list | None = None, **keys) -> Path:
+    """A LLaMA-Factory YAML for the bundled tiny Qwen2.5-VL on the image data (media_dir: examples/data)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "dataset_info.json").write_text(json.dumps(INFO))
+    for name in ("vl_sft.json", "vl_pairs.json"):
+        shutil.copy(DATA / name, folder / name)
+    if records is not None:
+        (folder / "vl_sft.json").write_text(json.dumps(records))
+    tree = {"model_name_or_path": str(BUNDLED), "stage": "sft", "do_train": True, "finetuning_type": "full",
+            "dataset": "vl_sft", "dataset_dir": str(folder), "media_dir": str(DATA), "template": "qwen2_vl",
+            "cutoff_len": 128, "output_dir": str(folder / "out"), "logging_steps": 1, "save_strategy": "no",
+            "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "learning_rate": 0.005,
+            "max_steps": 8, "lr_scheduler_type": "constant", "disable_gradient_checkpointing": True,
+            "report_to": "none"}
+    tree.update(keys)
+    path = folder / "train.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _cfg(model: Path, folder: Path, **keys):
+    from backends.lf.config import parse_config
+
+    vl_file(folder, **keys)
+    tree = yaml.safe_load((folder / "train.yaml").read_text())
+    tree["model_name_or_path"] = str(model)
+    return parse_config(tree)
+
+
+# ---------------------------------------------------------------- mm plugin against transformers' processors
+
+def _hf_processor(kind: str, path: Path):
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    if kind == "gemma3":
+        return AutoProcessor.from_pretrained(path)
+    cls = Qwen2VLProcessor if kind == "qwen2_vl" else Qwen2_5_VLProcessor
+    check = ProcessorMixin.check_argument_for_proper_class
+    # the video processor class needs torchvision; no video is used, so none is given
+    ProcessorMixin.check_argument_for_proper_class = lambda self, n, a: None if a is None else check(self, n, a)
+    try:
+        return cls(image_processor=AutoImageProcessor.from_pretrained(path),
+                   tokenizer=AutoTokenizer.from_pretrained(path), video_processor=None)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expansion_matches_transformers_processor(models, kind):
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from backends.lf.mm_plugin import load_plugin
+
+    path = models[kind]
+    tok = AutoTokenizer.from_pretrained(path)
+    plugin = load_plugin(path, tok, 589824, 1024)
+    images = [plugin.open(DATA / "images" / "red_square_0.png"), plugin.open(DATA / "images" / "blue_circle_1.png")]
+    wide = Image.new("RGB", (90, 30), (10, 200, 30))
+    images.append(tiny_regularized(plugin, wide))
+    ours = plugin.expand([{"role": "user", "content": "<image>What? <image>and <image>x"}], images, "r")[0]["content"]
+    ids = tok(ours, add_special_tokens=False)["input_ids"]
+    mark = "<start_of_image>" if kind == "gemma3" else "<|vision_start|><|image_pad|><|vision_end|>"
+    ref = _hf_processor(kind, path)(text=[f"{mark}What? {mark}and {mark}x"], images=[images], return_tensors="pt")
+    assert ids == ref["input_ids"][0].tolist()
+    assert ids.count(plugin.image_token_id) == sum(plugin.tokens_per_image(images)) > len(images)
+    ours_in = plugin.batch_inputs(images, torch.tensor([ids]))
+    types = "token_type_ids" if kind == "gemma3" else "mm_token_type_ids"
+    for key in ("pixel_values", types) + (() if kind == "gemma3" else ("image_grid_thw",)):
+        assert torch.equal(ours_in[key], ref[key]), key
+
+
+def tiny_regularized(plugin, image):
+    from backends.lf.mm_plugin import regularize
+
+    return regularize(image, plugin.max_pixels, plugin.min_pixels, plugin.qwen)
+
+
+def test_regularize_follows_lf():
+    from PIL import Image
+
+    from backends.lf.mm_plugin import regularize
+
+    big = regularize(Image.new("L", (200, 100)), 5000, 100, qwen=False)
+    assert big.size == (100, 50) and big.mode == "RGB"       # sqrt(5000 / 20000) = 0.5
+    small = regularize(Image.new("RGB", (10, 10)), 10 ** 6, 400, qwen=True)
+    assert small.size == (28, 28)                            # 20x20 from min_pixels, then Qwen's 28 px floor
+
+
+# ---------------------------------------------------------------- first-step loss against plain transformers
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_first_step_loss_matches_transformers(models, kind, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from backends.common.data import load_tokenizer, pad_id
+    from backends.lf import model as lfmodel
+    from backends.lf.data import build_template, media_dir, read_dataset_info, write_canonical
+    from backends.lf.mm_plugin import load_plugin
+    from backends.lf.vl_data import VISION_KEYS, VLLoader, build_vl
+
+    cfg = _cfg(models[kind], tmp_path, template=TEMPLATE[kind])
+    tok = load_tokenizer(cfg.model_name_or_path)
+    plugin = load_plugin(cfg.model_name_or_path, tok, cfg.image_max_pixels, cfg.image_min_pixels)
+    records, _ = write_canonical(read_dataset_info(cfg), "sft", tmp_path / "cache", media_dir(cfg))
+    ds = build_vl(records, "sharegpt", tok, build_template(cfg, tok), plugin, 128, tmp_path / "cache")
+    mb = next(VLLoader(ds, plugin, 4, seed=1, pad_id=pad_id(tok)))
+    assert "pixel_values" in mb
+    ids, labels = mb["input_ids"], mb["labels"]
+    plain = torch.full_like(labels, -100)
+    plain[:, 1:] = labels[:, :-1]            # unshifted, as transformers' loss takes them
+    assert (ids == plugin.image_token_id).sum() > 0
+    assert (plain[ids == plugin.image_token_id] == -100).all()
+    vision = {k: mb[k] for k in VISION_KEYS if k in mb}
+
+    ref = AutoModelForImageTextToText.from_pretrained(models[kind], dtype=torch.float32)
+    want = ref(input_ids=ids, labels=plain, **vision).loss
+    hf = lfmodel.load_hf_model(cfg)
+    lfmodel.apply_kernels(hf)
+    loss_sum, count = lfmodel.HFCausalLMWithLoss(hf)(ids, labels, **vision)
+    assert count == int((labels != -100).sum())
+    assert float(loss_sum.detach() / count) == pytest.approx(float(want), abs=1e-5)
+
+
+# ---------------------------------------------------------------- freeze switches and LoRA targets
+
+def _trained(model, cfg):
+    from backends.lf.model import make_trainable
+
+    make_trainable(model, cfg)
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "gemma3"])
+def test_freeze_switches_choose_what_trains(models, kind, tmp_path):
+    from backends.lf.model import load_hf_model
+
+    vision, projector = ("visual.blocks", "visual.merger") if kind != "gemma3" else ("vision_tower",
+                                                                                     "multi_modal_projector")
+
+    def trained(**keys):
+        cfg = _cfg(models[kind], tmp_path / str(len(keys)) / "_".join(map(str, keys.values())), **keys)
+        return _trained(load_hf_model(cfg), cfg)
+
+    default = trained()  # LF: vision tower and projector frozen, language model trained
+    assert not any(vision in n or projector in n for n in default)
+    assert any("language_model" in n for n in default)
+    both = trained(freeze_vision_tower=False, freeze_multi_modal_projector=False)
+    assert any(vision in n for n in both) and any(projector in n for n in both)
+    lm_off = trained(freeze_language_model=True, freeze_multi_modal_projector=False)
+    assert lm_off and all(projector in n for n in lm_off)
+    frozen = trained(finetuning_type="freeze", freeze_trainable_layers=1, freeze_multi_modal_projector=False)
+    assert any("language_model.layers.1." in n for n in frozen)
+    assert not any("language_model.layers.0." in n for n in frozen)
+    assert any(projector in n for n in frozen) and not any(vision in n for n in frozen)
+
+
+def test_lora_all_targets_leave_the_vision_tower_out(models, tmp_path):
+    from backends.lf.model import load_hf_model, make_trainable
+
+    cfg = _cfg(models["qwen2_5_vl"], tmp_path / "a", finetuning_type="lora")
+    chosen = make_trainable(load_hf_model(cfg), cfg)
+    assert chosen and all("language_model" in n for n in chosen)
+    cfg = _cfg(models["qwen2_5_vl"], tmp_path / "b", finetuning_type="lora", freeze_vision_tower=False)
+    chosen = make_trainable(load_hf_model(cfg), cfg)
+    assert any("visual.blocks" in n for n in chosen)
+    assert not any("patch_embed" in n or "merger" in n for n in chosen)  # LF's conflict / projector keys
+
+
+# ---------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlsft")
+    run_lf(vl_file(folder, max_steps=10))
+    return folder / "out"
+
+
+def test_sft_loss_falls(sft_run):
+    got = losses(sft_run)
+    assert len(got) == 10 and got[-1] < 0.7 * got[0]
+    assert (sft_run / "model.safetensors").is_file()
+
+
+def test_dpo_rewards_rise(tmp_path):
+    out = tmp_path / "out"
+    run_lf(vl_file(tmp_path, stage="dpo", dataset="vl_pairs", learning_rate=0.003, max_steps=48,
+                   per_device_train_batch_size=8, freeze_vision_tower=False, freeze_multi_modal_projector=False))
+    rows = [r for r in metrics(out) if "rewards/accuracies" in r]
+    acc = [r["rewards/accuracies"] for r in rows]
+    margin = [r["rewards/margins"] for r in rows]
+    assert len(rows) == 48
+    assert sum(acc[-8:]) / 8 > sum(acc[:8]) / 8 + 0.2
+    assert sum(margin[-8:]) / 8 > sum(margin[:8]) / 8 + 0.05
+
+
+def test_lora_saves_an_adapter_peft_loads(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    out = tmp_path / "out"
+    run_lf(vl_file(tmp_path, finetuning_type="lora", lora_rank=4, max_steps=3))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] and not any("visual" in t for t in config["target_modules"])
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(BUNDLED), out)
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+def test_zero3_two_processes_match_one(tmp_path):
+    ds = tmp_path / "ds_z3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    keys = dict(max_steps=3, per_device_train_batch_size=2, freeze_multi_modal_projector=False)
+    run_lf(vl_file(tmp_path / "one", gradient_accumulation_steps=2, **keys))
+    run_lf(vl_file(tmp_path / "two", gradient_accumulation_steps=1, deepspeed=str(ds), **keys), nproc=2)
+    one, two = losses(tmp_path / "one" / "out"), losses(tmp_path / "two" / "out")
+    assert len(one) == len(two) == 3
+    assert two == pytest.approx(one, abs=1e-5)
+
+
+# ---------------------------------------------------------------- bad input
+
+def _records():
+    return json.loads((DATA / "vl_sft.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["missing", "count"])
+def test_bad_image_records_exit_2_naming_file_and_record(tmp_path, case):
+    records = _records()
+    if case == "missing":
+        records[3]["images"] = ["images/no_such.png"]
+    else:
+        records[3]["messages"][0]["content"] += " <image>"
+    res = run_lf(vl_file(tmp_path, records=records), check=False)
+    assert res.returncode == 2, res.stderr[-2000:]
+    err = res.stderr
+    assert "Traceback" not in err
+    assert "vl_sft.json record 3" in err
+    assert ("no_such.png" in err) if case == "missing" else ("2 <image> placeholder(s)" in err)
+
+
+def test_packing_with_images_is_refused(tmp_path):
+    res = run_lf(vl_file(tmp_path, packing=True), check=False)
+    assert res.returncode == 2 and "packing" in res.stderr and "Traceback" not in res.stderr
