@@ -142,7 +142,9 @@ def test_first_step_loss_matches_transformers(models, kind, tmp_path):
     tok = load_tokenizer(cfg.model_name_or_path)
     plugin = load_plugin(cfg.model_name_or_path, tok, cfg.image_max_pixels, cfg.image_min_pixels)
     records, _ = write_canonical(read_dataset_info(cfg), "sft", tmp_path / "cache", media_dir(cfg))
-    ds = build_vl(records, "sharegpt", tok, build_template(cfg, tok), plugin, 128, tmp_path / "cache")
+    # train_on_prompt: the prompt is trained, so only the image-token rule keeps its tokens unlabelled
+    ds = build_vl(records, "sharegpt", tok, build_template(cfg, tok), plugin, 128, tmp_path / "cache",
+                  rules={"train_on_prompt": True})
     mb = next(VLLoader(ds, plugin, 4, seed=1, pad_id=pad_id(tok)))
     assert "pixel_values" in mb
     ids, labels = mb["input_ids"], mb["labels"]
