@@ -24,6 +24,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "auto_chunk_size",
+    "cache_attention",
     "configure",
     "describe",
     "grouped_mm",
@@ -137,6 +138,15 @@ def attention_backward(
     return _impl("attention_backward", q.device).attention_backward(
         q, k, v, out, dout, lse, causal=causal, cu_seqlens=cu_seqlens, scale=scale
     )
+
+
+def cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """Attention of new queries q [B,Sq,H,D] against a KV cache k/v [B,Skv,Hkv,*] whose row b holds
+    key_lengths[b] real keys (the Sq new ones last): causal, bottom-right aligned per row. See decode.py."""
+    from .decode import cache_attention as _cache_attention
+
+    return _cache_attention(q, k, v, key_lengths, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
