@@ -40,7 +40,7 @@ def _model_splits(framework: str, arch: dict[str, Any], world: int) -> Iterator[
 
 def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int,
               parallel: dict[str, Any], global_batch: int) -> str:
-    path, fmt = _DATA[stage]
+    path, fmt = adapter(framework).starter_data(stage, _DATA[stage])
     rl = stage in RL_STAGES
     par = {"tp": 1, "pp": 1, **parallel}
     lines = [

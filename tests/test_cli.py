@@ -130,7 +130,8 @@ def test_run_dry_run_and_refusal_of_missing_engine(tmp_path, job_text, monkeypat
     from ascendfactory.engines import engine_info
 
     if not engine_info("mindspeed-mm").present:
-        mm = write(tmp_path, job_text(framework="mindspeed-mm", model="qwen2.5-vl-7b", output_dir=str(tmp_path / "mm")),
+        mm = write(tmp_path, job_text(framework="mindspeed-mm", model="qwen2.5-vl-7b", output_dir=str(tmp_path / "mm"),
+                                      data={"path": "examples/data/vl_sft.json", "format": "sharegpt"}),
                    "mm.yaml")
         res = invoke("run", mm)
         assert res.exit_code == 2 and "engine is not in this build" in res.output

@@ -69,7 +69,6 @@ def test_local_launcher(plan_of, tmp_path):
 @pytest.mark.parametrize("framework,model,stage,name,extra", [
     ("llamafactory", "qwen2.5-14b", "dpo", "llamafactory_train.yaml",
      {"parallel": {"zero": 3}, "data": {"path": "examples/data/arithmetic_pairs.json", "format": "pairwise"}}),
-    ("mindspeed-mm", "qwen2.5-vl-7b", "sft", "mindspeed_mm.yaml", {"parallel": {"fsdp": True}}),
     ("verl", "qwen3-14b", "dapo", "verl_config.yaml", {"parallel": {"fsdp": True}}),
     ("mindspeed-rl", "qwen2.5-7b", "grpo", "mindspeed_rl.yaml", {"parallel": {"tp": 2}}),
 ])
@@ -80,14 +79,29 @@ def test_yaml_dialects(plan_of, tmp_path, framework, model, stage, name, extra):
     if framework == "llamafactory":
         assert r.argv[-2] == "train" and tree["stage"] == "dpo" and tree["deepspeed"].endswith("ds_z3_config.json")
         assert tree["gradient_accumulation_steps"] == 2 and tree["cutoff_len"] == 4096
-    elif framework == "mindspeed-mm":
-        assert tree["parallel"]["fully_shard_parallel_size"] == 8 and tree["model"]["model_id"] == model
     elif framework == "verl":
         actor = tree["actor_rollout_ref"]["actor"]
         assert actor["clip_ratio_high"] == 0.28 and tree["algorithm"]["filter_groups"]["enable"] is True
         assert actor["use_kl_loss"] is False and tree["actor_rollout_ref"]["rollout"]["n"] == 8
     else:
         assert tree["actor_config"]["tensor_model_parallel_size"] == 2 and tree["rl_config"]["n_samples_per_prompt"] == 8
+
+
+def test_mindspeed_mm_files(plan_of, tmp_path):
+    """MindSpeed-MM: Megatron flags naming --mm-data / --mm-model, the two JSON files beside them, engine.yaml
+    (tests/mm/test_mm_dialect.py holds them against MindSpeed-MM's published files)."""
+    import json
+
+    r = render(plan_of(framework="mindspeed-mm", model="qwen2.5-vl-7b", stage="sft",
+                       data={"path": "examples/data/vl_sft.json", "format": "sharegpt"},
+                       parallel={"pp": 2, "pp_layers": [12, 16], "distributed_optimizer": True}), tmp_path)
+    assert "backends.mm" in r.argv and r.engine_module == "backends.mm"
+    assert r.argv[r.argv.index("--mm-model") + 1] == str(tmp_path.resolve() / "model.json")
+    model, data = json.loads(r.files["model.json"]), json.loads(r.files["data.json"])
+    assert model["model_id"] == "qwen2_5vl" and model["text_decoder"]["pipeline_num_layers"] == [12, 16]
+    assert model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] == [32, 0]
+    assert data["dataset_param"]["basic_parameters"]["dataset"] == "examples/data/vl_sft.json"
+    assert "--use-distributed-optimizer" in r.argv and "engine.yaml" in r.files
 
 
 def test_default_chat_template_is_the_familys(plan_of, tmp_path):

@@ -146,6 +146,10 @@ class Adapter:
     def probe(self, job: dict[str, Any], row: dict[str, Any], feature: str, stage: str | None) -> None:
         """Adjust a representative job (matrix check) to what this framework needs; in place."""
 
+    def starter_data(self, stage: str, default: tuple[str, str]) -> tuple[str, str]:
+        """(data path, data.format) an `init` starter job names for `stage` (default: the generic one)."""
+        return default
+
 
 def merge_dotted(tree: dict, overrides: dict) -> None:
     """backend_overrides into a rendered tree: dotted keys or nested mappings, native keys kept."""
