@@ -171,14 +171,17 @@ def render(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
     con = _console()
     for path in written:
         con.print(f"wrote {_escape(str(path))}")
-    _warn(p.warnings)
+    _warn(rendered.warnings)
 
 
 @app.command()
 def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
-        dry_run: bool = typer.Option(False, "--dry-run", help="stop after rendering"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="stop after rendering; print the launch or submit command"),
+        follow: bool = typer.Option(True, "--follow/--no-follow",
+                                    help="slurm: follow the submitted job's progress (--no-follow only submits)"),
         allow_unsupported: bool = ALLOW) -> None:
-    """Validate, plan, render into the run directory and launch; returns the engine's exit code."""
+    """Validate, plan, render into the run directory and launch (slurm: submit with sbatch and follow;
+    k8s: kubectl apply); returns the engine's (or the Slurm job's) exit code."""
     from ascendfactory.engines import require_ready
     from ascendfactory.errors import Problem
     from ascendfactory.launch import run_with_progress
@@ -187,16 +190,25 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
         p, rendered, written = _render_to(job_file, overrides, None, allow_unsupported)
         con = _console()
         con.print(f"run directory: {_escape(str(rendered.run_dir))}")
-        _warn(p.warnings)
+        _warn(rendered.warnings)
+        cluster = p.job.launcher in ("slurm", "k8s", "modelarts")
         if dry_run:
-            con.print("dry run: rendered " + ", ".join(x.name for x in written) + "; launch with: "
-                      + _escape(" ".join(rendered.argv)))
+            command = _cluster_command(p.job.launcher, rendered.run_dir) if cluster else rendered.argv
+            verb = {"slurm": "submit with", "k8s": "apply with", "modelarts": "boot command"}.get(p.job.launcher,
+                                                                                              "launch with")
+            con.print("dry run: rendered " + ", ".join(x.name for x in written) + f"; {verb}: "
+                      + _escape(_shell_join(command)))
             return
-        if p.job.launcher in ("slurm", "k8s", "modelarts"):
+        if p.job.launcher == "slurm":
+            require_ready(p.job)
+            _check_inputs(p)
+            _submit_slurm(p, rendered, follow)  # raises typer.Exit
+        if cluster:
+            launch_file = rendered.run_dir / ('launch.yaml' if p.job.launcher == 'k8s' else 'launch.sh')
             raise JobError(f"launcher {p.job.launcher} is submitted, not run here",
-                           [Problem("launcher", f"{rendered.run_dir / ('launch.yaml' if p.job.launcher == 'k8s' else 'launch.sh')} "
-                                                "is ready", hint={"slurm": "sbatch it", "k8s": "kubectl apply -f it",
-                                                                  "modelarts": "use it as the ModelArts job's boot command"}[p.job.launcher])])
+                           [Problem("launcher", f"{launch_file} is ready", hint={
+                               "k8s": "kubectl apply -f it",
+                               "modelarts": "use it as the ModelArts job's boot command"}[p.job.launcher])])
         require_ready(p.job)
         _check_inputs(p)
     except JobError as err:
@@ -252,6 +264,84 @@ def preprocess(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
         con.print(f"{reused} {_escape(str(summary.get('path')))}: {summary.get('samples')} samples, "
                   f"{summary.get('tokens')} tokens" + (f", {summary['truncated']} truncated to seq_len"
                                                        if summary.get("truncated") else ""))
+
+
+def _shell_join(argv: list[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _cluster_command(launcher: str, run_dir: Path) -> list[str]:
+    from ascendfactory.launch import sbatch_argv
+
+    if launcher == "slurm":
+        return sbatch_argv(run_dir / "launch.sh")
+    if launcher == "k8s":
+        return ["kubectl", "apply", "-f", str(run_dir / "launch.yaml")]
+    return ["bash", str(run_dir / "launch.sh")]
+
+
+def _submit_slurm(p, rendered, follow: bool) -> None:
+    """sbatch the rendered script, print the job id, then (unless --no-follow) follow metrics.jsonl on the
+    shared run directory until the job ends. Ctrl-C asks whether to scancel. Always ends in typer.Exit."""
+    import shutil
+
+    from ascendfactory.errors import Problem
+    from ascendfactory.launch import SubmitError, follow_slurm, submit_slurm
+
+    script = rendered.run_dir / "launch.sh"
+    if shutil.which("sbatch") is None:
+        raise JobError("sbatch is not on PATH here: nothing was submitted",
+                       [Problem("launcher", f"{script} is ready",
+                                hint=f"on a Slurm login node run: {_shell_join(_cluster_command('slurm', rendered.run_dir))}")])
+    try:
+        job_id = submit_slurm(script)
+    except SubmitError as err:
+        raise JobError("sbatch refused the job", [Problem("launcher", _one_line(str(err)),
+                                                          hint=f"the script is {script}")]) from None
+    con = _console()
+    out_file = rendered.run_dir / f"slurm-{job_id}.out"
+    print(f"submitted Slurm job {job_id}", flush=True)
+    con.print(f"output: {_escape(str(out_file))}; worker logs: {_escape(str(rendered.run_dir / 'logs'))}")
+    if not follow:
+        con.print(f"follow it with: squeue -j {job_id}  (or tail -f {_escape(str(rendered.run_dir / 'metrics.jsonl'))}); "
+                  f"cancel with: scancel {job_id}")
+        raise typer.Exit(0)
+
+    def ask_cancel(jid: str) -> bool:
+        try:
+            return typer.confirm(f"\ncancel Slurm job {jid} (scancel)? The workers checkpoint before they stop",
+                                 default=False)
+        except (typer.Abort, EOFError):
+            return False
+
+    try:
+        outcome = follow_slurm(job_id, rendered.run_dir / "metrics.jsonl", p.job.train.steps, console=con,
+                               ask_cancel=ask_cancel)
+    except KeyboardInterrupt:
+        con.print(f"\nleft Slurm job {job_id} running; cancel with: scancel {job_id}")
+        raise typer.Exit(130)
+    step = f"step {outcome.last_step}" if outcome.last_step is not None else "no step"
+    if outcome.state == "DETACHED":
+        con.print(f"left Slurm job {job_id} running (at {step}); cancel with: scancel {job_id}")
+        raise typer.Exit(0)
+    if outcome.state == "COMPLETED":
+        con.print(f"[green]finished[/]: Slurm job {job_id} completed at {step}; output in {_escape(str(out_file))}")
+        raise typer.Exit(0)
+    saved = ""
+    if outcome.preempted is not None:
+        ckpt = outcome.preempted.get("checkpoint")
+        saved = (f"; checkpoint {_escape(str(ckpt))}" if ckpt else "; no checkpoint") + \
+            " (submit the same job again with resume: auto to continue)"
+    con.print(f"[red]Slurm job {job_id} {outcome.state.lower()}[/] at {step}"
+              + (f", exit code {outcome.exit_code}" if outcome.exit_code else "") + saved
+              + f"; see {_escape(str(out_file))}")
+    raise typer.Exit(130 if outcome.cancelled_here else (outcome.exit_code or 1))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _check_inputs(p) -> None:

@@ -124,3 +124,99 @@ def run_preprocess(argv: list[str], env: dict[str, str], console=None) -> tuple[
         _signal_group(proc, signal.SIGINT)
     code = proc.wait()
     return code, summary, proc.stderr.read()
+
+
+# ---------------------------------------------------------------- Slurm: submit, follow, cancel
+SLURM_RUNNING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESV_DEL_HOLD", "REQUEUED",
+                 "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED")
+
+
+def sbatch_argv(script: Path) -> list[str]:
+    """The submit command `run` uses (and `run --dry-run` prints)."""
+    return ["sbatch", "--parsable", str(script)]
+
+
+class SubmitError(RuntimeError):
+    pass
+
+
+def submit_slurm(script: Path, env: dict[str, str] | None = None) -> str:
+    """sbatch the script; → the job id. The script's #SBATCH lines carry every option."""
+    res = subprocess.run(sbatch_argv(script), env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                         cwd=script.parent)
+    if res.returncode != 0:
+        raise SubmitError((res.stderr or res.stdout).strip() or f"sbatch exited with {res.returncode}")
+    job_id = res.stdout.strip().splitlines()[-1].split(";")[0].strip() if res.stdout.strip() else ""
+    if not job_id.isdigit():
+        raise SubmitError(f"sbatch printed no job id: {res.stdout.strip()!r}")
+    return job_id
+
+
+def slurm_job_state(job_id: str) -> tuple[str, str, int | None]:
+    """→ (state, reason, exit code) from scontrol; state "UNKNOWN" once Slurm has forgotten the job."""
+    res = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+    fields = dict(kv.split("=", 1) for kv in res.stdout.split() if "=" in kv) if res.returncode == 0 else {}
+    state = fields.get("JobState", "UNKNOWN")
+    code = fields.get("ExitCode", "")
+    exit_code = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
+    return state, fields.get("Reason", ""), exit_code
+
+
+@dataclass
+class SlurmOutcome:
+    state: str                      # the job's last JobState (COMPLETED, FAILED, CANCELLED, …) or DETACHED
+    exit_code: int | None
+    last_step: int | None
+    preempted: dict | None = None   # the engine's "preempted" event: it checkpointed on SIGTERM
+    cancelled_here: bool = False    # Ctrl-C, and the user said yes to scancel
+
+
+def follow_slurm(job_id: str, metrics: Path, total_steps: int | None, console=None, poll_s: float = 1.0,
+                 ask_cancel=None) -> SlurmOutcome:
+    """Show the job's progress from metrics.jsonl on the shared run directory until it leaves the queue.
+    Ctrl-C calls ask_cancel(job_id): True runs scancel (the workers get SIGTERM, checkpoint and stop; we
+    keep following until the job ends), False detaches and leaves the job running."""
+    import time
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    offset = metrics.stat().st_size if metrics.exists() else 0
+    progress = Progress(TextColumn(f"[bold]slurm job {job_id}[/] step {{task.completed}}/{{task.total}}"),
+                        BarColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console)
+    task = progress.add_task("job", total=total_steps, status="submitted")
+    last_step, preempted, cancelled = None, None, False
+    state, exit_code = "PENDING", None
+    with progress:
+        while True:
+            try:
+                records, offset = read_metrics(metrics, offset)
+                for r in records:
+                    if r.get("event") == "preempted":
+                        preempted = r
+                    if "step" in r and "event" not in r:
+                        last_step = r["step"]
+                        progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps),
+                                        status=f"loss {r.get('loss', float('nan')):.4f}")
+                state, reason, exit_code = slurm_job_state(job_id)
+                if state not in SLURM_RUNNING:
+                    records, offset = read_metrics(metrics, offset)  # lines written just before the end
+                    for r in records:
+                        if r.get("event") == "preempted":
+                            preempted = r
+                        if "step" in r and "event" not in r:
+                            last_step = r["step"]
+                            progress.update(task, completed=r["step"])
+                    break
+                if state != "RUNNING" or last_step is None:
+                    shown = state.lower() + (f" ({reason})" if reason and reason != "None" else "")
+                    progress.update(task, status=("[yellow]cancelling… " if cancelled else "") + shown)
+                time.sleep(poll_s)
+            except KeyboardInterrupt:
+                progress.stop()
+                if cancelled or ask_cancel is None or not ask_cancel(job_id):
+                    return SlurmOutcome("DETACHED", None, last_step, preempted, cancelled)
+                subprocess.run(["scancel", job_id], check=False)
+                cancelled = True
+                progress.start()
+                progress.update(task, status="[yellow]scancel sent: the workers checkpoint and stop…")
+    return SlurmOutcome(state, exit_code, last_step, preempted, cancelled)

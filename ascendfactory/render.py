@@ -144,6 +144,9 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         "k8s_name": _k8s_name(job.name),
         "resource_name": job.k8s.resource_name or ("nvidia.com/gpu" if device == "cuda" else "huawei.com/Ascend910"),
     }
+    if job.launcher == "slurm":
+        context["slurm"] = _slurm_context(job, paths)
+        context["python"] = job.slurm.python or ("python" if job.slurm.setup else sys.executable)
     shell, yml = _environment("shell"), _environment("yaml")
     files: dict[str, str] = {}
 
@@ -179,6 +182,26 @@ def _rdzv_port(resources) -> int:
     if resources.nnodes == 1 and "master_port" not in resources.model_fields_set:
         return 0
     return resources.master_port
+
+
+def _slurm_context(job, paths: dict[str, str]) -> dict[str, Any]:
+    """What the sbatch script needs beyond the job: its CPUs, output file and rendezvous port."""
+    fixed = "master_port" in job.resources.model_fields_set
+    return {
+        # one task per node runs torchrun and its devices_per_node workers: one CPU each by default
+        "cpus_per_task": job.slurm.cpus_per_task or job.resources.devices_per_node,
+        # Slurm creates no directory for its output file: the run directory exists once rendered
+        "output": Raw(_sbatch_word(paths["run_dir"].replace("%", "%%") + "/slurm-%j.out")),
+        # a port per job (10000-29999, below Linux's ephemeral range) unless resources.master_port is given
+        "port": Raw(str(job.resources.master_port) if fixed else "$((10000 + SLURM_JOB_ID % 20000))"),
+        "fixed_port": fixed,
+    }
+
+
+def _sbatch_word(text: str) -> str:
+    """One #SBATCH option value: sbatch splits these lines at blanks and strips double quotes."""
+    text = one_line(text)
+    return f'"{text}"' if re.search(r"[\s\"'\\]", text) else text
 
 
 def write_files(rendered: Rendered, out_dir: Path, extra: dict[str, str] | None = None) -> list[Path]:

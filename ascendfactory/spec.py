@@ -315,6 +315,24 @@ class SlurmSpec(_Block):
     account: Optional[str] = None
     time_limit: str = "24:00:00"
     extra_args: list[str] = Field(default_factory=list, description="extra #SBATCH lines, e.g. --qos=high")
+    cpus_per_task: Optional[bounded(1, 4096, "CPUs for one node's processes")] = Field(
+        None, description="CPUs per node (one task per node runs torchrun); default: one per process")
+    setup: list[str] = Field(default_factory=list, description=(
+        "shell lines run before training on each node, e.g. `module load cann` or `source venv/bin/activate`; "
+        "with setup the job runs the `python` they put on PATH"))
+    python: Optional[str] = Field(None, description=(
+        "interpreter on the compute nodes; default: this machine's (absolute path), or `python` after setup"))
+
+    @field_validator("setup")
+    @classmethod
+    def _one_line_each(cls, value: list[str]) -> list[str]:
+        import re
+
+        bad = [i for i, line in enumerate(value) if re.search(r"[\x00-\x08\x0a-\x1f\x7f]", line)]
+        if bad:
+            raise ValueError(f"setup line(s) {', '.join(map(str, bad))} hold a line break or control character: "
+                             "give one shell line per list item")
+        return value
 
 
 class K8sSpec(_Block):

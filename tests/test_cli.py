@@ -138,10 +138,11 @@ def test_run_dry_run_and_refusal_of_missing_engine(tmp_path, job_text, monkeypat
         assert (tmp_path / "mm" / "launch.sh").exists()
 
 
-def test_run_refuses_cluster_launchers_and_missing_data(tmp_path, job_text):
+def test_run_refuses_cluster_launchers_and_missing_data(tmp_path, job_text, monkeypatch):
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no sbatch here (tests/test_slurm.py has one)
     job = write(tmp_path, job_text(launcher="slurm", output_dir=str(tmp_path / "s")))
     res = invoke("run", job)
-    assert res.exit_code == 2 and "sbatch" in res.output
+    assert res.exit_code == 2 and "sbatch is not on PATH" in res.output and "nothing was submitted" in res.output
 
 
 def test_schema_is_json_schema():
