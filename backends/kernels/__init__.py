@@ -29,6 +29,7 @@ __all__ = [
     "describe",
     "grouped_mm",
     "linear_cross_entropy",
+    "linear_logprobs",
     "moe_aux_loss",
     "moe_permute",
     "moe_route",
@@ -40,6 +41,7 @@ __all__ = [
     "rotary_inv_freq",
     "swiglu",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_logprobs",
 ]
 
 
@@ -257,6 +259,24 @@ def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tenso
     from .loss import vocab_parallel_cross_entropy as _vpce
 
     return _vpce(hidden, weight_shard, labels, tp_group, ignore_index, **kw)
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                    chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities [N], entropies [N]) fp32 of labels under softmax(hidden [N,H] @ weight[V,H].T /
+    temperature), chunked over tokens so the [N,V] logits never exist; both differentiable. See logprobs.py."""
+    from .logprobs import linear_logprobs as _lp
+
+    return _lp(hidden, weight, labels, temperature=temperature, chunk_size=chunk_size)
+
+
+def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor, tp_group=None,
+                            **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_logprobs with the output weight sharded by vocabulary rows over tp_group (no full-vocabulary
+    logits anywhere). See logprobs.vocab_parallel_logprobs."""
+    from .logprobs import vocab_parallel_logprobs as _vplp
+
+    return _vplp(hidden, weight_shard, labels, tp_group, **kw)
 
 
 def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:
