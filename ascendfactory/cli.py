@@ -203,12 +203,13 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
             require_ready(p.job)
             _check_inputs(p)
             _submit_slurm(p, rendered, follow)  # raises typer.Exit
+        if p.job.launcher == "k8s":
+            _apply_k8s(rendered)  # raises typer.Exit
         if cluster:
-            launch_file = rendered.run_dir / ('launch.yaml' if p.job.launcher == 'k8s' else 'launch.sh')
             raise JobError(f"launcher {p.job.launcher} is submitted, not run here",
-                           [Problem("launcher", f"{launch_file} is ready", hint={
-                               "k8s": "kubectl apply -f it",
-                               "modelarts": "use it as the ModelArts job's boot command"}[p.job.launcher])])
+                           [Problem("launcher", f"{rendered.run_dir / 'launch.sh'} is ready",
+                                    hint="use it as the ModelArts job's boot command: bash launch.sh "
+                                         "(AF_WORKDIR or MA_JOB_DIR says where the code is)")])
         require_ready(p.job)
         _check_inputs(p)
     except JobError as err:
@@ -280,6 +281,36 @@ def _cluster_command(launcher: str, run_dir: Path) -> list[str]:
     if launcher == "k8s":
         return ["kubectl", "apply", "-f", str(run_dir / "launch.yaml")]
     return ["bash", str(run_dir / "launch.sh")]
+
+
+def _apply_k8s(rendered) -> None:
+    """kubectl apply -f launch.yaml (the ConfigMap of the engine files and the PyTorchJob) when kubectl is
+    here; otherwise print the command to run where it is. Always ends in typer.Exit."""
+    import shutil
+    import subprocess
+
+    command = _cluster_command("k8s", rendered.run_dir)
+    con = _console()
+    if shutil.which("kubectl") is None:
+        con.print("kubectl is not on PATH here; apply the manifest where it is: " + _escape(_shell_join(command)))
+        raise typer.Exit(0)
+    con.print(_escape(_shell_join(command)))
+    res = subprocess.run(command, capture_output=True, text=True)
+    con.print(_escape((res.stdout + res.stderr).strip()))
+    if res.returncode == 0:
+        name = yaml_name = None
+        try:
+            import yaml
+
+            for doc in yaml.safe_load_all((rendered.run_dir / "launch.yaml").read_text()):
+                if doc and doc.get("kind") == "PyTorchJob":
+                    name, yaml_name = doc["metadata"]["name"], doc["metadata"]["namespace"]
+        except (OSError, ValueError, KeyError):
+            pass
+        if name:
+            con.print(f"follow it with: kubectl -n {yaml_name} get pytorchjob {name}; "
+                      f"kubectl -n {yaml_name} logs -f {name}-master-0")
+    raise typer.Exit(res.returncode)
 
 
 def _submit_slurm(p, rendered, follow: bool) -> None:

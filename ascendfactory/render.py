@@ -8,6 +8,7 @@ emit it as a JSON scalar. A path holding `; rm -rf ~` therefore stays one plain 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import sys
@@ -90,9 +91,9 @@ class Rendered:
     warnings: list[str] = field(default_factory=list)
 
 
-def run_paths(plan: Plan, run_dir: Path) -> dict[str, str]:
+def run_paths(plan: Plan, run_dir: Path, resolve: bool = True) -> dict[str, str]:
     job = plan.job
-    run_dir = run_dir.resolve()
+    run_dir = run_dir.resolve() if resolve else run_dir
     resume = {"auto": str(run_dir / "checkpoints"), "never": ""}.get(job.resume, job.resume)
     data = Path(job.data.path)
     return {
@@ -109,15 +110,91 @@ def run_paths(plan: Plan, run_dir: Path) -> dict[str, str]:
     }
 
 
-def _k8s_name(name: str) -> str:
-    cleaned = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
-    return (cleaned or "ascendfactory-job")[:63].rstrip("-")
+DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+K8S_FILES_VOLUME = "af-engine-files"
+
+
+def _k8s_name(name: str, nnodes: int = 1) -> str:
+    """A DNS-1035 label (what the training operator requires of a PyTorchJob's name) that leaves room for
+    the pods' and services' `-worker-N` suffix within 63 characters."""
+    cleaned = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]+", "-", name.lower())).strip("-")
+    if not cleaned[:1].isalpha():
+        cleaned = f"af-{cleaned}".rstrip("-")
+    room = 63 - len(f"-worker-{max(nnodes - 2, 0)}")
+    return cleaned[:room].rstrip("-")
+
+
+def _k8s_paths(plan: Plan) -> tuple[Path, dict[str, str]]:
+    """The run directory and paths as the pods see them: output_dir, absolute or under k8s.workdir."""
+    from ascendfactory.errors import JobError, Problem
+
+    job = plan.job
+    out = Path(job.output_dir)
+    if not out.is_absolute():
+        if not job.k8s.workdir:
+            raise JobError("The Kubernetes manifest needs the pods' path of the run directory", [Problem(
+                "output_dir", f"{job.output_dir} is relative and k8s.workdir is not set",
+                hint="give an absolute output_dir on a k8s.volumes mount (e.g. /mnt/runs/<name>) or set k8s.workdir")])
+        out = Path(job.k8s.workdir) / out
+    paths = run_paths(plan, Path(os.path.normpath(out)), resolve=False)
+    paths["workdir"] = job.k8s.workdir or ""
+    return out, paths
+
+
+def _k8s_context(plan: Plan, paths: dict[str, str], files: dict[str, str], device: str) -> tuple[dict, list[str]]:
+    """Names, resources, volumes and mounts of the PyTorchJob (and its ConfigMap); → (context, warnings)."""
+    from ascendfactory.errors import JobError, Problem
+
+    job, lay = plan.job, plan.layout
+    name = _k8s_name(job.name, lay.nnodes)
+    if device == "cpu":  # no device plugin resource: CPU processes need CPUs
+        resources = {"requests": {"cpu": str(lay.devices_per_node)}}
+    else:
+        resource = job.k8s.resource_name or ("nvidia.com/gpu" if device == "cuda" else "huawei.com/Ascend910")
+        resources = {"limits": {resource: lay.devices_per_node}}
+    volumes, mounts = [], []
+    for v in job.k8s.volumes:
+        if v.name == K8S_FILES_VOLUME:
+            raise JobError("A volume name is taken", [Problem("k8s.volumes", f"{v.name} is the engine files' volume",
+                                                              hint="pick another name")])
+        source = ({"persistentVolumeClaim": {"claimName": v.pvc, "readOnly": v.read_only}} if v.pvc else
+                  {"hostPath": {"path": v.host_path, "type": "Directory" if v.read_only else "DirectoryOrCreate"}})
+        volumes.append({"name": v.name, **source})
+        mounts.append({"name": v.name, "mountPath": v.mount_path, "readOnly": v.read_only})
+    config_map = f"{name}-files" if job.k8s.config_map else None
+    if config_map:
+        volumes.append({"name": K8S_FILES_VOLUME, "configMap": {"name": config_map}})
+        for file in sorted(files):  # each file at the path the command reads it from
+            mounts.append({"name": K8S_FILES_VOLUME, "mountPath": f"{paths['run_dir']}/{file}", "subPath": file,
+                           "readOnly": True})
+
+    def on_volume(path: str) -> bool:
+        full = path if path.startswith("/") else os.path.join(job.k8s.workdir or "/", path)
+        return any(os.path.normpath(full) == m or os.path.normpath(full).startswith(m.rstrip("/") + "/")
+                   for m in (v.mount_path for v in job.k8s.volumes))
+
+    warnings = []
+    if not on_volume(paths["run_dir"]):
+        if not job.k8s.config_map:
+            raise JobError("The engine files cannot reach the pods", [Problem(
+                "k8s.config_map", f"false, and the run directory {paths['run_dir']} is on no k8s.volumes mount",
+                hint="mount the shared volume that holds output_dir, or leave config_map: true")])
+        warnings.append(f"k8s: the run directory {paths['run_dir']} is on no k8s.volumes mount: metrics, "
+                        "checkpoints and the export stay in the pods and go with them")
+    if not on_volume(job.data.path):
+        warnings.append(f"k8s: data.path {job.data.path} is on no k8s.volumes mount: the image must hold it")
+    context = {"name": name, "config_map": config_map, "config_files": {k: files[k] for k in sorted(files)},
+               "resources": resources, "volumes": volumes, "mounts": mounts}
+    return context, warnings
 
 
 def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = None) -> Rendered:
     job = plan.job
     run_dir = Path(run_dir if run_dir is not None else job.output_dir)
     paths = run_paths(plan, run_dir)
+    local_run_dir = Path(paths["run_dir"])  # where the files are written here
+    if job.launcher == "k8s":  # the manifest names the pods' paths, wherever it is written
+        _, paths = _k8s_paths(plan)
     device = job.resources.device
     env = {"PYTHONUNBUFFERED": "1", "AF_KERNELS": job.kernels.backend, "AF_DEVICE": device}
     fw = adapter(job.framework)
@@ -141,8 +218,6 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         "env": env,
         "env_list": [{"name": k, "value": v} for k, v in env.items()],
         "rdzv_endpoint": f"{job.resources.master_addr}:{_rdzv_port(job.resources)}",
-        "k8s_name": _k8s_name(job.name),
-        "resource_name": job.k8s.resource_name or ("nvidia.com/gpu" if device == "cuda" else "huawei.com/Ascend910"),
     }
     if job.launcher == "slurm":
         context["slurm"] = _slurm_context(job, paths)
@@ -155,6 +230,10 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         files[SIDECAR_NAME] = yml.get_template(fw.sidecar_template).render(context)
     files.update(fw.extra_files(context, job))
     context["engine"] = {"module": fw.engine_module, "args": args}
+    warnings = list(plan.warnings)
+    if job.launcher == "k8s":
+        context["k8s"], k8s_warnings = _k8s_context(plan, paths, files, device)
+        warnings += k8s_warnings
 
     launch_template, launch_name = LAUNCH_TEMPLATE[job.launcher]
     engine = yml if job.launcher == "k8s" else shell
@@ -168,7 +247,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(job.resources.master_port)})
     return Rendered(files=files, argv=argv, env=env, engine_module=fw.engine_module,
-                    run_dir=Path(paths["run_dir"]), warnings=list(plan.warnings))
+                    run_dir=local_run_dir, warnings=warnings)
 
 
 def _hf_repo(plan: Plan) -> str:

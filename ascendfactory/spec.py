@@ -335,10 +335,50 @@ class SlurmSpec(_Block):
         return value
 
 
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+
+
+class K8sVolume(_Block):
+    name: str = Field(..., description="volume name (a DNS-1123 label: lowercase letters, digits, -)")
+    mount_path: str = Field(..., description="absolute path in the container")
+    pvc: Optional[str] = Field(None, description="PersistentVolumeClaim name (shared storage across nodes)")
+    host_path: Optional[str] = Field(None, description="a directory on the node (every node must have it)")
+    read_only: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        import re
+
+        if not re.fullmatch(_DNS_LABEL, self.name) or len(self.name) > 63:
+            raise ValueError(f"volume name {self.name!r} must be a DNS-1123 label (a-z, 0-9, -; at most 63)")
+        if not self.mount_path.startswith("/"):
+            raise ValueError(f"mount_path {self.mount_path!r} must be absolute")
+        if (self.pvc is None) == (self.host_path is None):
+            raise ValueError(f"volume {self.name!r} needs exactly one of pvc or host_path")
+        if self.host_path is not None and not self.host_path.startswith("/"):
+            raise ValueError(f"host_path {self.host_path!r} must be absolute")
+        return self
+
+
 class K8sSpec(_Block):
     image: str = "ascendfactory:latest"
     namespace: str = "default"
     resource_name: Optional[str] = Field(None, description="device resource, default huawei.com/Ascend910 or nvidia.com/gpu")
+    volumes: list[K8sVolume] = Field(default_factory=list, description=(
+        "PVC or hostPath volumes mounted in every pod: the data, the model and the run directory live there"))
+    workdir: Optional[str] = Field(None, description="the container's working directory; default: the image's")
+    config_map: bool = Field(True, description=(
+        "ship the rendered engine files in a ConfigMap in launch.yaml, mounted where the command reads them; "
+        "false: they are read from the run directory on a shared volume (render on a machine that mounts it)"))
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        import re
+
+        if not re.fullmatch(_DNS_LABEL, value) or len(value) > 63:
+            raise ValueError(f"namespace {value!r} must be a DNS-1123 label (a-z, 0-9, -; at most 63)")
+        return value
 
 
 class JobSpec(_Block):

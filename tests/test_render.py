@@ -138,8 +138,8 @@ def test_slurm_script(plan_of, tmp_path):
 
 def test_k8s_pytorchjob(plan_of, tmp_path):
     r = render(plan_of(launcher="k8s", resources={"nnodes": 3}, train={"global_batch": 24}, name="My Job_1",
-                       k8s={"image": "img:1", "namespace": "ns"}), tmp_path)
-    doc = yaml.safe_load(r.files["launch.yaml"])
+                       k8s={"image": "img:1", "namespace": "ns"}, output_dir="/mnt/runs/my-job"), tmp_path)
+    doc = list(yaml.safe_load_all(r.files["launch.yaml"]))[-1]  # after the ConfigMap of the engine files
     assert doc["kind"] == "PyTorchJob" and doc["metadata"] == {"name": "my-job-1", "namespace": "ns"}
     specs = doc["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 2
