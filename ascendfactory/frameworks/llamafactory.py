@@ -171,7 +171,7 @@ def dataset_entry(job) -> dict[str, Any]:
     sample = first_record(path) if path.is_file() else {}
     if d.format == "text":
         entry["columns"] = {"prompt": "text"}
-    elif d.format in ("alpaca", "pairwise"):
+    elif d.format == "alpaca" or (d.format == "pairwise" and not ({"messages", "conversations"} & set(sample))):
         columns = {"prompt": "instruction", "query": "input"}
         if d.format == "pairwise":
             entry["ranking"] = True
@@ -180,7 +180,7 @@ def dataset_entry(job) -> dict[str, Any]:
             columns["response"] = "output"
         columns.update({key: key for key in ("system", "history") if key in sample})
         entry["columns"] = columns
-    elif d.format == "sharegpt":
+    else:  # sharegpt, or pairwise records whose prompt is a list of turns
         entry["formatting"] = "sharegpt"
         if "messages" in sample and "conversations" not in sample:  # OpenAI-style role / content turns
             entry["columns"] = {"messages": "messages"}
@@ -192,6 +192,9 @@ def dataset_entry(job) -> dict[str, Any]:
                              "system_tag": "system"}
         if "system" in sample:
             entry["columns"]["system"] = "system"
+        if d.format == "pairwise":  # chosen / rejected: one assistant message each
+            entry["ranking"] = True
+            entry["columns"].update(chosen="chosen", rejected="rejected")
     if "images" in sample and "columns" in entry:  # paths relative to media_dir (the data file's folder)
         entry["columns"]["images"] = "images"
     return entry

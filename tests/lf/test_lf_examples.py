@@ -83,6 +83,33 @@ def test_dpo_example_separates_chosen_from_rejected(tmp_path):
     assert json.loads((out / "dataset_info.json").read_text())["arithmetic_pairs"]["ranking"] is True
 
 
+def rewards(out: Path) -> tuple[list[float], list[float]]:
+    rows = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
+            if "rewards/accuracies" in r]
+    return [r["rewards/accuracies"] for r in rows], [r["rewards/margins"] for r in rows]
+
+
+def test_vl_sft_example_learns_from_images(tmp_path):
+    """The tiny Qwen2.5-VL through `ascendfactory run`: images reach the engine through the rendered
+    dataset_info.json (images column) and media_dir, the vision tower trains, the loss falls."""
+    out = run_example("vl-sft.yaml", tmp_path / "vl-sft")
+    run = losses(out)
+    assert len(run) == 20 and run[-1] < 0.7 * run[0]
+    info = json.loads((out / "dataset_info.json").read_text())["vl_sft"]
+    assert info["columns"]["images"] == "images"
+    log = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
+    assert "32 images" in log and (out / "model.safetensors").is_file()
+
+
+def test_vl_dpo_example_separates_chosen_from_rejected(tmp_path):
+    out = run_example("vl-dpo.yaml", tmp_path / "vl-dpo")
+    acc, margin = rewards(out)
+    assert len(acc) == 48
+    assert sum(acc[-8:]) / 8 > sum(acc[:8]) / 8 + 0.2
+    assert sum(margin[-8:]) / 8 > sum(margin[:8]) / 8 + 0.05
+    assert json.loads((out / "dataset_info.json").read_text())["vl_pairs"]["ranking"] is True
+
+
 def test_freeze_job_trains_only_the_named_modules(tmp_path):
     """`finetuning: freeze` in the job file: the first layer's MLP and the final norm train, every
     other weight of the saved model is the base model's, bit for bit."""
