@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers.lf_runs import ROOT, losses, metrics, run_lf
+from tests.helpers.lf_runs import ROOT, losses, run_lf
 
 sys.path.insert(0, str(ROOT / "examples"))
 import make_tiny_vl_model as tiny  # noqa: E402
