@@ -1,0 +1,5 @@
+import sys
+
+from backends.mm.recipe import main
+
+sys.exit(main())

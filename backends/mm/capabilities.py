@@ -1,0 +1,29 @@
+"""What backends.mm implements, by (framework, feature, family); read by `ascendfactory matrix check`.
+
+Imports nothing heavy. Declared only what a test proves:
+- pretrain_full (qwen2_5_vl): the native model's logits equal transformers' (tests/mm/test_mm_model.py), and
+  the pt / sft examples train through `ascendfactory run` with the loss falling, resume and export
+  (tests/mm/test_mm_runs.py).
+SPTD (tp / sp / pp), the distributed optimizer and recompute are not built yet: PENDING says so, LIMITS
+refuses tp / pp > 1 before launch, and the engine refuses --recompute-granularity.
+"""
+
+IMPLEMENTS = {
+    "mindspeed-mm": {
+        "pretrain_full": ["qwen2_5_vl"],
+    },
+}
+
+PENDING: dict[str, dict[str, str]] = {
+    "mindspeed-mm": {
+        "sptd": "tensor / sequence / pipeline parallel of Qwen2.5-VL are not built in backends.mm yet",
+        "distributed_optimizer": "the distributed optimizer is not yet proven on backends.mm",
+        "recompute": "recompute is not built in backends.mm yet",
+    },
+}
+
+LIMITS: dict[str, dict[str, int]] = {
+    "mindspeed-mm": {"parallel.tp": 1, "parallel.pp": 1},
+}
+
+UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {"mindspeed-mm": []}

@@ -1,0 +1,177 @@
+"""The MindSpeed-MM-style recipe on the shared trainer: Qwen2.5-VL pre-training / fine-tuning of the native
+model (backends.mm.models) on MindSpeed-MM's mllm data, with per-part freezing (model.json `freeze`), data
+parallel (DDP, or the distributed optimizer) through backends.common.parallel; the loop, resume, metrics,
+plot and HF export are backends.common.trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from backends import kernels
+from backends.common.parallel import data_parallel
+from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
+from backends.mm.config import ConfigError, MMConfig, parse_args
+
+log = logging.getLogger("backends.mm")
+
+# model.json part -> the module paths of the native model it holds
+PART_MODULES = {"vision_encoder": ("visual.patch_embed", "visual.blocks"), "vision_projector": ("visual.merger",),
+                "text_decoder": ("model", "lm_head")}
+
+
+class VLWithLoss(torch.nn.Module):
+    """The model plus its summed next-token loss, as one module (what DDP wraps)."""
+
+    def __init__(self, vl: torch.nn.Module):
+        super().__init__()
+        self.vl = vl
+
+    def forward(self, input_ids, labels, cu_seqlens, pixel_values=None, image_grid_thw=None):
+        hidden = self.vl(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, cu_seqlens=cu_seqlens,
+                         return_hidden=True)
+        loss_sum, _ = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.vl.output_weight(),
+                                                   labels.reshape(-1))
+        return loss_sum
+
+
+def freeze_parts(model: torch.nn.Module, parts) -> list[str]:
+    frozen = []
+    for name, part in parts.items():
+        if not part.freeze:
+            continue
+        for path in PART_MODULES[name]:
+            if path == "lm_head" and not hasattr(model, "lm_head"):
+                continue
+            for p in model.get_submodule(path).parameters():
+                p.requires_grad_(False)
+        frozen.append(name)
+    return frozen
+
+
+def refuse_unbuilt(cfg: MMConfig) -> None:
+    from backends.mm.capabilities import LIMITS
+
+    p = cfg.parallel
+    asked = [f"{field}={getattr(p, field.split('.')[1])} (this build runs up to {limit})"
+             for field, limit in LIMITS["mindspeed-mm"].items() if getattr(p, field.split(".")[1]) > limit]
+    if asked:
+        raise ConfigError("this build of backends.mm does not implement: " + ", ".join(asked))
+    if p.recompute != "none":
+        raise ConfigError(f"--recompute-granularity {p.recompute}: recompute is not built in backends.mm yet")
+
+
+def build_model(cfg: MMConfig):
+    from backends.mm import models
+
+    if cfg.load_hf:
+        return models.from_pretrained(cfg.load_hf)
+    return models.build_model(models.VLConfig.from_hf(cfg.arch))
+
+
+class MMRecipe(Recipe):
+    name = "backends.mm"
+
+    def __init__(self, cfg: MMConfig):
+        self.cfg = cfg
+
+    def build(self, rt) -> Settings:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        from ascendfactory.layout import LayoutError
+        from ascendfactory.layout import check as check_layout
+        from backends.common.optim import build_scheduler
+        from backends.common.parallel.mesh import build_mesh
+        from backends.mm.data import Loader, MLLMDataset
+
+        cfg, t = self.cfg, self.cfg.train
+        refuse_unbuilt(cfg)
+        overrides = {} if cfg.flash_attention else {"attention": "reference"}
+        kernels.configure(default=cfg.kernel_backend, overrides={**overrides, **cfg.kernel_overrides} or None)
+        seed_everything(t.seed)
+        vl = build_model(cfg).to(rt.device)
+        frozen = freeze_parts(vl, cfg.parts)
+        text = vl.config.text
+        try:
+            layout = check_layout(world=rt.world, heads=text.num_attention_heads, layers=text.num_layers, experts=0,
+                                  kv_heads=text.num_kv_heads, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=1,
+                                  seq_len=cfg.data.seq_len, micro_batch=t.micro_batch, global_batch=t.global_batch)
+        except LayoutError as err:
+            raise ConfigError(str(err)) from None
+        par = self.par = (data_parallel.single_process(layout) if rt.world == 1 else data_parallel.from_mesh(
+            layout, build_mesh(layout, rt.device.type), distributed_optimizer=cfg.parallel.distributed_optimizer))
+        self.accum = layout.grad_accum
+        self.trainable = sum(p.numel() for p in vl.parameters() if p.requires_grad)
+        self.total = sum(p.numel() for p in vl.parameters())
+        log.info("model: qwen2_5_vl, %.2f M parameters (%.2f M trainable; frozen: %s), kernels %s",
+                 self.total / 1e6, self.trainable / 1e6, ", ".join(frozen) or "nothing", kernels.describe())
+        d = cfg.data
+        tokenizer = AutoTokenizer.from_pretrained(d.processor_dir)
+        processor = AutoImageProcessor.from_pretrained(d.processor_dir)
+        self.dataset = MLLMDataset(d, tokenizer, processor, vl.config.vision.spatial_merge_size)
+        self.loader = Loader(self.dataset, t.micro_batch, par.dp_rank, layout.dp, t.seed, d.shuffle, d.drop_last)
+        total_steps = t.steps or max(1, math.ceil(t.epochs * len(self.dataset) / t.global_batch))
+        warmup = round(t.warmup_fraction * total_steps) if t.warmup_fraction is not None else t.warmup
+        self.vl, self.rt = vl, rt
+        model = data_parallel.wrap_data_parallel(VLWithLoss(vl), vl.parts(), par, rt.device)
+        optimizer = data_parallel.build_optimizer(model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=warmup, total=total_steps,
+                                    style=t.schedule)
+        self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group, grad_world=par.grad_world,
+                                    precision=t.precision, grad_clip=t.grad_clip,
+                                    after_backward=data_parallel.grad_sync(model, par),
+                                    clip=data_parallel.grad_clip(model, optimizer, par))}
+        return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
+                        exit_interval=t.exit_interval, resume=self._resume(), log_interval=t.log_interval,
+                        metrics_file=cfg.metrics_file)
+
+    def _resume(self) -> str | None:
+        from pathlib import Path
+
+        from backends.common.checkpoint.resume import MARKER, list_checkpoints, resolve_resume
+
+        if not self.cfg.load:
+            return None
+        path = Path(self.cfg.load)
+        if path.name.startswith("step_") or (path / MARKER).exists():
+            return str(resolve_resume(str(path), path))
+        return "auto" if list_checkpoints(path) or path == Path(self.cfg.save or "") else None
+
+    def next_micro_batches(self) -> list[dict]:
+        dev = self.rt.device
+        return [{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in next(self.loader).items()}
+                for _ in range(self.accum)]
+
+    def loss(self, model, mb: dict) -> Loss:
+        return Loss(model(mb["input_ids"], mb["labels"], mb["cu_seqlens"], mb["pixel_values"], mb["image_grid_thw"]))
+
+    def state_dict(self) -> dict:
+        return {"loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state["loader"])
+
+    def start_info(self) -> dict:
+        return {"grad_accum": self.accum, "samples": len(self.dataset), "parameters": self.total,
+                "trainable": self.trainable}
+
+    def plot_title(self, total_steps: int) -> str:
+        return f"qwen2_5_vl · {total_steps} steps"
+
+    def export(self, trainer) -> None:
+        if not self.cfg.export_hf or not self.rt.is_main:
+            return
+        from backends.mm.models import save_pretrained
+
+        save_pretrained(self.vl, self.cfg.export_hf, tokenizer_dir=self.cfg.data.processor_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from backends.common import trainer
+    from backends.mm.data import DataError
+
+    return trainer.main("backends.mm", lambda args: MMRecipe(parse_args(args)), argv,
+                        user_errors=(ConfigError, DataError))
