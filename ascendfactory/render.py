@@ -195,6 +195,9 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
     local_run_dir = Path(paths["run_dir"])  # where the files are written here
     if job.launcher == "k8s":  # the manifest names the pods' paths, wherever it is written
         _, paths = _k8s_paths(plan)
+    elif job.launcher == "modelarts" and not run_dir.is_absolute():
+        # the script cds to the job's code directory: a relative run directory stays relative to it
+        paths = run_paths(plan, Path(os.path.normpath(run_dir)), resolve=False)
     device = job.resources.device
     env = {"PYTHONUNBUFFERED": "1", "AF_KERNELS": job.kernels.backend, "AF_DEVICE": device}
     fw = adapter(job.framework)
@@ -219,6 +222,8 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         "env_list": [{"name": k, "value": v} for k, v in env.items()],
         "rdzv_endpoint": f"{job.resources.master_addr}:{_rdzv_port(job.resources)}",
     }
+    if job.launcher == "modelarts":  # ModelArts puts the code at ${MA_JOB_DIR}/<last level of its OBS path>
+        context["modelarts"] = {"code_dir": Path(paths["workdir"]).name or "code"}
     if job.launcher == "slurm":
         context["slurm"] = _slurm_context(job, paths)
         context["python"] = job.slurm.python or ("python" if job.slurm.setup else sys.executable)
