@@ -32,17 +32,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe = labels.masked_fill(~valid, 0)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # one chunk: keep its exp(logits - max) and row sums for backward rather than recompute them
+        keep = n <= chunk_size and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        ctx.kept = ctx.kept_sum = None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits = (hidden[s:e] @ weight.t()).float()
-            lse_c = torch.logsumexp(logits, dim=-1)
+            logits = (hidden[s:e] @ weight.t()).float()  # a fresh buffer: the steps below work in place
             target = logits.gather(1, safe[s:e, None]).squeeze(1)
+            lse_c, sums = _exp_in_place(logits)
             loss += ((lse_c - target) * valid[s:e]).sum()
             lse[s:e] = lse_c
+            if keep:
+                ctx.kept, ctx.kept_sum = logits, sums
+            del logits
         count = valid.sum()
-        # one chunk: its logits are already here, so keep them rather than recompute in backward
-        ctx.kept = logits if n <= chunk_size and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) else None
-        del logits
         ctx.save_for_backward(hidden, weight, safe, valid, lse)
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(count)
@@ -51,39 +54,77 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_count):
         hidden, weight, labels, valid, lse = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
+        kept, kept_sum, ctx.kept, ctx.kept_sum = ctx.kept, ctx.kept_sum, None, None
         grad_h, grad_w = chunked_ce_grads(hidden, weight, lse, labels, valid, valid, grad_loss, ctx.chunk_size,
-                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], kept)
+                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], kept, kept_sum)
         return grad_h, grad_w, None, None, None
 
 
+def _exp_in_place(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, V] fp32 -> (log-sum-exp [n], row sums [n]), leaving exp(logits - row max) in logits.
+
+    The same arithmetic as torch.logsumexp (max, subtract, exp, sum, log, add the max), without its
+    [n, V] temporary; the exponentials left behind are the unnormalised softmax backward needs."""
+    m = logits.amax(dim=-1, keepdim=True)
+    m.masked_fill_(~torch.isfinite(m), 0.0)  # an all -inf row stays -inf (logsumexp's rule)
+    sums = logits.sub_(m).exp_().sum(dim=-1)
+    return sums.log() + m.squeeze(1), sums
+
+
 def chunked_ce_grads(hidden, weight, lse, target_ids, target_here, valid, grad_loss, chunk_size: int,
-                     need_h: bool, need_w: bool, kept_logits=None):
+                     need_h: bool, need_w: bool, kept_logits=None, kept_sum=None):
     """(grad hidden, grad weight) of the summed CE, one [chunk, V] block of logits at a time.
 
     lse is the log-sum-exp over the whole vocabulary; weight may be a vocabulary shard, with
     target_ids local to it and target_here marking the rows whose label falls in it (the
     vocab-parallel loss in backends/common/parallel). kept_logits: the single chunk's logits, when
-    forward kept them (they are consumed in place).
+    forward kept them; with kept_sum, they are exp(logits - row max) and kept_sum their row sums
+    (softmax = kept_logits / kept_sum). Either way they are consumed in place.
+
+    The gradient of the logits is (softmax - onehot) * row_scale, row_scale = valid * grad_loss. In fp32
+    the row scale (and 1 / kept_sum) is applied to the [chunk, H] sides of the two matmuls instead of
+    the [chunk, V] block: the same products, one pass over the block fewer. In lower precision the
+    block is scaled, then cast to the input dtype, as autograd would feed the matmul backward.
     """
     grad_h = torch.empty_like(hidden) if need_h else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    grad_w = None
+    fold = hidden.dtype == torch.float32
     n = hidden.shape[0]
     for s in range(0, n, chunk_size):
         e = min(s + chunk_size, n)
         h = hidden[s:e]
-        g = kept_logits if kept_logits is not None else (h @ weight.t()).float()
-        kept_logits = None
-        g = g.sub_(lse[s:e, None]).exp_()  # softmax, in place
-        rows = torch.arange(e - s, device=g.device)
-        g[rows, target_ids[s:e]] -= target_here[s:e].to(g.dtype)
-        g.mul_((valid[s:e].to(g.dtype) * grad_loss)[:, None])
-        g_low = g.to(hidden.dtype)  # what autograd would feed the matmul backward
-        if need_h:
-            grad_h[s:e] = g_low @ weight
-        if need_w:
-            grad_w += (g_low.t() @ h).float()
-        del g, g_low
+        row_scale = valid[s:e].to(torch.float32) * grad_loss
+        rows = torch.arange(e - s, device=hidden.device)
+        here = target_here[s:e].to(torch.float32)
+        if kept_logits is not None and kept_sum is not None:
+            # softmax - onehot = (exp - onehot * sum) / sum
+            g = kept_logits
+            g[rows, target_ids[s:e]] -= here * kept_sum
+            row_scale = row_scale / kept_sum
+        else:
+            g = kept_logits if kept_logits is not None else (h @ weight.t()).float()
+            g = g.sub_(lse[s:e, None]).exp_()  # softmax, in place
+            g[rows, target_ids[s:e]] -= here
+        kept_logits = kept_sum = None
+        if fold:
+            scale = row_scale[:, None]
+            if need_h:
+                torch.mm(g, weight, out=grad_h[s:e])
+                grad_h[s:e].mul_(scale)
+            if need_w:
+                hs = h * scale
+                grad_w = g.t() @ hs if grad_w is None else grad_w.addmm_(g.t(), hs)
+        else:
+            g_low = g.mul_(row_scale[:, None]).to(hidden.dtype)  # what autograd would feed the matmul backward
+            if need_h:
+                grad_h[s:e] = g_low @ weight
+            if need_w:
+                part = (g_low.t() @ h).float()
+                grad_w = part if grad_w is None else grad_w.add_(part)
+            del g_low
+        del g
+    if need_w and grad_w is None:  # no tokens
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return grad_h, (grad_w.to(weight.dtype) if need_w else None)
 
 
