@@ -44,8 +44,24 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
     groups = param_groups(model, weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters (is everything frozen?)")
+    params = [p for g in groups for p in g["params"]]
+    if _fused_ok(params):
+        # one pass over each parameter and its two moments, no temporaries: what transformers' Trainer
+        # (and so LLaMA-Factory) uses by default ("adamw_torch_fused"); the per-tensor loop below
+        # makes ~10 passes and allocates two parameter-sized temporaries per tensor
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     # foreach=False keeps DTensor (FSDP2) parameters and plain tensors on the same code path
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+
+
+_FUSED_DEVICES = ("cpu", "cuda")  # where torch's fused AdamW kernel is built and tested here
+
+
+def _fused_ok(params: list[torch.Tensor]) -> bool:
+    """Fused AdamW for plain floating-point tensors on one CPU or CUDA device (not DTensors)."""
+    devices = {p.device for p in params}
+    return (len(devices) == 1 and next(iter(devices)).type in _FUSED_DEVICES
+            and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point() for p in params))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, lr: float, min_lr: float, warmup: int, total: int,
