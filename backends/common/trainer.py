@@ -222,7 +222,11 @@ def optimize(part: Part, micro_batches: list[dict], loss_fn: Callable[[torch.nn.
     elif hasattr(optimizer, "clip_grad_norm_"):  # a sharded optimizer: only it sees the reduced grads
         norm = optimizer.clip_grad_norm_(limit)
     else:
-        norm = torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], limit)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if math.isinf(limit):  # no clipping: the norm only (clip_grad_norm_ would still multiply every grad by 1)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, limit)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if scaler is not None:
         scaler.step(optimizer)
