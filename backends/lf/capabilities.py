@@ -12,27 +12,36 @@ i.e. fails when it is broken (tests/lf/):
   what it shards (test_lf_zero.py);
 - flash_attention: neat packing keeps packed samples apart (packed losses = each sample alone), the
   kernel path that ran is logged (test_lf_engine.py; the kernels' own tests in tests/kernels/).
+
+Vision-language families (tests/lf/test_lf_vl.py on tiny Qwen2-VL / Qwen2.5-VL / Gemma3 made in code,
+and the vl-sft / vl-dpo examples in test_lf_examples.py):
+- stages:sft: placeholders expand to the token ids and vision inputs transformers' own processors
+  build; the first-step loss with images equals the unpatched transformers model's, image tokens
+  unlabelled; the vl-sft example's loss falls;
+- stages:pt: a text corpus on the VL model, first micro-batch loss equal to transformers';
+- stages:dpo (Qwen2.5-VL, the family the matrix lists it for): the vl-dpo example's reward accuracy
+  and margin rise, chosen and rejected rows sharing the prompt's images;
+- zero: one ZeRO stage per family over 2 processes (Qwen2.5-VL 3, Gemma3 2, Qwen2-VL 1) equals one;
+- flash_attention: Qwen's language-model attention runs through backends.kernels (the first-step
+  test fails if it is wrong); Gemma3's attention is transformers' implementation that flash_attn
+  picks as LLaMA-Factory does (auto / sdpa: SDPA, disabled: eager), same numbers either way.
 """
 
 TEXT_FAMILIES = ["qwen2", "qwen3", "llama", "glm"]
+VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3"]
+ALL = TEXT_FAMILIES + VL_FAMILIES
 
 IMPLEMENTS = {
     "llamafactory": {
-        "stages:pt": TEXT_FAMILIES,
-        "stages:sft": TEXT_FAMILIES,
-        "stages:dpo": TEXT_FAMILIES,
-        "zero": TEXT_FAMILIES,
-        "flash_attention": TEXT_FAMILIES,
+        "stages:pt": ALL,
+        "stages:sft": ALL,
+        "stages:dpo": TEXT_FAMILIES + ["qwen2_5_vl"],
+        "zero": ALL,
+        "flash_attention": ALL,
     },
 }
 
-PENDING = {
-    "llamafactory": {
-        "stages": "the vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma3) are not built in backends.lf yet",
-        "zero": "the vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma3) are not built in backends.lf yet",
-        "flash_attention": "the vision-language models (Qwen2-VL, Qwen2.5-VL, Gemma3) are not built in backends.lf yet",
-    },
-}
+PENDING: dict[str, dict[str, str]] = {"llamafactory": {}}
 
 LIMITS: dict[str, dict[str, int]] = {"llamafactory": {}}
 

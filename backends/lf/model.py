@@ -81,6 +81,26 @@ def attention_override(flash_attn: str) -> dict[str, str]:
     return {}
 
 
+def hf_attention(flash_attn: str) -> str | None:
+    """LLaMA-Factory's flash_attn → transformers' attn_implementation (None: transformers' default, SDPA),
+    for the attention the kernel patch leaves to transformers (Gemma3, vision towers). fa2 / fa3 without
+    the flash-attn package fall back to the default with a warning, as LLaMA-Factory does."""
+    if flash_attn == "disabled":
+        return "eager"
+    if flash_attn == "sdpa":
+        return "sdpa"
+    if flash_attn in ("fa2", "fa3"):
+        from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+        if (is_flash_attn_2_available if flash_attn == "fa2" else is_flash_attn_3_available)():
+            return "flash_attention_2" if flash_attn == "fa2" else "flash_attention_3"
+        import logging
+
+        logging.getLogger("backends.lf").warning("flash_attn %s: the flash-attn package is not installed; "
+                                                 "transformers' default attention (SDPA) runs instead", flash_attn)
+    return None
+
+
 def load_hf_model(cfg: LFConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -88,9 +108,10 @@ def load_hf_model(cfg: LFConfig, dtype: torch.dtype = torch.float32) -> nn.Modul
 
     path = cfg.model_name_or_path
     auto = AutoModelForImageTextToText if is_vl(path) else AutoModelForCausalLM  # LF's loader picks it so too
+    impl = hf_attention(cfg.flash_attn)
     try:
-        model = auto.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                     trust_remote_code=cfg.trust_remote_code)
+        model = auto.from_pretrained(path, dtype=dtype, local_files_only=True, trust_remote_code=cfg.trust_remote_code,
+                                     **({"attn_implementation": impl} if impl else {}))
     except OSError as err:
         raise LFConfigError(f"model_name_or_path: cannot load {path!r} as a local Hugging Face model ({err}); this "
                             "engine does not download: give a model directory") from None

@@ -163,6 +163,52 @@ def test_first_step_loss_matches_transformers(models, kind, tmp_path):
     assert float(loss_sum.detach() / count) == pytest.approx(float(want), abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_pt_on_text_trains_the_language_model_as_transformers(models, kind, tmp_path):
+    """Stage pt on a VL model (a text corpus, no images): the engine's first micro-batch loss equals the
+    unpatched transformers VL model's on the same tokens."""
+    from transformers import AutoModelForImageTextToText
+
+    from backends.common.distributed import init_runtime
+    from backends.lf.recipe import LFRecipe, parse_command
+
+    (tmp_path / "dataset_info.json").write_text(json.dumps(
+        {"corpus": {"file_name": str(DATA / "arithmetic_corpus.jsonl"), "columns": {"prompt": "text"}}}))
+    tree = {"model_name_or_path": str(models[kind]), "stage": "pt", "do_train": True, "finetuning_type": "full",
+            "dataset": "corpus", "dataset_dir": str(tmp_path), "cutoff_len": 64, "max_samples": 8, "packing": False,
+            "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "max_steps": 1,
+            "disable_gradient_checkpointing": True, "report_to": "none"}
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(tree))
+    recipe = LFRecipe(parse_command(["train", str(tmp_path / "train.yaml")]))
+    recipe.build(init_runtime("cpu"))
+    mb = recipe.next_micro_batches()[0]
+    with torch.no_grad():
+        got = float(recipe.loss(recipe.model, mb).sum) / int(mb["n_tokens"])
+        ref = AutoModelForImageTextToText.from_pretrained(models[kind], dtype=torch.float32).eval()
+        logits = ref(input_ids=mb["input_ids"]).logits.float()
+    keep = mb["labels"] != -100   # already shifted: the target of each position
+    want = float(torch.nn.functional.cross_entropy(logits[keep], mb["labels"][keep]))
+    assert got == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.parametrize("flash_attn,impl", [("auto", "sdpa"), ("sdpa", "sdpa"), ("disabled", "eager"),
+                                             ("fa2", "sdpa")])
+def test_flash_attn_picks_the_attention_left_to_transformers(models, tmp_path, flash_attn, impl):
+    """Gemma3 is not routed through backends.kernels: flash_attn picks transformers' implementation as
+    LLaMA-Factory does (fa2 without flash-attn falls back to the default), the same numbers either way."""
+    from backends.lf import model as lfmodel
+
+    cfg = _cfg(models["gemma3"], tmp_path, flash_attn=flash_attn)
+    hf = lfmodel.load_hf_model(cfg)
+    report = lfmodel.apply_kernels(hf)
+    assert report["attn_implementation"] == impl and not report["patched"]
+    assert hf.config.get_text_config()._attn_implementation == impl
+    ids = torch.tensor([[5, 17, 42, 9, 33, 8, 21, 2]])
+    with torch.no_grad():
+        eager = lfmodel.load_hf_model(_cfg(models["gemma3"], tmp_path / "eager", flash_attn="disabled"))
+        assert torch.allclose(hf(input_ids=ids).logits, eager(input_ids=ids).logits, atol=1e-5)
+
+
 # ---------------------------------------------------------------- freeze switches and LoRA targets
 
 def _trained(model, cfg):
@@ -226,10 +272,14 @@ def test_lora_saves_an_adapter_peft_loads(tmp_path):
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
-def test_zero3_two_processes_match_one(tmp_path):
-    ds = tmp_path / "ds_z3.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    keys = dict(max_steps=3, per_device_train_batch_size=2, freeze_multi_modal_projector=False)
+@pytest.mark.parametrize("kind,stage", [("qwen2_5_vl", 3), ("gemma3", 2), ("qwen2_vl", 1)])
+def test_zero_two_processes_match_one(models, kind, stage, tmp_path):
+    """Each VL family under a ZeRO stage (3 and 2: FSDP2 over the language layers, the vision tower and
+    projector in the root unit; 1: the distributed optimizer) gives the one-process losses."""
+    ds = tmp_path / f"ds_z{stage}.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    keys = dict(max_steps=3, per_device_train_batch_size=2, freeze_multi_modal_projector=False,
+                model_name_or_path=str(models[kind]), template=TEMPLATE[kind])
     run_lf(vl_file(tmp_path / "one", gradient_accumulation_steps=2, **keys))
     run_lf(vl_file(tmp_path / "two", gradient_accumulation_steps=1, deepspeed=str(ds), **keys), nproc=2)
     one, two = losses(tmp_path / "one" / "out"), losses(tmp_path / "two" / "out")
