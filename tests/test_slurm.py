@@ -131,12 +131,29 @@ def test_two_jobs_at_once_on_one_node_both_finish(slurm, tmp_path, reference):
     """Both jobs run on n1 at the same time; with one rendezvous port for every job the second would
     join the first's rendezvous and die when the first ends."""
     outs, ids = [tmp_path / "a", tmp_path / "b"], []
-    for out, steps in zip(outs, (6, 40)):  # b outlives a
-        job = write_job(tmp_path / f"{out.name}.yaml",
-                        tiny_job(out, launcher="slurm", train={"steps": steps}, slurm={"extra_args": ["--nodelist=n1"]}))
-        res = cli("run", job, "--no-follow", env=slurm.env)
-        assert res.returncode == 0, res.stdout + res.stderr
-        ids.append(_job_id(res.stdout))
+    jobs = [write_job(tmp_path / f"{out.name}.yaml", tiny_job(out, launcher="slurm", train={"steps": steps},
+                                                              slurm={"extra_args": ["--nodelist=n1"]}))
+            for out, steps in zip(outs, (6, 40))]  # b outlives a
+    res = cli("run", jobs[0], "--no-follow", env=slurm.env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "cancel with: scancel" in res.stdout
+    ids.append(_job_id(res.stdout))
+    # b is followed; Ctrl-C and "no" leave it running
+    follow = subprocess.Popen([sys.executable, "-m", "ascendfactory", "run", str(jobs[1])], cwd=ROOT,
+                              env={**os.environ, **slurm.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not losses(outs[1]):
+            assert follow.poll() is None and time.monotonic() < deadline, logs_of(outs[1])
+            time.sleep(0.1)
+        follow.send_signal(signal.SIGINT)
+        text, _ = follow.communicate("n\n", timeout=60)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == 0 and f"left Slurm job {_job_id(text)} running" in text, text
+    ids.append(_job_id(text))
     states = [slurm.wait_job(i) for i in ids]
     for out, state in zip(outs, states):
         assert state["JobState"] == "COMPLETED", f"{state}\n{logs_of(out)}"
