@@ -63,7 +63,20 @@ def _move_into(tmp: Path, out: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_model(stream, config: dict, out: Path, tokenizer, is_main: bool) -> None:
+# what a vision-language model's processor reads besides the tokenizer (LLaMA-Factory saves the processor)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def _save_tokenizer(tokenizer, source: str, out: Path) -> None:
+    """The tokenizer, and the base model's processor files, so the export loads with AutoProcessor too."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    for name in PROCESSOR_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, out / name)
+
+
+def _write_model(stream, config: dict, out: Path, tokenizer, is_main: bool, source: str) -> None:
     from backends.common.checkpoint.hf_io import write_hf_dir
 
     if not is_main:
@@ -72,8 +85,7 @@ def _write_model(stream, config: dict, out: Path, tokenizer, is_main: bool) -> N
         return
     tmp = out / f".export-{uuid.uuid4().hex[:8]}"
     write_hf_dir(tmp, stream, config)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
+    _save_tokenizer(tokenizer, source, tmp)
     _move_into(tmp, out)
 
 
@@ -91,15 +103,15 @@ def export(model: nn.Module, cfg: LFConfig, tokenizer) -> None:
     if cfg.finetuning_type == "lora" and lora_modules(hf):
         save_peft_adapter(hf, out, base_model_name_or_path=cfg.model_name_or_path, r=cfg.lora_rank,
                           alpha=float(cfg.lora_alpha), dropout=cfg.lora_dropout, target_modules=cfg.names("lora_target"))
-        if is_main and tokenizer is not None:
-            tokenizer.save_pretrained(str(out))
+        if is_main:
+            _save_tokenizer(tokenizer, cfg.model_name_or_path, out)
         if cfg.engine.get("lora.merge_on_export"):
             if is_main:
                 (out / "merged").mkdir(parents=True, exist_ok=True)
-            _write_model(_merged_stream(hf), config, out / "merged", tokenizer, is_main)
+            _write_model(_merged_stream(hf), config, out / "merged", tokenizer, is_main, cfg.model_name_or_path)
         log.info("LoRA adapter written to %s", out)
     else:
-        _write_model(_state(hf), config, out, tokenizer, is_main)
+        _write_model(_state(hf), config, out, tokenizer, is_main, cfg.model_name_or_path)
         log.info("model written to %s", out)
     barrier()
 

@@ -99,6 +99,10 @@ def test_vl_sft_example_learns_from_images(tmp_path):
     assert info["columns"]["images"] == "images"
     log = "".join(p.read_text() for p in (out / "logs").glob("*.log"))
     assert "32 images" in log and (out / "model.safetensors").is_file()
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    assert AutoImageProcessor.from_pretrained(out).merge_size == 2  # the processor travels with the export
+    assert type(AutoModelForImageTextToText.from_pretrained(out)).__name__ == "Qwen2_5_VLForConditionalGeneration"
 
 
 def test_vl_dpo_example_separates_chosen_from_rejected(tmp_path):
