@@ -7,21 +7,24 @@ Imports nothing heavy. Declared only what a test proves:
 - distributed_optimizer (qwen2_5_vl): dp2 with the Adam states sharded over dp equals one process, losses and
   exported weights within 1e-4, with half the optimizer state per rank (tests/mm/test_mm_parallel.py, which
   also proves plain data parallel, DDP, against one process).
-SPTD's tensor / sequence / pipeline parallel and recompute are not built yet: PENDING says so, LIMITS
-refuses tp / pp > 1 before launch, and the engine refuses --recompute-granularity.
+- recompute (qwen2_5_vl): full (uniform / block) and selective, per part (vision encoder, text decoder; model.json
+  keys, else the Megatron flags): loss and gradients equal, fewer bytes saved for backward
+  (tests/mm/test_mm_recompute.py); through `ascendfactory run` the losses equal one process (test_mm_parallel.py).
+SPTD's tensor / sequence / pipeline parallel are not built yet: PENDING says so, LIMITS refuses tp / pp > 1
+before launch (data parallel, which the sptd column also covers, is proven in test_mm_parallel.py).
 """
 
 IMPLEMENTS = {
     "mindspeed-mm": {
         "pretrain_full": ["qwen2_5_vl"],
         "distributed_optimizer": ["qwen2_5_vl"],
+        "recompute": ["qwen2_5_vl"],
     },
 }
 
 PENDING: dict[str, dict[str, str]] = {
     "mindspeed-mm": {
         "sptd": "tensor / sequence / pipeline parallel of Qwen2.5-VL are not built in backends.mm yet",
-        "recompute": "recompute is not built in backends.mm yet",
     },
 }
 

@@ -33,6 +33,12 @@ class Part:
     """One part of the model as model.json lists it."""
     freeze: bool = False
     pipeline_num_layers: list[int] | None = None
+    # recompute of this part: model.json's recompute_granularity / _method / _num_layers where the part sets
+    # them (MindSpeed-MM builds each part's TransformerConfig from its model.json entry, the Megatron flags
+    # filling what it leaves out), else the flags
+    recompute: str = "none"
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
 
 @dataclass
@@ -196,6 +202,8 @@ def _check_unknown(unknown: list[str]) -> None:
 # (cannot change the numbers). Nested dicts are sub-tables.
 
 _DTYPE = {k: "any" for k in ("fp16", "bf16", "params_dtype")}
+# Megatron TransformerConfig fields a part may set for itself (the vision encoder and the text decoder)
+_RECOMPUTE = {k: "use" for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}
 VISION_KEYS = {
     "model_id": ("only", ("qwen2vit",)), "num_layers": ("fact", "vision.depth"),
     "hidden_size": ("fact", "vision.hidden_size"), "ffn_hidden_size": ("fact", "vision.intermediate_size"),
@@ -209,7 +217,7 @@ VISION_KEYS = {
     "use_fused_rotary_pos_emb": "any", "post_layer_norm": ("only", (False,)), "pipeline_num_layers": "use",
     "tokens_per_second": ("fact", "vision.tokens_per_second"), "window_attn_size": ("fact", "vision.window_size"),
     "fullatt_block_indexes": ("fact", "vision.fullatt_block_indexes"), "attention_mask_type": ("only", ("general",)),
-    "bias_activation_fusion": "any", **_DTYPE,
+    "bias_activation_fusion": "any", **_RECOMPUTE, **_DTYPE,
 }
 PROJECTOR_KEYS = {
     "model_id": ("only", ("lnmlp",)), "num_layers": ("only", (1,)), "gated_linear_unit": ("only", (False,)),
@@ -232,7 +240,8 @@ TEXT_KEYS = {
     "num_query_groups": ("fact", "text.num_kv_heads"), "mrope_section": ("fact", "text.mrope_section"),
     "rope_scaling": ("only", (None,)), "gated_linear_unit": ("only", (True,)),
     "layernorm_epsilon": ("fact", "text.rms_norm_eps"), "add_bias_linear": ("only", (False,)),
-    "add_qkv_bias": ("only", (True,)), "use_remove_padding": "any", "bias_activation_fusion": "any", **_DTYPE,
+    "add_qkv_bias": ("only", (True,)), "use_remove_padding": "any", "bias_activation_fusion": "any", **_RECOMPUTE,
+    **_DTYPE,
 }
 MODEL_KEYS = {
     "model_id": ("only", ("qwen2_5vl",)), "img_context_token_id": ("fact", "image_token_id"),
@@ -390,7 +399,29 @@ def check_facts(facts: dict[str, tuple[str, Any]], vl, source: str) -> None:
                               "them agree (or re-render the job from this model directory)")
 
 
-def _parts(tree: Mapping) -> dict[str, Part]:
+_GRANULARITY = {None: "none", "full": "full", "selective": "selective"}
+
+
+def _part_recompute(node: Mapping, path: str, flags: tuple[str, str | None, int | None]):
+    """(granularity, method, num_layers) of one part: its model.json keys where it has them, else the flags."""
+    if not any(k in node for k in _RECOMPUTE):
+        return flags
+    g = node.get("recompute_granularity", flags[0] if flags[0] != "none" else None)
+    if g not in _GRANULARITY:
+        raise ConfigError(f"model.json {path}.recompute_granularity = {json.dumps(g)} is not one of \"full\", "
+                          "\"selective\", null")
+    if g != "full" and ("recompute_method" in node or "recompute_num_layers" in node):
+        raise ConfigError(f"model.json {path}.recompute_method / recompute_num_layers apply to recompute_granularity "
+                          "\"full\" only")
+    method, n = node.get("recompute_method", flags[1]), node.get("recompute_num_layers", flags[2])
+    if method not in (None, "uniform", "block"):
+        raise ConfigError(f"model.json {path}.recompute_method = {json.dumps(method)} is not \"uniform\" or \"block\"")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ConfigError(f"model.json {path}.recompute_num_layers must be a positive whole number, not {n!r}")
+    return _GRANULARITY[g], (method if g == "full" else None), (n if g == "full" else None)
+
+
+def _parts(tree: Mapping, flags: tuple[str, str | None, int | None] = ("none", None, None)) -> dict[str, Part]:
     out = {}
     for name, path in (("vision_encoder", "image_encoder.vision_encoder"),
                        ("vision_projector", "image_encoder.vision_projector"), ("text_decoder", "text_decoder")):
@@ -401,7 +432,9 @@ def _parts(tree: Mapping) -> dict[str, Part]:
         pnl = node.get("pipeline_num_layers")
         if pnl is not None and (not isinstance(pnl, list) or not all(isinstance(x, int) and x >= 0 for x in pnl)):
             raise ConfigError(f"model.json {path}.pipeline_num_layers must be a list of layer counts, not {pnl!r}")
-        out[name] = Part(freeze=freeze, pipeline_num_layers=pnl)
+        rc = _part_recompute(node, path, flags) if name != "vision_projector" else ("none", None, None)
+        out[name] = Part(freeze=freeze, pipeline_num_layers=pnl, recompute=rc[0], recompute_method=rc[1],
+                         recompute_num_layers=rc[2])
     if all(p.freeze for p in out.values()):
         raise ConfigError("model.json freezes every part (vision_encoder, vision_projector, text_decoder): nothing "
                           "would train")
@@ -452,7 +485,9 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
     facts: dict[str, tuple[str, Any]] = {}
     _walk(model_tree, MODEL_KEYS, "", facts, f"--mm-model {ns.mm_model}")
     _walk(data_tree, DATA_KEYS, "", {}, f"--mm-data {ns.mm_data}")
-    parts = _parts(model_tree)
+    if ns.recompute_granularity != "full" and (ns.recompute_method or ns.recompute_num_layers):
+        raise ConfigError("--recompute-method / --recompute-num-layers apply to --recompute-granularity full only")
+    parts = _parts(model_tree, (ns.recompute_granularity or "none", ns.recompute_method, ns.recompute_num_layers))
     load_hf = side.get("load_hf")
     if ns.load and (Path(ns.load) / "config.json").is_file():  # MindSpeed-MM's --load of a converted model
         load_hf, ns.load = load_hf or ns.load, None
@@ -500,8 +535,6 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
         raise ConfigError(f"--mm-data {ns.mm_data}: image_min_pixels {data.image_min_pixels} is above image_max_pixels "
                           f"{data.image_max_pixels}")
     tp = ns.tensor_model_parallel_size
-    if ns.recompute_granularity != "full" and (ns.recompute_method or ns.recompute_num_layers):
-        raise ConfigError("--recompute-method / --recompute-num-layers apply to --recompute-granularity full only")
     return MMConfig(
         arch=vl.to_hf(), parts=parts, data=data,
         parallel=ParallelArgs(tp=tp, pp=pp, sp=ns.sequence_parallel and tp > 1,

@@ -1,7 +1,7 @@
 """The MindSpeed-MM-style recipe on the shared trainer: Qwen2.5-VL pre-training / fine-tuning of the native
-model (backends.mm.models) on MindSpeed-MM's mllm data, with per-part freezing (model.json `freeze`), data
-parallel (DDP, or the distributed optimizer) through backends.common.parallel; the loop, resume, metrics,
-plot and HF export are backends.common.trainer's.
+model (backends.mm.models) on MindSpeed-MM's mllm data, with per-part freezing (model.json `freeze`) and
+recompute (backends/mm/parallelize.py), data parallel (DDP, or the distributed optimizer) through
+backends.common.parallel; the loop, resume, metrics, plot and HF export are backends.common.trainer's.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from backends import kernels
 from backends.common.parallel import data_parallel
 from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
+from backends.mm import parallelize
 from backends.mm.config import ConfigError, MMConfig, parse_args
 
 log = logging.getLogger("backends.mm")
@@ -60,8 +61,6 @@ def refuse_unbuilt(cfg: MMConfig) -> None:
              for field, limit in LIMITS["mindspeed-mm"].items() if getattr(p, field.split(".")[1]) > limit]
     if asked:
         raise ConfigError("this build of backends.mm does not implement: " + ", ".join(asked))
-    if p.recompute != "none":
-        raise ConfigError(f"--recompute-granularity {p.recompute}: recompute is not built in backends.mm yet")
 
 
 def build_model(cfg: MMConfig):
@@ -94,6 +93,7 @@ class MMRecipe(Recipe):
         seed_everything(t.seed)
         vl = build_model(cfg).to(rt.device)
         frozen = freeze_parts(vl, cfg.parts)
+        parallelize.apply_recompute(vl, cfg.parts)
         text = vl.config.text
         try:
             layout = check_layout(world=rt.world, heads=text.num_attention_heads, layers=text.num_layers, experts=0,

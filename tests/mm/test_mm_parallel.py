@@ -63,3 +63,14 @@ def test_data_parallel_and_distributed_optimizer_match_one_process(one, tmp_path
     full, sharded = end_event(tmp_path / "dp2")["model_state_mib"], end_event(tmp_path / "zero")["model_state_mib"]
     # parameters p + Adam states 2p per rank (3p), against p + 2p/2 (2p) with the states sharded over dp2
     assert len(sharded) == 2 and max(sharded) < 0.75 * min(full), (sharded, full)
+
+
+def test_recompute_through_run_matches_one_process(one, tmp_path):
+    """parallel.recompute renders Megatron's --recompute-granularity flags, which recompute both the vision
+    encoder and the text decoder (tests/mm/test_mm_recompute.py holds selective, the numbers and the memory per
+    part)."""
+    for mode in ("full",):
+        run_job(tmp_path, pt_job(tmp_path / mode, parallel={"recompute": mode}), f"{mode}.yaml")
+        assert_matches(tmp_path / mode, one)
+        log = "".join(p.read_text() for p in (tmp_path / mode / "logs").glob("*.log"))
+        assert f"recompute {mode} of the vision_encoder" in log and f"recompute {mode} of the text_decoder" in log

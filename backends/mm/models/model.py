@@ -75,9 +75,10 @@ class VisionBlock(nn.Module):
         self.mlp = MLP(v.hidden_size, v.intermediate_size, bias=True)
 
     def forward(self, x, cos, sin, cu_full, cu_window):
+        """-> (x, None): the block convention of backends.common.parallel (recompute groups blocks by it)."""
         cu = cu_full if self.full_attention else cu_window
         x = x + self.attn(self.norm1(x), cos, sin, cu)
-        return x + self.mlp(self.norm2(x))
+        return x + self.mlp(self.norm2(x)), None
 
 
 class PatchMerger(nn.Module):
@@ -131,7 +132,7 @@ class VisionTower(nn.Module):
         vi = VisionInputs(self.cfg, grid_thw, x.dtype, x.device)
         x = vi.to_window_order(x)
         for block in self.blocks:
-            x = block(x, vi.cos, vi.sin, vi.cu_full, vi.cu_window)
+            x, _ = block(x, vi.cos, vi.sin, vi.cu_full, vi.cu_window)
         return self.merger(x)[vi.reverse]
 
 
@@ -234,6 +235,13 @@ class Qwen2_5_VL(nn.Module):
         if return_hidden:
             return hidden
         return F.linear(hidden, self.output_weight())
+
+    def vision_parts(self) -> ModelParts:
+        """The vision encoder's blocks for backends.common.parallel (recompute); its patch embedding stands in
+        the embedding's place and the merger in the head's."""
+        return ModelParts(self, blocks="visual.blocks", embedding="visual.patch_embed", norm="visual.merger.ln_q",
+                          head="visual.merger", attention="attn", mlp="mlp", block_norms=("norm1", "norm2"),
+                          selective=("core_attention", "act"), hidden_size=self.config.vision.hidden_size)
 
     def parts(self) -> ModelParts:
         """The text decoder's blocks, attention, MLP, embedding and head for backends.common.parallel."""
