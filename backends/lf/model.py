@@ -42,7 +42,8 @@ class HFCausalLMWithLoss(nn.Module):
 
     def forward(self, input_ids, labels, position_ids=None, logps: bool = False, **vision):
         """(summed token loss, token count); logps: per-row sums of the label tokens' log-probabilities
-        and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too).
+        and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too). Neither
+        builds the full logits.
         vision: a VL batch's pixel_values, image_grid_thw, mm_token_type_ids / token_type_ids."""
         if self.vision:
             # The VL model merges the image features into the embeddings; Qwen's M-RoPE positions come from
@@ -52,11 +53,11 @@ class HFCausalLMWithLoss(nn.Module):
         else:
             hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()
-        if logps:
-            logits = head(hidden).float()
+        if logps:  # chunked over tokens: the [B, S, V] logits never exist
             mask = labels != -100
-            picked = torch.gather(logits.log_softmax(-1), -1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-            return (picked * mask).sum(-1), mask.sum(-1)
+            picked, _entropy = kernels.linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                                       labels.clamp_min(0).reshape(-1))
+            return (picked.view(labels.shape) * mask).sum(-1), mask.sum(-1)
         loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
                                                       labels.reshape(-1))
         return loss_sum, count
