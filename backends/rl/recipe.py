@@ -1,0 +1,451 @@
+"""The RL recipe on the shared trainer: colocated GRPO, DAPO and PPO.
+
+One step, on every rank (each holds a replica of the actor and takes train_batch_size / world of the
+prompts, contiguously, so the global order of the responses is the one-process order):
+
+  rollout     n responses per prompt from the actor's own weights (rollout.generate, in place)
+  rewards     rewards.Scorer on the decoded responses; the score sits on the last response token
+              (DAPO: groups whose rewards are all equal are dropped and more prompts are rolled out,
+              up to max_gen_rounds rounds; the first train_batch_size kept groups in global order train)
+  old / ref   log-probs of the responses under the actor before the update and under the frozen
+              reference (kernels.linear_logprobs: no [tokens x vocab] logits)
+  values      (PPO) the critic's values; KL in the reward when use_kl_in_reward
+  advantages  GRPO / DAPO: group-normalised outcome advantages; PPO: GAE, whitened over the whole
+              global batch (mean and variance all-reduced)
+  updates     ppo_epochs passes over mini-batches of mini_batch_size prompts (in global order); each
+              is one optimizer step of the actor (and the critic) through trainer.optimize, over this
+              rank's micro-batches. The loss is aggregated over the whole mini-batch: every
+              micro-batch carries the mini-batch's global token and sequence counts, so token-mean is
+              the mean over all its tokens on all ranks (and the seq-mean modes likewise).
+
+Gradients are averaged over the ranks after each backward pass (the data-parallel all-reduce); the
+trainer multiplies the local loss by the world size, so the average becomes the global sum.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backends import kernels
+from backends.common.distributed import Runtime, all_reduce_sum
+from backends.common.optim import build_optimizer, build_scheduler
+from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
+
+from . import algos, rollout
+from .config import RLConfig
+from .rewards import Scorer, load_function
+
+
+class Critic(nn.Module):
+    """The actor's decoder with a scalar value head (VeRL's critic: a token-classification model, 1 label)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.model = lm.model
+        self.value_head = nn.Linear(lm.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids):
+        hidden, _ = self.model(input_ids)
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+@dataclass
+class Rollouts:
+    """This rank's responses, grouped by prompt (n consecutive rows per group)."""
+    prompts: list[list[int]]          # per response
+    responses: list[list[int]]
+    scores: list[float]               # the scalar reward of each response
+    groups: list[int]                 # global group index (the training order)
+    extra: dict[str, list[float]]
+
+
+def _average_grads(model: nn.Module, world: int):
+    """The data-parallel gradient all-reduce (mean), for replicated models without a wrapper."""
+    if world == 1:
+        return None
+
+    def hook():
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a rank with no micro-batch in this mini-batch adds nothing
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    return hook
+
+
+def _pad(rows: list[list[int]], value: int = 0) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+class RLRecipe(Recipe):
+    name = "rl"
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.cursor = 0  # prompts consumed (the data position, resumable)
+
+    # ------------------------------------------------------------------ build
+
+    def build(self, rt: Runtime) -> Settings:
+        import transformers
+
+        from backends.llm.models import from_pretrained
+
+        c = self.cfg
+        self.rt = rt
+        rollout.check_engine(c.rollout_engine)
+        if c.rollout_engine == "vllm":
+            raise ValueError("rollout engine vllm: this engine rolls out with its in-repo generator only so far; "
+                             "set rl.rollout.engine: hf")
+        if c.train_batch_size % rt.world or c.mini_batch_size % rt.world:
+            raise ValueError(f"train_batch_size {c.train_batch_size} and the mini-batch size {c.mini_batch_size} "
+                             f"(prompts) must be multiples of the {rt.world} data-parallel ranks")
+        if not c.records:
+            raise ValueError("the RL dataset has no prompts")
+        for i, r in enumerate(c.records):
+            if len(r["prompt_ids"]) > c.max_prompt_length:
+                raise ValueError(f"prompt {i} has {len(r['prompt_ids'])} tokens, more than max_prompt_length "
+                                 f"{c.max_prompt_length}")
+        seed_everything(c.seed)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(c.model_path)
+        fn = load_function(c.reward_function) if c.reward_function else None
+        self.scorer = Scorer(verifier=c.verifier, function=fn, format_weight=c.format_weight,
+                             overlong_buffer=c.overlong_buffer, overlong_factor=c.overlong_factor,
+                             max_response_length=c.max_new_tokens)
+        actor = from_pretrained(c.model_path, device=rt.device)
+        actor.train()
+        self.reference = None
+        if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
+            self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
+        self.parts = {"actor": self._part(actor, c.lr)}
+        if c.algorithm == "ppo":
+            critic = Critic(from_pretrained(c.model_path, device=rt.device)).to(rt.device)
+            self.parts["critic"] = self._part(critic, c.critic_lr)
+        return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
+                        resume=c.resume, metrics_file=c.metrics_file)
+
+    def _part(self, model: nn.Module, lr: float) -> Part:
+        c = self.cfg
+        opt = build_optimizer(model, lr=lr, weight_decay=c.weight_decay, betas=(0.9, 0.999))
+        sched = build_scheduler(opt, lr=lr, min_lr=lr, warmup=c.warmup_steps, total=max(c.total_steps, 1),
+                                style="constant")
+        return Part(model, opt, sched, grad_world=self.rt.world, precision=c.precision, grad_clip=c.grad_clip,
+                    after_backward=_average_grads(model, self.rt.world))
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+
+    def start_info(self) -> dict:
+        c = self.cfg
+        return {"algorithm": c.algorithm, "n": c.n, "train_batch_size": c.train_batch_size}
+
+    # ------------------------------------------------------------------ rollout and rewards
+
+    def _prompt_index(self, k: int) -> int:
+        """The dataset row of the k-th prompt consumed (a seeded permutation per epoch when shuffling)."""
+        size = len(self.cfg.records)
+        epoch, i = divmod(k, size)
+        if not self.cfg.shuffle:
+            return i
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+        return int(torch.randperm(size, generator=g)[i])
+
+    def _round(self, step: int, round_: int) -> Rollouts:
+        """One generation round over the next train_batch_size prompts: this rank rolls out its contiguous
+        share, then every rank gathers everyone's (token ids and scores only) in global prompt order."""
+        c, rt = self.cfg, self.rt
+        share = c.train_batch_size // rt.world
+        first = self.cursor + rt.rank * share
+        rows = [self._prompt_index(first + i) for i in range(share)]
+        prompts = [c.records[r]["prompt_ids"] for r in rows]
+        actor = self.parts["actor"].model
+        out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                               top_p=c.top_p, top_k=c.top_k, n=c.n, eos_token_id=c.eos_token_id or None,
+                               seed=c.seed * 7919 + step * 131 + round_, stop=c.stop or None,
+                               decode=self.tokenizer.decode if c.stop else None,
+                               prompt_ids=[first + i for i in range(share)])
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out]
+        truths = [c.records[r].get("ground_truth") for r in rows for _ in range(c.n)]
+        sources = [c.records[r].get("data_source", "") for r in rows for _ in range(c.n)]
+        scores, extra = self.scorer(texts, truths, [len(r) for r in out], sources)
+        mine = Rollouts([p for p in prompts for _ in range(c.n)], out, scores,
+                        [first + i for i in range(share) for _ in range(c.n)], extra)
+        self.cursor += c.train_batch_size
+        if rt.world == 1:
+            return mine
+        everyone = [None] * rt.world
+        dist.all_gather_object(everyone, mine)
+        return Rollouts([x for r in everyone for x in r.prompts], [x for r in everyone for x in r.responses],
+                        [x for r in everyone for x in r.scores], [x for r in everyone for x in r.groups],
+                        {k: [x for r in everyone for x in r.extra[k]] for k in mine.extra})
+
+    def _collect(self, step: int) -> tuple[Rollouts, dict]:
+        """Roll out (DAPO: several rounds, keeping the groups whose rewards differ, the first
+        train_batch_size of them in global order) -> (the global batch, the same on every rank, with
+        group indices 0.., metrics)."""
+        c = self.cfg
+        kept = Rollouts([], [], [], [], {"score": [], "format": [], "overlong": []})
+        rounds, all_scores, groups = 0, [], 0
+        while True:
+            r = self._round(step, rounds)
+            rounds += 1
+            all_scores += r.scores
+            for g in range(0, len(r.scores), c.n):
+                sl = slice(g, g + c.n)
+                group = r.scores[sl]
+                if (c.filter_groups and max(group) == min(group)) or groups >= c.train_batch_size:
+                    continue
+                kept.prompts += r.prompts[sl]
+                kept.responses += r.responses[sl]
+                kept.scores += r.scores[sl]
+                kept.groups += [groups] * c.n
+                for key in kept.extra:
+                    kept.extra[key] += r.extra[key][sl]
+                groups += 1
+            if not c.filter_groups or groups >= c.train_batch_size or (c.max_gen_rounds and rounds >= c.max_gen_rounds):
+                break
+        metrics = {"reward_mean": sum(all_scores) / max(len(all_scores), 1),
+                   "score_mean": sum(kept.extra["score"]) / max(len(kept.scores), 1),
+                   "response_length_mean": sum(len(x) for x in kept.responses) / max(len(kept.responses), 1),
+                   "gen_rounds": float(rounds), "kept_groups": float(groups)}
+        return kept, metrics
+
+    def _mini_batches(self, r: Rollouts) -> list[list[int]]:
+        """Rows (responses) of each mini-batch of mini_batch_size groups, in global order; a last mini-batch
+        with fewer responses than ranks joins the one before it."""
+        c, world = self.cfg, self.rt.world
+        n_groups = max(r.groups, default=-1) + 1
+        out = [[i for i, g in enumerate(r.groups) if first <= g < first + c.mini_batch_size]
+               for first in range(0, n_groups, c.mini_batch_size)]
+        if len(out) > 1 and len(out[-1]) < world:
+            out[-2] += out.pop()
+        return [rows for rows in out if len(rows) >= world]
+
+    def _my_share(self, rows: list[int]) -> list[int]:
+        """This rank's contiguous slice of a mini-batch's rows (near-equal slices, rank order)."""
+        world, rank = self.rt.world, self.rt.rank
+        base, extra = divmod(len(rows), world)
+        start = rank * base + min(rank, extra)
+        return rows[start:start + base + (rank < extra)]
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _stack(self, rows: list[dict]) -> dict:
+        """A micro-batch from per-response rows: right-padded sequences, response tensors [b, R] and their mask."""
+        dev = self.rt.device
+        mb = {"input_ids": _pad([r["input_ids"] for r in rows]).to(dev)}
+        width = max(len(r["responses"]) for r in rows)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            mask[i, :len(r["responses"])] = True
+        mb["mask"] = mask.to(dev)
+        for key in rows[0]:
+            if key in ("input_ids", "index"):
+                continue
+            mb[key] = torch.stack([torch.nn.functional.pad(torch.as_tensor(r[key]), (0, width - len(r[key])))
+                                   for r in rows]).to(dev)
+        mb["n_tokens"] = int(mask.sum())
+        mb["n_positions"] = int(sum(len(r["input_ids"]) for r in rows))
+        return mb
+
+    def _rows(self, r: Rollouts, indices: list[int]) -> list[dict]:
+        out = []
+        for i in indices:
+            prompt, response = r.prompts[i], r.responses[i]
+            # the hidden state at position len(prompt) + j - 1 predicts response token j
+            out.append({"index": i, "input_ids": prompt + response,
+                        "responses": torch.tensor(response, dtype=torch.long),
+                        "pred": torch.arange(len(response), dtype=torch.long) + len(prompt) - 1})
+        return out
+
+    def _micro(self, rows: list[dict]) -> list[dict]:
+        size = self.cfg.micro_batch_size
+        return [self._stack(rows[s:s + size]) for s in range(0, len(rows), size)]
+
+    def _logprobs(self, model, mb: dict, entropy: bool = False):
+        hidden = model(mb["input_ids"], return_hidden=True)
+        mask = mb["mask"]
+        picked = hidden.gather(1, mb["pred"][..., None].expand(-1, -1, hidden.shape[-1]))[mask]
+        logp, ent = kernels.linear_logprobs(picked, model.output_weight(), mb["responses"][mask],
+                                            temperature=self.cfg.temperature or 1.0)
+        full = torch.zeros(mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(mask, logp)
+        if not entropy:
+            return full, None
+        return full, torch.zeros(mask.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mask, ent)
+
+    def _values(self, critic, mb: dict) -> torch.Tensor:
+        return critic(mb["input_ids"]).gather(1, mb["pred"]) * mb["mask"]
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, trainer, step: int) -> StepResult:
+        t0 = time.perf_counter()
+        r, metrics = self._collect(step)
+        t_rollout = time.perf_counter() - t0
+        minis = [self._rows(r, self._my_share(rows)) for rows in self._mini_batches(r)]
+        rows = [row for mini in minis for row in mini]
+        actor = self.parts["actor"].model
+        critic = self.parts["critic"].model if "critic" in self.parts else None
+        t1 = time.perf_counter()
+        size = self.cfg.micro_batch_size
+        with torch.no_grad():
+            for s in range(0, len(rows), size):
+                chunk = rows[s:s + size]
+                mb = self._stack(chunk)
+                keys = {"old_logp": self._logprobs(actor, mb)[0]}
+                if self.reference is not None:
+                    keys["ref_logp"] = self._logprobs(self.reference, mb)[0]
+                if critic is not None:
+                    keys["values"] = self._values(critic, mb)
+                for i, row in enumerate(chunk):
+                    for key, value in keys.items():
+                        row[key] = value[i, :len(row["responses"])].cpu()
+        t_ref = time.perf_counter() - t1
+        self._advantages(r, rows)
+        t2 = time.perf_counter()
+        result = self._update(trainer, minis, step)
+        t_update = time.perf_counter() - t2
+        result.metrics.update(metrics)
+        result.metrics.update({"time_rollout_s": t_rollout, "time_reference_s": t_ref, "time_update_s": t_update})
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _token_rewards(self, r: Rollouts, row: dict) -> torch.Tensor:
+        """The score on the last response token (minus the KL penalty per token when it is in the reward)."""
+        c = self.cfg
+        rewards = torch.zeros(len(row["responses"]))
+        rewards[-1] = r.scores[row["index"]]
+        if c.use_kl_in_reward and self.reference is not None:
+            rewards = rewards - c.kl_in_reward_coef * algos.kl_penalty(row["old_logp"], row["ref_logp"], c.kl_penalty)
+        return rewards
+
+    def _advantages(self, r: Rollouts, rows: list[dict]) -> None:
+        c, dev = self.cfg, self.rt.device
+        if c.algorithm in ("grpo", "dapo"):
+            # outcome advantages need each response's summed reward: gather them into the global vector
+            totals = torch.zeros(len(r.scores), dtype=torch.float64, device=dev)
+            for row in rows:
+                totals[row["index"]] = float(self._token_rewards(r, row).double().sum())
+            totals = all_reduce_sum(totals).float().cpu()
+            adv, _ = algos.grpo_advantages(totals[:, None], torch.ones(len(totals), 1), r.groups,
+                                           norm_by_std=c.norm_adv_by_std)
+            for row in rows:
+                row["advantages"] = adv[row["index"], 0].expand(len(row["responses"])).clone()
+            return
+        # PPO: GAE per response, whitened over the whole global batch (mean and variance all-reduced)
+        stats = torch.zeros(3, dtype=torch.float64)
+        for row in rows:
+            adv, ret = _gae(self._token_rewards(r, row)[None], row["values"].float()[None],
+                            torch.ones(1, len(row["responses"])), c.gamma, c.lam)
+            row["advantages"], row["returns"] = adv[0], ret[0]
+            stats += torch.tensor([adv.numel(), float(adv.double().sum()), float((adv.double() ** 2).sum())],
+                                  dtype=torch.float64)
+        n, total, squares = all_reduce_sum(stats.to(dev)).tolist()
+        if n < 2:
+            raise ValueError("PPO whitens the advantages over the batch: it needs at least two response tokens")
+        mean = total / n
+        var = (squares / n - mean * mean) * n / (n - 1)
+        for row in rows:
+            row["advantages"] = (row["advantages"] - mean) * (var + 1e-8) ** -0.5
+
+    def _update(self, trainer, minis: list[list[dict]], step: int) -> StepResult:
+        c, rt = self.cfg, self.rt
+        results, critic_results = [], []
+        for _epoch in range(c.ppo_epochs):
+            for mine in minis:
+                micro = self._micro(mine)
+                counts = torch.tensor([sum(m["n_tokens"] for m in micro), float(len(mine))], dtype=torch.float64,
+                                      device=rt.device)
+                tokens, seqs = all_reduce_sum(counts).tolist()
+                for m in micro:
+                    m["global_tokens"], m["global_seqs"] = tokens, seqs
+                    # the trainer logs the mean of a metric over micro-batches and ranks: scaled so, the log
+                    # shows its token-weighted mean over the whole mini-batch, whatever the layout
+                    m["metric_scale"] = m["n_tokens"] / tokens * len(micro) * rt.world
+                if "critic" in self.parts:
+                    critic_results.append(trainer.optimize(self.parts["critic"], micro, self._critic_loss))
+                if "critic" not in self.parts or step >= c.critic_warmup:
+                    results.append(trainer.optimize(self.parts["actor"], micro, self._actor_loss))
+        return _merge(results, critic_results)
+
+    def _actor_loss(self, model, mb: dict) -> Loss:
+        c = self.cfg
+        mask = mb["mask"].float()
+        agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
+        logp, ent = self._logprobs(model, mb, entropy=True)
+        loss, m = algos.policy_loss(mb["old_logp"], logp, mb["advantages"], mask, c.clip_low, c.clip_high, c.clip_c,
+                                    c.loss_agg_mode, **agg)
+        metrics = {f"actor/{k}": float(v) for k, v in m.items()}
+        entropy = algos.agg_loss(ent, mask, c.loss_agg_mode, **agg)
+        metrics["actor/entropy"] = float(algos.masked_mean(ent.detach(), mask))
+        if c.entropy_coeff:
+            loss = loss - c.entropy_coeff * entropy
+        if c.use_kl_loss and self.reference is not None and c.kl_loss_coef > 0:
+            kl = algos.kl_penalty(logp, mb["ref_logp"], c.kl_loss_type)
+            loss = loss + c.kl_loss_coef * algos.agg_loss(kl, mask, c.loss_agg_mode, **agg)
+            metrics["actor/kl_loss"] = float(algos.masked_mean(kl.detach(), mask))
+        # the trainer divides by the global token count: hand it the mini-batch share times that count
+        return Loss(sum=loss * mb["global_tokens"], metrics={k: v * mb["metric_scale"] for k, v in metrics.items()})
+
+    def _critic_loss(self, model, mb: dict) -> Loss:
+        c = self.cfg
+        agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
+        vpreds = self._values(model, mb)
+        loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mb["mask"].float(), c.cliprange_value,
+                                          c.loss_agg_mode, **agg)
+        return Loss(sum=loss * mb["global_tokens"], metrics={"critic/vf_clipfrac": float(clipfrac) * mb["metric_scale"]})
+
+
+def _gae(rewards, values, mask, gamma, lam):
+    """GAE and returns before whitening (algos.gae_advantages whitens per call; PPO whitens globally)."""
+    next_value = torch.zeros_like(values[:, 0])
+    last = torch.zeros_like(values[:, 0])
+    adv = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last
+        m = mask[:, t]
+        next_value = values[:, t] * m + (1 - m) * next_value
+        last = gae * m + (1 - m) * last
+        adv[:, t] = last
+    return adv, adv + values
+
+
+def _merge(actor: list[StepResult], critic: list[StepResult]) -> StepResult:
+    """One StepResult for the step: the actor's mean loss and last grad norm, summed tokens, mean metrics."""
+    if not actor and not critic:
+        return StepResult(loss=0.0, grad_norm=0.0, tokens=0, valid_tokens=0, seconds=0.0)
+    main = actor or critic
+    metrics: dict[str, float] = {}
+    for res in actor + critic:
+        for k, v in res.metrics.items():
+            metrics[k] = metrics.get(k, 0.0) + v / (len(actor) if k.startswith("actor/") else len(critic))
+    if critic:
+        metrics["critic/vf_loss"] = sum(x.loss for x in critic) / len(critic)
+        metrics["critic/grad_norm"] = critic[-1].grad_norm
+    return StepResult(loss=sum(x.loss for x in main) / len(main), grad_norm=main[-1].grad_norm,
+                      tokens=sum(x.tokens for x in main), valid_tokens=sum(x.valid_tokens for x in main),
+                      seconds=sum(x.seconds for x in main), real_tokens=sum(x.real_tokens for x in main),
+                      metrics=metrics)
