@@ -96,9 +96,11 @@ def assert_upstream_valid(plan, run_dir: Path, parser, deprecated) -> list[str]:
     from backends.llm.config import parse_args
 
     side = yaml.safe_load(rendered.files[SIDECAR_NAME])
-    assert rendered.env[SIDECAR_ENV] == str(rendered.run_dir / SIDECAR_NAME)
+    # (a k8s manifest names the pods' run directory, output_dir, wherever the files are written here)
+    engine_dir = Path(job.output_dir) if job.launcher == "k8s" else rendered.run_dir
+    assert rendered.env[SIDECAR_ENV] == str(engine_dir / SIDECAR_NAME)
     cfg = parse_args(args, engine=side)
-    assert cfg.model.model_id == plan.model_id and cfg.metrics_file == str(rendered.run_dir / "metrics.jsonl")
+    assert cfg.model.model_id == plan.model_id and cfg.metrics_file == str(engine_dir / "metrics.jsonl")
     assert cfg.model.load_hf == job.model_path and cfg.train.steps == job.train.steps
     return args
 
