@@ -10,8 +10,10 @@ Imports nothing heavy. Declared only what a test proves:
 - recompute (qwen2_5_vl): full (uniform / block) and selective, per part (vision encoder, text decoder; model.json
   keys, else the Megatron flags): loss and gradients equal, fewer bytes saved for backward
   (tests/mm/test_mm_recompute.py); through `ascendfactory run` the losses equal one process (test_mm_parallel.py).
-SPTD's tensor / sequence / pipeline parallel are not built yet: PENDING says so, LIMITS refuses tp / pp > 1
-before launch (data parallel, which the sptd column also covers, is proven in test_mm_parallel.py).
+SPTD is declared once its pipeline parallel is built too: data parallel, and tensor parallel with sequence
+parallel on the text decoder (tp2; tp2 + SP × dp2 with the distributed optimizer) equal one process
+(test_mm_parallel.py), but pipeline parallel is not built yet: PENDING says so and LIMITS refuses pp > 1 before
+launch. The vision tower runs whole on every tp rank (not tensor-parallel).
 """
 
 IMPLEMENTS = {
@@ -24,12 +26,12 @@ IMPLEMENTS = {
 
 PENDING: dict[str, dict[str, str]] = {
     "mindspeed-mm": {
-        "sptd": "tensor / sequence / pipeline parallel of Qwen2.5-VL are not built in backends.mm yet",
+        "sptd": "pipeline parallel of Qwen2.5-VL is not built in backends.mm yet (dp, tp and sp are)",
     },
 }
 
 LIMITS: dict[str, dict[str, int]] = {
-    "mindspeed-mm": {"parallel.tp": 1, "parallel.pp": 1},
+    "mindspeed-mm": {"parallel.pp": 1},
 }
 
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {"mindspeed-mm": []}

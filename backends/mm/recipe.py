@@ -34,9 +34,29 @@ class VLWithLoss(torch.nn.Module):
     def forward(self, input_ids, labels, cu_seqlens, pixel_values=None, image_grid_thw=None):
         hidden = self.vl(input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw, cu_seqlens=cu_seqlens,
                          return_hidden=True)
+        if getattr(self.vl, "tp_info", None) is not None:  # vocab-parallel CE on the lm_head shard
+            from backends.common.parallel.tensor_parallel import tp_loss
+
+            return tp_loss(self.vl, hidden, labels)[0]
         loss_sum, _ = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.vl.output_weight(),
                                                    labels.reshape(-1))
         return loss_sum
+
+
+def pad_for_sequence_parallel(mb: dict, tp: int, pad_id: int = 0) -> dict:
+    """A packed [1, T] micro-batch padded to a multiple of tp: the padding is one more document (its own
+    attention, no labels), so the real tokens' numbers do not change."""
+    t = mb["input_ids"].shape[1]
+    extra = -t % tp
+    if not extra:
+        return mb
+    out = dict(mb)
+    out["input_ids"] = torch.nn.functional.pad(mb["input_ids"], (0, extra), value=pad_id)
+    out["labels"] = torch.nn.functional.pad(mb["labels"], (0, extra), value=-100)
+    cu = mb["cu_seqlens"]
+    out["cu_seqlens"] = torch.cat([cu, cu.new_tensor([t + extra])])
+    out["n_positions"] = torch.tensor(t + extra)
+    return out
 
 
 def freeze_parts(model: torch.nn.Module, parts) -> list[str]:
@@ -93,7 +113,6 @@ class MMRecipe(Recipe):
         seed_everything(t.seed)
         vl = build_model(cfg).to(rt.device)
         frozen = freeze_parts(vl, cfg.parts)
-        parallelize.apply_recompute(vl, cfg.parts)
         text = vl.config.text
         try:
             layout = check_layout(world=rt.world, heads=text.num_attention_heads, layers=text.num_layers, experts=0,
@@ -103,6 +122,9 @@ class MMRecipe(Recipe):
             raise ConfigError(str(err)) from None
         par = self.par = (data_parallel.single_process(layout) if rt.world == 1 else data_parallel.from_mesh(
             layout, build_mesh(layout, rt.device.type), distributed_optimizer=cfg.parallel.distributed_optimizer))
+        if layout.tp > 1:
+            parallelize.apply_tensor_parallel(vl, par.mesh["tp"], cfg.parallel.sp)
+        parallelize.apply_recompute(vl, cfg.parts)  # last: it wraps what TP hooked
         self.accum = layout.grad_accum
         self.trainable = sum(p.numel() for p in vl.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in vl.parameters())
@@ -141,9 +163,14 @@ class MMRecipe(Recipe):
         return "auto" if list_checkpoints(path) or path == Path(self.cfg.save or "") else None
 
     def next_micro_batches(self) -> list[dict]:
-        dev = self.rt.device
-        return [{k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in next(self.loader).items()}
-                for _ in range(self.accum)]
+        dev, p = self.rt.device, self.cfg.parallel
+        out = []
+        for _ in range(self.accum):
+            mb = next(self.loader)
+            if p.sp and p.tp > 1:
+                mb = pad_for_sequence_parallel(mb, p.tp)
+            out.append({k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in mb.items()})
+        return out
 
     def loss(self, model, mb: dict) -> Loss:
         return Loss(model(mb["input_ids"], mb["labels"], mb["cu_seqlens"], mb["pixel_values"], mb["image_grid_thw"]))
@@ -162,11 +189,17 @@ class MMRecipe(Recipe):
         return f"qwen2_5_vl · {total_steps} steps"
 
     def export(self, trainer) -> None:
-        if not self.cfg.export_hf or not self.rt.is_main:
+        if not self.cfg.export_hf:
             return
-        from backends.mm.models import save_pretrained
+        from backends.mm.models import hf_state_dict, save_pretrained
 
-        save_pretrained(self.vl, self.cfg.export_hf, tokenizer_dir=self.cfg.data.processor_dir)
+        tensors = hf_state_dict(self.vl)
+        if getattr(self.vl, "tp_info", None) is not None:  # collective: every rank gathers, rank 0 writes
+            from backends.common.parallel.tensor_parallel import full_tensors
+
+            tensors = full_tensors(self.vl, tensors)
+        if self.rt.is_main:
+            save_pretrained(self.vl, self.cfg.export_hf, tokenizer_dir=self.cfg.data.processor_dir, tensors=tensors)
 
 
 def main(argv: list[str] | None = None) -> int:

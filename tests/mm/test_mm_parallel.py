@@ -74,3 +74,18 @@ def test_recompute_through_run_matches_one_process(one, tmp_path):
         assert_matches(tmp_path / mode, one)
         log = "".join(p.read_text() for p in (tmp_path / mode / "logs").glob("*.log"))
         assert f"recompute {mode} of the vision_encoder" in log and f"recompute {mode} of the text_decoder" in log
+
+
+def test_tensor_parallel_matches_one_process(one, tmp_path):
+    """tp2 on the text decoder (vocab-parallel embedding and loss, heads and FFN split; the vision parts
+    replicated), then tp2 with sequence parallel × dp2 with the distributed optimizer on four processes (packed
+    micro-batches of odd lengths get one padding document so the sequence splits)."""
+    run_job(tmp_path, pt_job(tmp_path / "tp2", devices=2, parallel={"tp": 2}), "tp2.yaml")
+    assert_matches(tmp_path / "tp2", one)
+    run_job(tmp_path, pt_job(tmp_path / "tpsp", devices=4, parallel={"tp": 2, "sp": True,
+                                                                    "distributed_optimizer": True}), "tpsp.yaml")
+    assert "--sequence-parallel" in (tmp_path / "tpsp" / "mindspeed_mm_args.sh").read_text()
+    assert_matches(tmp_path / "tpsp", one)
+    # the text decoder's weights are split over tp, the Adam states over dp as well
+    held, ref = end_event(tmp_path / "tpsp")["model_state_mib"], end_event(one)["model_state_mib"]
+    assert len(held) == 4 and max(held) < 0.6 * ref[0], (held, ref)

@@ -376,7 +376,7 @@ class SequenceShardedMoE(ParallelStyle):
 
 def parallelize(model: nn.Module, tp_mesh: DeviceMesh, parts: ModelParts,
                 block_plan: Callable[[nn.Module], dict[str, ParallelStyle]], *, sequence_parallel: bool = False,
-                loss_parallel: bool = True) -> nn.Module:
+                loss_parallel: bool = True, embedding_sp: bool | None = None) -> nn.Module:
     """Shard `model` over the 1-D `tp_mesh` in place: the embedding vocab-parallel, the final norm
     replicated, every block by `block_plan(block)` (module name inside the block -> style, applied in
     insertion order), the head column-parallel (left alone when tied). Sets model.tp_info and the
@@ -384,6 +384,8 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, parts: ModelParts,
 
     Every rank must hold the same model (same seed or the same checkpoint), or a meta model that
     per-rank loading fills afterwards; parameters are scattered / broadcast from the mesh's first rank.
+    embedding_sp=False keeps the embedding's output whole under SP (all-reduced, not reduce-scattered), for a
+    model that edits the embeddings before its blocks (a VL model's image features) and shards them itself.
     """
     if tp_mesh.ndim != 1:
         raise TPConfigError(f"tensor parallel wants the 1-D tp sub-mesh, got a {tp_mesh.ndim}-D mesh")
@@ -391,7 +393,8 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, parts: ModelParts,
         raise RuntimeError("the model is already tensor-parallel")
     sp = bool(sequence_parallel)
     seq = Shard(1) if sp else Replicate()
-    parallelize_module(model, tp_mesh, {parts.embedding: vocab_embedding(tp_mesh, sp),
+    parallelize_module(model, tp_mesh, {parts.embedding: vocab_embedding(tp_mesh, sp if embedding_sp is None
+                                                                         else bool(embedding_sp)),
                                         parts.norm: replicated(partial_grad=sp)})
     for block in parts.block_list():
         parallelize_module(block, tp_mesh, with_lora(block, block_plan(block)))

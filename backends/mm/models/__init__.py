@@ -79,13 +79,15 @@ def hf_state_dict(model: Qwen2_5_VL) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: Qwen2_5_VL, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
-                    dtype: torch.dtype | None = None) -> Path:
-    """Write a transformers-loadable directory (atomic; the tokenizer / processor files copied along)."""
+                    dtype: torch.dtype | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a transformers-loadable directory (atomic; the tokenizer / processor files copied along).
+    tensors: the whole tensors to write (a sharded model's, gathered), default hf_state_dict(model)."""
     import shutil
 
     from backends.common.checkpoint.hf_io import write_hf_dir
 
-    out = write_hf_dir(out_dir, hf_state_dict(model), model.config.to_hf(), tokenizer_dir=tokenizer_dir, dtype=dtype)
+    out = write_hf_dir(out_dir, tensors if tensors is not None else hf_state_dict(model), model.config.to_hf(),
+                       tokenizer_dir=tokenizer_dir, dtype=dtype)
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "preprocessor_config.json").is_file():
         shutil.copy2(Path(tokenizer_dir) / "preprocessor_config.json", out / "preprocessor_config.json")
     return out

@@ -29,16 +29,24 @@ from .config import TextConfig, VisionConfig, VLConfig
 # ---------------------------------------------------------------------------------- vision tower
 
 
+class PatchConv(nn.Conv3d):
+    """A stride = kernel Conv3d over one patch is a dot product with the flattened (C, t, p, p) kernel: computed
+    as one matmul on the processor's flattened patches [N, C·t·p·p] (in its own forward, so hooks that hand
+    a module its parameters, like tensor parallel's, see the call)."""
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return F.linear(pixels.reshape(-1, w[0].numel()).to(w.dtype), w.reshape(w.shape[0], -1))
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, v: VisionConfig):
         super().__init__()
         k = (v.temporal_patch_size, v.patch_size, v.patch_size)
-        self.proj = nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=k, stride=k, bias=False)
+        self.proj = PatchConv(v.in_channels, v.hidden_size, kernel_size=k, stride=k, bias=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        # a stride = kernel Conv3d over one patch is a dot product with the flattened (C, t, p, p) kernel
-        w = self.proj.weight
-        return F.linear(pixels.reshape(-1, w[0].numel()).to(w.dtype), w.reshape(w.shape[0], -1))
+        return self.proj(pixels)
 
 
 def vision_attend(q, k, v, cu_seqlens, scale):
