@@ -121,6 +121,41 @@ def test_rotary_backward_matches_hf():
     torch.testing.assert_close(q.grad, q2.grad)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd_view", "partial"])
+def test_rotary_per_half_matches_autograd_formula(layout):
+    """The per-half rotation and its written-out backward against x*cos + rotate_half(x)*sin under
+    autograd: the HF [B,H,S,D] transposed view, partial rotary, fp32 tables on bf16 activations."""
+    torch.manual_seed(6)
+    b, s, h, d = 2, 7, 3, 16
+    cos, sin = K.rotary_cos_sin(torch.arange(s)[None].expand(b, -1), 8 if layout == "partial" else d)
+    base = torch.randn(b, h, s, d) if layout == "bhsd_view" else torch.randn(b, s, h, d)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = base.to(dtype).detach().clone().requires_grad_(True)
+        xr = x.transpose(1, 2) if layout == "bhsd_view" else x
+        got = K.apply_rotary(xr, cos, sin)
+        x2 = base.to(dtype).detach().clone().requires_grad_(True)
+        xr2 = x2.transpose(1, 2) if layout == "bhsd_view" else x2
+        rd = cos.shape[-1]
+        c, sn = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        rot = (xr2[..., :rd] * c + modeling_llama.rotate_half(xr2[..., :rd]) * sn).to(dtype)
+        want = torch.cat((rot, xr2[..., rd:]), -1)
+        tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # fp32: the update may fuse (FMA)
+        torch.testing.assert_close(got, want, **tol)
+        g = torch.randn(got.shape).to(dtype)
+        got.backward(g)
+        want.backward(g)
+        assert x.grad.dtype == dtype
+        torch.testing.assert_close(x.grad, x2.grad, **tol)
+
+
+def test_rotary_tables_with_grad_get_gradients():
+    x = torch.randn(1, 4, 2, 8)
+    cos, sin = K.rotary_cos_sin(torch.arange(4)[None], 8)
+    cos, sin = cos.clone().requires_grad_(True), sin.clone().requires_grad_(True)
+    K.apply_rotary(x, cos, sin).sum().backward()
+    assert cos.grad is not None and sin.grad is not None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rotary_low_precision(dtype):
     torch.manual_seed(5)
