@@ -66,9 +66,15 @@ def _lf_stepper(path: Path):
     from backends.common.trainer import Loss, Part, optimize
     from backends.lf.model import HFCausalLMWithLoss, apply_kernels
 
-    hf = AutoModelForCausalLM.from_pretrained(path)
+    # train() before patching: with the `kernels` package installed, transformers re-kernelizes on a
+    # train/eval switch and puts the class forward back on its hub-kernel layers (RMSNorm), undoing the
+    # patch. The recipe patches after loading and never switches mode; the bench does the same.
+    hf = AutoModelForCausalLM.from_pretrained(path).train()
     apply_kernels(hf)
     model = HFCausalLMWithLoss(hf).train()
+    unpatched = [n for n, m in hf.named_modules() if type(m).__name__.endswith("RMSNorm") and "forward" not in vars(m)]
+    if unpatched:
+        raise RuntimeError(f"kernel patch lost on {len(unpatched)} RMSNorm modules (e.g. {unpatched[0]})")
     part = Part(model, build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.95)))  # as the baseline
 
     def loss(m, mb):
