@@ -25,6 +25,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
+CORPUS = ("arithmetic_alpaca.json", "arithmetic_corpus.jsonl", "arithmetic_pairs.json", "arithmetic_prompts.jsonl",
+          "arithmetic_sharegpt.json")  # the tokenizer's training text (sorted: the order it was made in)
 OUT = HERE / "tiny-qwen3"
 
 VOCAB_SIZE = 512
@@ -55,10 +57,11 @@ def _strings(value):
 
 
 def corpus() -> list[str]:
-    """Every string value of every record of examples/data/*.json and *.jsonl, in file order, and the
-    chat roles (so the ChatML headers <|im_start|>user\n ... are a few tokens, not a dozen)."""
+    """Every string value of every record of the CORPUS files, in file order, and the chat roles (so the
+    ChatML headers <|im_start|>user\n ... are a few tokens, not a dozen). A fixed list: data added to
+    examples/data later must not change the committed tokenizer."""
     texts: list[str] = ["system\n", "user\n", "assistant\n"] * 64
-    for path in sorted(DATA.glob("*.json*")):
+    for path in (DATA / name for name in CORPUS):
         raw = path.read_text(encoding="utf-8")
         records = ([json.loads(line) for line in raw.splitlines() if line.strip()]
                    if path.suffix == ".jsonl" else json.loads(raw))
