@@ -5,7 +5,7 @@
 1. Trains a byte-level BPE tokenizer (vocab 512; Qwen2/Qwen3's pre-tokenizer: NFC, the Qwen split
    regex, except that digits go in runs of up to three as in Llama 3's / GPT-4's regex, since the
    bundled corpus is too small to fill 512 ids with single digits) on the strings of
-   examples/data/*.json* and the chat role names, with the special tokens <|endoftext|>,
+   the arithmetic data of examples/data (CORPUS) and the chat role names, with the special tokens <|endoftext|>,
    <|im_start|>, <|im_end|> and a ChatML chat_template (Qwen3's, without the tool and thinking
    branches) in tokenizer_config.json.
 2. Builds a random Qwen3 model with transformers (2 layers, hidden 64, ffn 192, 4 heads, 2 kv
