@@ -161,6 +161,8 @@ def _k8s_context(plan: Plan, paths: dict[str, str], files: dict[str, str], devic
                   {"hostPath": {"path": v.host_path, "type": "Directory" if v.read_only else "DirectoryOrCreate"}})
         volumes.append({"name": v.name, **source})
         mounts.append({"name": v.name, "mountPath": v.mount_path, "readOnly": v.read_only})
+    binary = sorted(k for k, v in files.items() if isinstance(v, bytes))
+    files = {k: v for k, v in files.items() if not isinstance(v, bytes)}  # a ConfigMap's data holds text
     config_map = f"{name}-files" if job.k8s.config_map else None
     if config_map:
         volumes.append({"name": K8S_FILES_VOLUME, "configMap": {"name": config_map}})
@@ -181,6 +183,9 @@ def _k8s_context(plan: Plan, paths: dict[str, str], files: dict[str, str], devic
                 hint="mount the shared volume that holds output_dir, or leave config_map: true")])
         warnings.append(f"k8s: the run directory {paths['run_dir']} is on no k8s.volumes mount: metrics, "
                         "checkpoints and the export stay in the pods and go with them")
+    if binary and not on_volume(paths["run_dir"]):
+        warnings.append(f"k8s: {', '.join(binary)} (binary) cannot go in the ConfigMap: put the run directory "
+                        f"{paths['run_dir']} on a k8s.volumes mount and copy them there")
     if not on_volume(job.data.path):
         warnings.append(f"k8s: data.path {job.data.path} is on no k8s.volumes mount: the image must hold it")
     context = {"name": name, "config_map": config_map, "config_files": {k: files[k] for k in sorted(files)},
@@ -297,7 +302,10 @@ def write_files(rendered: Rendered, out_dir: Path, extra: dict[str, str] | None 
     for name, text in {**rendered.files, **(extra or {})}.items():
         target = out_dir / name
         tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
+        if isinstance(text, bytes):  # a binary engine file (VeRL's parquet prompts)
+            tmp.write_bytes(text)
+        else:
+            tmp.write_text(text, encoding="utf-8")
         if name.endswith(".sh"):
             tmp.chmod(0o755)
         os.replace(tmp, target)

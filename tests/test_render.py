@@ -121,7 +121,7 @@ def test_backend_overrides_are_merged(plan_of, tmp_path):
                                           "trainer": {"project_name": "p"}}), tmp_path)
     tree = yaml.safe_load(r.files["verl_config.yaml"])
     assert tree["actor_rollout_ref"]["rollout"]["gpu_memory_utilization"] == 0.6
-    assert tree["trainer"]["project_name"] == "p" and tree["trainer"]["seed"] == 42
+    assert tree["trainer"]["project_name"] == "p" and tree["data"]["seed"] == 42  # trainer.seed is not VeRL's
     r = render(plan_of(backend_overrides={"moe-router-topk": 4, "use-fused-rmsnorm": True, "no-x": False}), tmp_path)
     assert "--use-fused-rmsnorm" in r.argv and r.argv[r.argv.index("--moe-router-topk") + 1] == "4"
     assert "--no-x" not in r.argv

@@ -106,8 +106,6 @@ class RLRecipe(Recipe):
     # ------------------------------------------------------------------ build
 
     def build(self, rt: Runtime) -> Settings:
-        import transformers
-
         from backends.llm.models import from_pretrained
 
         c = self.cfg
@@ -119,33 +117,59 @@ class RLRecipe(Recipe):
         if c.train_batch_size % rt.world or c.mini_batch_size % rt.world:
             raise ValueError(f"train_batch_size {c.train_batch_size} and the mini-batch size {c.mini_batch_size} "
                              f"(prompts) must be multiples of the {rt.world} data-parallel ranks")
+        if c.expected_world is not None and c.expected_world != rt.world:
+            raise ValueError(f"trainer.nnodes x n_gpus_per_node is {c.expected_world}, but {rt.world} processes run")
+        if c.kernel_backend or c.kernel_overrides:
+            kernels.configure(default=c.kernel_backend, overrides=c.kernel_overrides or None)
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(c.model_path)
+        if c.train_files and not c.records:
+            from .data import load_records
+
+            c.records = load_records(c, self.tokenizer)
         if not c.records:
             raise ValueError("the RL dataset has no prompts")
+        if c.total_steps is None:  # VeRL: batches per epoch (the last partial one dropped) x total_epochs
+            per_epoch = len(c.records) // c.train_batch_size
+            if per_epoch < 1:
+                raise ValueError(f"the data set has {len(c.records)} prompts, fewer than data.train_batch_size "
+                                 f"{c.train_batch_size}")
+            c.total_steps = per_epoch * c.total_epochs
+        if c.warmup_ratio and not c.warmup_steps:
+            c.warmup_steps = int(c.warmup_ratio * c.total_steps)
         for i, r in enumerate(c.records):
             if len(r["prompt_ids"]) > c.max_prompt_length:
                 raise ValueError(f"prompt {i} has {len(r['prompt_ids'])} tokens, more than max_prompt_length "
                                  f"{c.max_prompt_length}")
         seed_everything(c.seed)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(c.model_path)
         fn = load_function(c.reward_function) if c.reward_function else None
         self.scorer = Scorer(verifier=c.verifier, function=fn, format_weight=c.format_weight,
                              overlong_buffer=c.overlong_buffer, overlong_factor=c.overlong_factor,
-                             max_response_length=c.max_new_tokens)
+                             max_response_length=c.overlong_max_length or c.max_new_tokens)
         actor = from_pretrained(c.model_path, device=rt.device)
         actor.train()
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
+        if c.gradient_checkpointing:
+            from backends.common.parallel.recompute import apply_recompute
+
+            apply_recompute(actor.parts(), "full")
         self.parts = {"actor": self._part(actor, c.lr)}
         if c.algorithm == "ppo":
             critic = Critic(from_pretrained(c.model_path, device=rt.device)).to(rt.device)
+            if c.gradient_checkpointing:
+                from backends.common.parallel.recompute import apply_recompute
+
+                apply_recompute(critic.model.parts(), "full")
             self.parts["critic"] = self._part(critic, c.critic_lr)
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
                         resume=c.resume, metrics_file=c.metrics_file)
 
     def _part(self, model: nn.Module, lr: float) -> Part:
         c = self.cfg
-        opt = build_optimizer(model, lr=lr, weight_decay=c.weight_decay, betas=(0.9, 0.999))
+        opt = build_optimizer(model, lr=lr, weight_decay=c.weight_decay, betas=tuple(c.betas))
         sched = build_scheduler(opt, lr=lr, min_lr=lr, warmup=c.warmup_steps, total=max(c.total_steps, 1),
                                 style="constant")
         return Part(model, opt, sched, grad_world=self.rt.world, precision=c.precision, grad_clip=c.grad_clip,
@@ -156,6 +180,15 @@ class RLRecipe(Recipe):
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
+
+    def export(self, trainer) -> None:
+        """The trained actor as a Hugging Face directory (cfg.export_hf), written by rank 0."""
+        if not self.cfg.export_hf:
+            return
+        from backends.llm import loading
+
+        loading.export_hf(self.parts["actor"].model, None, self.cfg.export_hf, tokenizer_dir=self.cfg.model_path,
+                          base_model=self.cfg.model_path)
 
     def start_info(self) -> dict:
         c = self.cfg
@@ -169,7 +202,8 @@ class RLRecipe(Recipe):
         epoch, i = divmod(k, size)
         if not self.cfg.shuffle:
             return i
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
+        seed = self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         return int(torch.randperm(size, generator=g)[i])
 
     def _round(self, step: int, round_: int) -> Rollouts:
@@ -449,3 +483,18 @@ def _merge(actor: list[StepResult], critic: list[StepResult]) -> StepResult:
                       tokens=sum(x.tokens for x in main), valid_tokens=sum(x.valid_tokens for x in main),
                       seconds=sum(x.seconds for x in main), real_tokens=sum(x.real_tokens for x in main),
                       metrics=metrics)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m backends.rl <file>.yaml [key=value ...]` (a VeRL ppo_trainer tree or a MindSpeed-RL file)."""
+    from backends.common import trainer
+
+    from .config import RLConfigError, load
+    from .rewards import RewardError
+
+    def make(args: list[str]) -> RLRecipe:
+        if not args:
+            raise RLConfigError("usage: python -m backends.rl <file>.yaml [key=value ...]")
+        return RLRecipe(load(args[0], args[1:]))
+
+    return trainer.main("backends.rl", make, argv, user_errors=(RLConfigError, RewardError))

@@ -1,0 +1,5 @@
+import sys
+
+from backends.rl.recipe import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""VeRL's RL prompt data: parquet rows with the prompt as a chat-message list (data.prompt_key), the
+reward routing key (data.reward_fn_key, `data_source`), `reward_model.ground_truth` and optional
+`extra_info`. Prompts go through the tokenizer's chat template with the generation prompt, as
+VeRL's RLHFDataset does; a prompt over max_prompt_length is an error (VeRL's truncation: error)
+unless filter_overlong_prompts drops it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import RLConfig, RLConfigError
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:  # pragma: no cover - a declared dependency
+        raise RLConfigError("reading parquet prompts needs pyarrow (pip install pyarrow)") from err
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise RLConfigError(f"data.train_files: no file {path}")
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as err:  # noqa: BLE001 - whatever pyarrow raises on a bad file, one message
+        raise RLConfigError(f"{path}: cannot read it as parquet: {err}") from None
+
+
+def prompt_ids(tokenizer, prompt, where: str) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        raise RLConfigError(f"{where}: the prompt must be a list of {{role, content}} chat messages (or a string)")
+    messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def load_records(cfg: RLConfig, tokenizer) -> list[dict]:
+    """cfg.train_files -> [{"prompt_ids", "ground_truth", "data_source", "extra_info"}] (one message per bad row)."""
+    records: list[dict] = []
+    for file in cfg.train_files:
+        for i, row in enumerate(read_rows(file)):
+            where = f"{file} row {i}"
+            if cfg.prompt_key not in row:
+                raise RLConfigError(f"{where}: no {cfg.prompt_key!r} column (data.prompt_key)")
+            truth = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) \
+                else None
+            if truth is None:
+                raise RLConfigError(f"{where}: no reward_model.ground_truth (the answer the reward compares to)")
+            ids = prompt_ids(tokenizer, row[cfg.prompt_key], where)
+            if len(ids) > cfg.max_prompt_length:
+                if cfg.filter_overlong_prompts:
+                    continue
+                raise RLConfigError(f"{where}: the prompt has {len(ids)} tokens, more than data.max_prompt_length "
+                                    f"{cfg.max_prompt_length} (raise it, or set data.filter_overlong_prompts: true)")
+            records.append({"prompt_ids": ids, "ground_truth": truth,
+                            "data_source": row.get(cfg.reward_fn_key) or "", "extra_info": row.get("extra_info")})
+    if cfg.max_samples is not None and cfg.max_samples > 0:
+        records = records[:cfg.max_samples]
+    if not records:
+        raise RLConfigError("the RL data set has no prompts")
+    return records
