@@ -231,6 +231,10 @@ def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:
     """Patch `model` in place; returns {"patched": {kind: count}, "classes": {...}, "skipped": [...],
     "attn_implementation": name}."""
     _register_attention()
+    if getattr(model, "use_kernels", False) and hasattr(model, "set_use_kernels"):
+        # With the `kernels` package installed transformers turns use_kernels on and re-kernelizes on every
+        # train() / eval(), putting its own forwards back over these patches: switch that off first.
+        model.set_use_kernels(False)
     patched: Counter[str] = Counter()
     classes: dict[str, set[str]] = {}
     skipped: list[str] = []

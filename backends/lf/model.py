@@ -116,7 +116,7 @@ def load_hf_model(cfg: LFConfig, dtype: torch.dtype = torch.float32) -> nn.Modul
     except OSError as err:
         raise LFConfigError(f"model_name_or_path: cannot load {path!r} as a local Hugging Face model ({err}); this "
                             "engine does not download: give a model directory") from None
-    return model
+    return model.train()  # from_pretrained leaves eval mode; HF's Trainer trains with dropout (LoRA's too) on
 
 
 def apply_kernels(model: nn.Module) -> dict:

@@ -46,6 +46,29 @@ def test_first_step_loss_equals_transformers(tmp_path):
     assert losses(tmp_path / "out")[0] == pytest.approx(reference_loss(path), abs=1e-5)
 
 
+def test_model_trains_in_train_mode_and_keeps_its_kernels(tmp_path):
+    """from_pretrained leaves eval mode: the engine switches to train mode (LoRA dropout acts), and a
+    later train() / eval() switch does not put transformers' forwards back over the kernel patches."""
+    from backends.common.distributed import init_runtime
+    from backends.lf.recipe import LFRecipe, parse_command
+
+    recipe = LFRecipe(parse_command(["train", str(lf_file(tmp_path, finetuning_type="lora", lora_dropout=0.5))]))
+    recipe.build(init_runtime("cpu"))
+    hf = recipe.model.hf
+    assert all(m.training for m in hf.modules())
+    batch = recipe.next_micro_batches()[0]
+    with torch.no_grad():
+        for name, weight in hf.named_parameters():
+            if "lora_B" in name:  # B starts at zero, where dropout before A changes nothing
+                weight.normal_(0, 0.5)
+        noisy = [float(recipe.loss(recipe.model, batch).sum) for _ in range(2)]
+        hf.eval()
+        assert noisy[0] != noisy[1]  # LoRA dropout draws a new mask each forward
+        assert float(recipe.loss(recipe.model, batch).sum) == float(recipe.loss(recipe.model, batch).sum)
+        hf.train()
+    assert hf.model.norm.forward.__func__.__name__ == "_rmsnorm_forward"
+
+
 def test_neat_packing_keeps_packed_samples_apart(tmp_path):
     """neat_packing: each packed sample's loss is the one it has alone (plain transformers, no packing);
     packing without it lets a row's samples see each other, which changes the loss."""
