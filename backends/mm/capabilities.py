@@ -10,10 +10,12 @@ Imports nothing heavy. Declared only what a test proves:
 - recompute (qwen2_5_vl): full (uniform / block) and selective, per part (vision encoder, text decoder; model.json
   keys, else the Megatron flags): loss and gradients equal, fewer bytes saved for backward
   (tests/mm/test_mm_recompute.py); through `ascendfactory run` the losses equal one process (test_mm_parallel.py).
-SPTD is declared once its pipeline parallel is built too: data parallel, and tensor parallel with sequence
-parallel on the text decoder (tp2; tp2 + SP × dp2 with the distributed optimizer) equal one process
-(test_mm_parallel.py), but pipeline parallel is not built yet: PENDING says so and LIMITS refuses pp > 1 before
-launch. The vision tower runs whole on every tp rank (not tensor-parallel).
+- sptd (qwen2_5_vl): data parallel (dp2), tensor parallel with sequence parallel on the text decoder (tp2;
+  tp2 + SP × dp2 with the distributed optimizer) and pipeline parallel over the parts as model.json's
+  pipeline_num_layers splits them (pp2; pp2 × dp2 with full recompute and the distributed optimizer) equal one
+  process, losses and exported weights within 1e-4 (tests/mm/test_mm_parallel.py; tp2 + SP × pp2 under the slow
+  marker). The vision tower runs whole on every tp rank (not tensor-parallel) and whole on the first pipeline
+  stage: a pipeline_num_layers that puts vision layers on a later stage is refused by the engine.
 """
 
 IMPLEMENTS = {
@@ -21,17 +23,12 @@ IMPLEMENTS = {
         "pretrain_full": ["qwen2_5_vl"],
         "distributed_optimizer": ["qwen2_5_vl"],
         "recompute": ["qwen2_5_vl"],
+        "sptd": ["qwen2_5_vl"],
     },
 }
 
-PENDING: dict[str, dict[str, str]] = {
-    "mindspeed-mm": {
-        "sptd": "pipeline parallel of Qwen2.5-VL is not built in backends.mm yet (dp, tp and sp are)",
-    },
-}
+PENDING: dict[str, dict[str, str]] = {"mindspeed-mm": {}}
 
-LIMITS: dict[str, dict[str, int]] = {
-    "mindspeed-mm": {"parallel.pp": 1},
-}
+LIMITS: dict[str, dict[str, int]] = {"mindspeed-mm": {}}
 
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {"mindspeed-mm": []}

@@ -3,6 +3,7 @@ the blocks the model declares (`parts()`: the text decoder; `vision_parts()`: th
 
     apply_recompute(vl, parts)                   recompute per part, as model.json / the Megatron flags set it
     apply_tensor_parallel(vl, tp_mesh, sp)       TP (+ SP) of the text decoder; the vision parts replicated
+    attach_pipeline(vl, cfg, par, rt)            PP over the parts as pipeline_num_layers splits them
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ def apply_recompute(vl, parts, chunks: dict | None = None) -> dict[str, int]:
     """Full / selective recompute of the vision encoder's and the text decoder's blocks, each by its own
     setting -> checkpoints made per part. chunks: part -> its blocks per pipeline stage of this rank."""
     made = {}
-    for name, declared in (("vision_encoder", vl.vision_parts()), ("text_decoder", vl.parts())):
+    for name in ("vision_encoder", "text_decoder"):
         part = parts[name]
-        if part.recompute == "none":
-            continue
+        if part.recompute == "none" or (name == "vision_encoder" and not hasattr(vl, "visual")):
+            continue  # (a pipeline stage without the vision encoder)
+        declared = vl.vision_parts() if name == "vision_encoder" else vl.parts()
         try:
             made[name] = recompute.apply_recompute(declared, part.recompute, method=part.recompute_method,
                                                    num_layers=part.recompute_num_layers,
@@ -90,3 +92,99 @@ def apply_tensor_parallel(vl, tp_mesh, sequence_parallel: bool) -> None:
 
     if sp:
         vl.model.register_forward_pre_hook(to_sequence_shard)
+
+
+def sequence_shard(embeds, tp_mesh):
+    """This tp rank's sequence shard of whole [B, S, H] embeddings; backward all-gathers the gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tp = tp_mesh.size()
+    if embeds.shape[1] % tp:
+        raise ValueError(f"sequence parallel: sequence length {embeds.shape[1]} does not split over tp={tp}")
+    return DTensor.from_local(embeds, tp_mesh, [Replicate()], run_check=False).redistribute(
+        tp_mesh, [Shard(1)]).to_local()
+
+
+# ------------------------------------------------------------------------------------------ pipeline parallel
+
+
+def check_pipeline_split(parts, pp: int) -> list[int]:
+    """The text decoder's layers per stage; the whole vision encoder (and the merger) on the first stage, as
+    MindSpeed-MM's published layouts put it ([32, 0, 0, 0])."""
+    vision, text = parts["vision_encoder"].pipeline_num_layers, parts["text_decoder"].pipeline_num_layers
+    if any(vision[1:]):
+        raise ConfigError(f"model.json image_encoder.vision_encoder.pipeline_num_layers = {vision}: vision layers on "
+                          "stages after the first are not built in backends.mm; put them all on the first stage")
+    if min(text) < 1:
+        raise ConfigError(f"model.json text_decoder.pipeline_num_layers = {text}: every stage needs at least one "
+                          "text decoder layer in backends.mm")
+    return list(text)
+
+
+def _first_stage_class():
+    from backends.common.parallel.pipeline import StageModule
+
+    class VLFirstStage(StageModule):
+        """The first stage: the vision tower on this micro-batch's images (handed over out of band, in
+        micro-batch order: the schedule runs the first stage's forwards in that order), the image features
+        scattered into the embeddings, then its text layers. The hidden states leave it as the other stages'."""
+
+        def __init__(self, vl, parts, layers, *, last: bool, tp_mesh=None, sp: bool = False):
+            super().__init__(parts, layers, first=True, last=last, carry_aux=False)
+            self.visual = vl.visual
+            self._embed = vl.embed
+            self.tp_mesh, self.sp = tp_mesh, sp
+            self.images: list = []
+
+        def forward(self, x, aux=None, *, position_ids, doc_ids=None):
+            from backends.common.parallel.pipeline import _cu_seqlens
+
+            pixel_values, grid = self.images.pop(0)
+            hidden = self._embed(x, pixel_values, grid)
+            if self.sp:
+                hidden = sequence_shard(hidden, self.tp_mesh)
+            cu_seqlens = _cu_seqlens(doc_ids) if doc_ids is not None else None
+            inputs = self.block_inputs(position_ids, hidden.dtype)
+            for layer in self.layers.values():
+                hidden, _ = layer(hidden, *inputs, cu_seqlens)
+            if self.last:
+                hidden = self.norm(hidden)
+            return hidden
+
+    return VLFirstStage
+
+
+def attach_pipeline(vl, cfg, par, rt) -> list[int]:
+    """Prune the model to this rank's stage (the vision parts stay on the first) and hang the runner and the
+    pp groups on `par` (backends.common.parallel.pipeline, one stage per rank, 1F1B) -> this rank's layers.
+    The blocks take M-RoPE tables: position ids travel as [B, 3, S] (the schedule splits dim 0)."""
+    import dataclasses
+
+    from backends.common.parallel.pipeline import (PipelineConfigError, PipelineRunner, plan_pipeline, prune_to_rank,
+                                                   tied_embedding_groups)
+
+    p, mesh = cfg.parallel, par.mesh
+    text_split = check_pipeline_split(cfg.parts, p.pp)
+    par.pp_rank = mesh["pp"].get_local_rank()
+    par.pp_group = mesh["pp"].get_group()
+    try:
+        plan = plan_pipeline(vl.config.text.num_layers, p.pp, par.pp_rank, pp_layers=text_split)
+    except PipelineConfigError as err:
+        raise ConfigError(str(err)) from None
+    layers = [i for s in plan.stage_ids for i in plan.layers[s]]
+    rotary = vl.model.rotary
+    parts = dataclasses.replace(vl.parts(), block_inputs=lambda pos, dtype: rotary(pos.transpose(0, 1), dtype))
+    par.tied_group = tied_embedding_groups(mesh, p.pp) if parts.tied else None
+    prune_to_rank(parts, layers, first=plan.first_rank, last=plan.last_rank)
+    tp_mesh = mesh["tp"] if par.layout.tp > 1 else None
+    runner = PipelineRunner(parts, plan, pp_group=par.pp_group, device=rt.device, carry_aux=False, tp_mesh=tp_mesh,
+                            sequence_parallel=p.sp and tp_mesh is not None, precision=cfg.train.precision)
+    if plan.first_rank:
+        runner.modules[0] = _first_stage_class()(vl, parts, plan.layers[0], last=plan.last_rank, tp_mesh=tp_mesh,
+                                                 sp=p.sp and tp_mesh is not None)
+    else:
+        del vl.visual  # the vision encoder and merger live on the first stage only
+    par.pipeline = runner
+    log.info("pipeline: pp=%d, this rank runs text layers %s%s", p.pp, layers,
+             " and the vision encoder" if plan.first_rank else "")
+    return layers

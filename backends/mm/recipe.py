@@ -44,10 +44,18 @@ class VLWithLoss(torch.nn.Module):
 
 
 def pad_for_sequence_parallel(mb: dict, tp: int, pad_id: int = 0) -> dict:
-    """A packed [1, T] micro-batch padded to a multiple of tp: the padding is one more document (its own
+    """A packed [1, T] micro-batch padded to a multiple of tp (see pad_packed)."""
+    t = mb["input_ids"].shape[1]
+    return pad_packed(mb, t + (-t % tp), pad_id)
+
+
+def pad_packed(mb: dict, length: int, pad_id: int = 0) -> dict:
+    """A packed [1, T] micro-batch padded to `length` tokens: the padding is one more document (its own
     attention, no labels), so the real tokens' numbers do not change."""
     t = mb["input_ids"].shape[1]
-    extra = -t % tp
+    extra = length - t
+    if extra < 0:
+        raise ValueError(f"a micro-batch of {t} tokens does not fit {length}")
     if not extra:
         return mb
     out = dict(mb)
@@ -115,16 +123,22 @@ class MMRecipe(Recipe):
         frozen = freeze_parts(vl, cfg.parts)
         text = vl.config.text
         try:
+            pnl = cfg.parts["text_decoder"].pipeline_num_layers if cfg.parallel.pp > 1 else None
             layout = check_layout(world=rt.world, heads=text.num_attention_heads, layers=text.num_layers, experts=0,
                                   kv_heads=text.num_kv_heads, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=1,
-                                  seq_len=cfg.data.seq_len, micro_batch=t.micro_batch, global_batch=t.global_batch)
+                                  pp_layers=pnl, seq_len=cfg.data.seq_len, micro_batch=t.micro_batch,
+                                  global_batch=t.global_batch)
         except LayoutError as err:
             raise ConfigError(str(err)) from None
         par = self.par = (data_parallel.single_process(layout) if rt.world == 1 else data_parallel.from_mesh(
             layout, build_mesh(layout, rt.device.type), distributed_optimizer=cfg.parallel.distributed_optimizer))
         if layout.tp > 1:
             parallelize.apply_tensor_parallel(vl, par.mesh["tp"], cfg.parallel.sp)
-        parallelize.apply_recompute(vl, cfg.parts)  # last: it wraps what TP hooked
+        chunks = None
+        if layout.pp > 1:  # after TP, which sees the whole model; then each rank keeps its stage
+            parallelize.attach_pipeline(vl, cfg, par, rt)
+            chunks = {"text_decoder": [list(m.layers.values()) for m in par.pipeline.modules]}
+        parallelize.apply_recompute(vl, cfg.parts, chunks)  # last: it wraps what TP hooked
         self.accum = layout.grad_accum
         self.trainable = sum(p.numel() for p in vl.parameters() if p.requires_grad)
         self.total = sum(p.numel() for p in vl.parameters())
@@ -145,7 +159,8 @@ class MMRecipe(Recipe):
         self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group, grad_world=par.grad_world,
                                     precision=t.precision, grad_clip=t.grad_clip,
                                     after_backward=data_parallel.grad_sync(model, par),
-                                    clip=data_parallel.grad_clip(model, optimizer, par))}
+                                    clip=data_parallel.grad_clip(model, optimizer, par),
+                                    forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=self._resume(), log_interval=t.log_interval,
                         metrics_file=cfg.metrics_file)
@@ -167,10 +182,22 @@ class MMRecipe(Recipe):
         out = []
         for _ in range(self.accum):
             mb = next(self.loader)
-            if p.sp and p.tp > 1:
+            if p.pp > 1:  # the schedule's stages exchange fixed shapes: every micro-batch padded to one length
+                length = self.cfg.data.seq_len * self.cfg.train.micro_batch
+                mb = pad_packed(mb, length + (-length % p.tp if p.sp else 0))
+                mb["position_ids"] = self.vl.positions(mb["input_ids"], mb["image_grid_thw"],
+                                                       cu_seqlens=mb["cu_seqlens"]).transpose(0, 1)  # [1, 3, S]
+            elif p.sp and p.tp > 1:
                 mb = pad_for_sequence_parallel(mb, p.tp)
             out.append({k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in mb.items()})
         return out
+
+    def _pipeline_step(self, micro_batches, token_scale, extra_scale):
+        runner = self.par.pipeline
+        if runner.plan.first_rank:  # the first stage's images, in micro-batch order
+            runner.modules[0].images = [(mb["pixel_values"], mb["image_grid_thw"]) for mb in micro_batches]
+        loss_sum, _ = runner.forward_backward(micro_batches, token_scale, extra_scale)
+        return loss_sum, {}
 
     def loss(self, model, mb: dict) -> Loss:
         return Loss(model(mb["input_ids"], mb["labels"], mb["cu_seqlens"], mb["pixel_values"], mb["image_grid_thw"]))
@@ -198,6 +225,13 @@ class MMRecipe(Recipe):
             from backends.common.parallel.tensor_parallel import full_tensors
 
             tensors = full_tensors(self.vl, tensors)
+        if self.par.pipeline is not None:  # every stage's tensors to every pp rank (rank 0 writes)
+            import torch.distributed as dist
+
+            stages: list = [None] * self.par.layout.pp
+            dist.all_gather_object(stages, {k: v.detach().cpu() for k, v in tensors.items()},
+                                   group=self.par.pp_group)
+            tensors = {k: v for stage in stages for k, v in stage.items()}
         if self.rt.is_main:
             save_pretrained(self.vl, self.cfg.export_hf, tokenizer_dir=self.cfg.data.processor_dir, tensors=tensors)
 

@@ -89,3 +89,28 @@ def test_tensor_parallel_matches_one_process(one, tmp_path):
     # the text decoder's weights are split over tp, the Adam states over dp as well
     held, ref = end_event(tmp_path / "tpsp")["model_state_mib"], end_event(one)["model_state_mib"]
     assert len(held) == 4 and max(held) < 0.6 * ref[0], (held, ref)
+
+
+def test_pipeline_parallel_matches_one_process(one, tmp_path):
+    """pp2 over the parts as model.json's pipeline_num_layers splits them (vision encoder [2, 0]: all on the first
+    stage, text decoder [1, 1]), then pp2 × dp2 with full recompute (per stage chunk) and the distributed
+    optimizer on four processes (micro-batch 2: the schedule needs 2 micro-batches per step)."""
+    run_job(tmp_path, pt_job(tmp_path / "pp2", devices=2, parallel={"pp": 2}), "pp2.yaml")
+    model = json.loads((tmp_path / "pp2" / "model.json").read_text())
+    assert model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] == [2, 0]
+    assert model["text_decoder"]["pipeline_num_layers"] == [1, 1]
+    assert_matches(tmp_path / "pp2", one)
+    log = "".join(p.read_text() for p in (tmp_path / "pp2" / "logs").glob("*.log"))
+    assert "this rank runs text layers [0] and the vision encoder" in log and "runs text layers [1]\n" in log
+    first, last = end_event(tmp_path / "pp2")["model_state_mib"]
+    assert last < 0.6 * first < 0.6 * end_event(one)["model_state_mib"][0]  # each stage holds only its parts
+    run_job(tmp_path, pt_job(tmp_path / "ppdp", devices=4, micro_batch=2,
+                             parallel={"pp": 2, "recompute": "full", "distributed_optimizer": True}), "ppdp.yaml")
+    assert_matches(tmp_path / "ppdp", one)
+
+
+@pytest.mark.slow
+def test_tensor_with_pipeline_parallel_matches_one_process(one, tmp_path):
+    """tp2 with SP × pp2: the first stage cuts its sequence shard after the image features are in."""
+    run_job(tmp_path, pt_job(tmp_path / "tppp", devices=4, parallel={"tp": 2, "sp": True, "pp": 2}), "tppp.yaml")
+    assert_matches(tmp_path / "tppp", one)
