@@ -10,8 +10,10 @@ memory per rank of its parallel layouts.
    the right-padded batch, CE on the logits, backward, AdamW step. samples/s and real (non-pad) tokens/s; both
    step in turn in one process (machine noise hits them alike), median step time. Target >= 1.1x.
 2. Memory per rank of the same model trained through `ascendfactory run` under torchrun (CPU, gloo), 3 steps:
-   one process, dp2 with the distributed optimizer, tp2 (+SP); the engine's end event gives each rank's peak
-   RSS and the parameters + optimizer states it holds. pp2 is not built in backends.mm (refused by run).
+   one process, dp2 with the distributed optimizer, tp2 (+SP), pp2 (vision encoder and text layer 0-1 on the
+   first stage, layers 2-3 on the second; micro-batches padded to seq_len 256 × micro-batch 4 for the
+   schedule's fixed shapes); the engine's end event gives each rank's peak RSS and the parameters + optimizer
+   states it holds.
 --write replaces the "## MindSpeed-MM engine" section of bench/RESULTS.md.
 """
 
@@ -163,12 +165,14 @@ def throughput(path: Path, steps: int) -> dict:
 def run_layout(path: Path, tmp: Path, name: str, devices: int, parallel: dict, steps: int) -> dict:
     import yaml
 
+    dp = devices // (parallel.get("tp", 1) * parallel.get("pp", 1))
+    micro = 8 // dp // (2 if parallel.get("pp", 1) > 1 else 1)  # a pipeline step needs >= 2 micro-batches
     spec = {"model": "qwen2.5-vl-3b", "model_path": str(path), "framework": "mindspeed-mm", "stage": "pt",
             "launcher": "torchrun" if devices > 1 else "local",
-            "data": {"path": str(DATA), "format": "sharegpt", "seq_len": 1024},
+            "data": {"path": str(DATA), "format": "sharegpt", "seq_len": 256},
             "vision": {"freeze_tower": False, "freeze_projector": False, "image_max_pixels": PIXELS,
                        "image_min_pixels": PIXELS},
-            "train": {"lr": 1e-4, "global_batch": 8, "micro_batch": 8 // (devices // parallel.get("tp", 1)),
+            "train": {"lr": 1e-4, "global_batch": 8, "micro_batch": micro,
                       "steps": steps, "warmup_steps": 0, "precision": "fp32"},
             "resources": {"device": "cpu", "devices_per_node": devices}, "output_dir": str(tmp / name),
             "parallel": parallel}
