@@ -161,8 +161,19 @@ class MMRecipe(Recipe):
                                     after_backward=data_parallel.grad_sync(model, par),
                                     clip=data_parallel.grad_clip(model, optimizer, par),
                                     forward_backward=self._pipeline_step if par.pipeline is not None else None)}
+        resume = self._resume()
+        if layout.pp > 1 and resume is not None:
+            from pathlib import Path
+
+            from backends.common.checkpoint.resume import list_checkpoints
+
+            if resume != "auto" or list_checkpoints(Path(cfg.load)):
+                raise ConfigError(f"resuming at --pipeline-model-parallel-size {layout.pp} is not built in backends.mm "
+                                  f"(a stage's model cannot load the checkpoint of {cfg.load}); resume it with "
+                                  "--pipeline-model-parallel-size 1 (the checkpoint loads into any layout without "
+                                  "pipeline stages), or start afresh")
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
-                        exit_interval=t.exit_interval, resume=self._resume(), log_interval=t.log_interval,
+                        exit_interval=t.exit_interval, resume=resume, log_interval=t.log_interval,
                         metrics_file=cfg.metrics_file)
 
     def _resume(self) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from tests.llm.test_engine_runs import final_weights, losses, run_job
+from tests.llm.test_engine_runs import final_weights, losses, run_cli, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-qwen2.5-vl"
@@ -104,6 +104,11 @@ def test_pipeline_parallel_matches_one_process(one, tmp_path):
     assert "this rank runs text layers [0] and the vision encoder" in log and "runs text layers [1]\n" in log
     first, last = end_event(tmp_path / "pp2")["model_state_mib"]
     assert last < 0.6 * first < 0.6 * end_event(one)["model_state_mib"][0]  # each stage holds only its parts
+    # resuming its checkpoint at pp 2 is not built: refused by name (at pp 1 it loads)
+    again = run_cli("run", tmp_path / "pp2.yaml")
+    assert again.returncode != 0
+    assert "resuming at --pipeline-model-parallel-size 2 is not built" in again.stdout + again.stderr + "".join(
+        p.read_text() for p in (tmp_path / "pp2" / "logs").glob("*.log"))
     run_job(tmp_path, pt_job(tmp_path / "ppdp", devices=4, micro_batch=2,
                              parallel={"pp": 2, "recompute": "full", "distributed_optimizer": True}), "ppdp.yaml")
     assert_matches(tmp_path / "ppdp", one)
