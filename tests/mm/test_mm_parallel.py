@@ -119,3 +119,26 @@ def test_tensor_with_pipeline_parallel_matches_one_process(one, tmp_path):
     """tp2 with SP × pp2: the first stage cuts its sequence shard after the image features are in."""
     run_job(tmp_path, pt_job(tmp_path / "tppp", devices=4, parallel={"tp": 2, "sp": True, "pp": 2}), "tppp.yaml")
     assert_matches(tmp_path / "tppp", one)
+
+
+@pytest.mark.slow
+def test_pipeline_with_tied_embeddings_matches_one_process(tmp_path):
+    """Qwen2.5-VL-3B ties its output to the embedding: pp2 keeps a copy on the last stage and sums its gradient
+    with the first stage's (the bundled tiny model, tied, against one process)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tied = tmp_path / "tied"
+    shutil.copytree(TINY, tied)
+    cfg = json.loads((tied / "config.json").read_text())
+    cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(tied / "model.safetensors")
+    weights.pop("lm_head.weight")
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    jobs = {name: {**pt_job(tmp_path / name, **layout), "model_path": str(tied)}
+            for name, layout in (("one", {}), ("pp2", {"devices": 2, "parallel": {"pp": 2}}))}
+    for name, spec in jobs.items():
+        run_job(tmp_path, spec, f"{name}.yaml")
+    assert_matches(tmp_path / "pp2", tmp_path / "one")
