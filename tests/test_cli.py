@@ -194,10 +194,10 @@ def test_bad_job_exits_2_without_traceback(tmp_path):
 
 
 def test_plan_reports_every_rl_role_layout():
-    res = invoke("plan", ROOT / "examples/verl/ppo.yaml")
+    res = invoke("plan", ROOT / "examples/verl/qwen3-14b-ppo-vllm.yaml")
     assert res.exit_code == 0, res.output
     assert "  rollout: world 16" in res.output and "tp 2" in res.output and "  critic: world 16" in res.output
-    data = json.loads(invoke("plan", ROOT / "examples/verl/ppo.yaml", "--json").output)
+    data = json.loads(invoke("plan", ROOT / "examples/verl/qwen3-14b-ppo-vllm.yaml", "--json").output)
     assert data["resolved"]["role_layouts"]["rollout"]["tp"] == 2
     assert data["rl"]["critic"]["lr"] == 1e-5 and data["rl"]["actor"]["lr"] == data["train"]["lr"]
     assert data["rl"]["reference"]["parallel"]["tp"] == 1

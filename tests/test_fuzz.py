@@ -328,7 +328,7 @@ def test_sandbox_reports_a_hang_and_a_crash(monkeypatch):
 
 SFT = (ROOT / "examples/mindspeed-llm/sft.yaml").read_text()
 MOE = (ROOT / "examples/mindspeed-llm/long-seq-moe.yaml").read_text()
-GRPO = (ROOT / "examples/verl/grpo.yaml").read_text()
+GRPO = (ROOT / "examples/verl/qwen3-14b-grpo-vllm.yaml").read_text()
 HUGE_FIELDS = [
     (SFT, "parallel.pp"), (SFT, "parallel.tp"), (SFT, "parallel.cp"), (MOE, "parallel.ep"), (SFT, "parallel.vpp"),
     (SFT, "parallel.ulysses_degree"), (SFT, "resources.nnodes"), (SFT, "resources.devices_per_node"),

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from ascendfactory.cli import app
 r = CliRunner()
 for args in (["capabilities", "--model", "qwen3-32b"], ["validate", "examples/mindspeed-llm/sft.yaml"],
-             ["plan", "examples/mindspeed-llm/sft.yaml"], ["models"], ["render", "examples/verl/grpo.yaml", "-o", sys.argv[1]],
+             ["plan", "examples/mindspeed-llm/sft.yaml"], ["models"], ["render", "examples/verl/qwen3-14b-grpo-vllm.yaml", "-o", sys.argv[1]],
              ["matrix", "check"]):
     res = r.invoke(app, args)
     assert res.exit_code == 0, (args, res.output)

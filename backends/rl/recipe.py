@@ -4,6 +4,7 @@ One step, on every rank (each holds a replica of the actor and takes train_batch
 prompts, contiguously, so the global order of the responses is the one-process order):
 
   rollout     n responses per prompt from the actor's own weights (rollout.generate, in place)
+              (stopping at the model's EOS ids: generation_config.json and the tokenizer's, as vLLM does)
   rewards     rewards.Scorer on the decoded responses; the score sits on the last response token
               (DAPO: groups whose rewards are all equal are dropped and more prompts are rolled out,
               up to max_gen_rounds rounds; the first train_batch_size kept groups in global order train)
@@ -88,6 +89,22 @@ def _average_grads(model: nn.Module, world: int):
     return hook
 
 
+def stop_ids(model_path: str, tokenizer) -> list[int]:
+    """The ids a response ends at when the file names none: the model's generation_config.json
+    eos_token_id (Qwen's chat models list <|im_end|> there) and the tokenizer's EOS, as vLLM stops."""
+    import json
+    from pathlib import Path
+
+    ids: list[int] = []
+    gen = Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else list(value or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
+
+
 def _pad(rows: list[list[int]], value: int = 0) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), max(width, 1)), value, dtype=torch.long)
@@ -124,6 +141,8 @@ class RLRecipe(Recipe):
         import transformers
 
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(c.model_path)
+        if not c.eos_token_id:
+            c.eos_token_id = stop_ids(c.model_path, self.tokenizer)
         if c.train_files and not c.records:
             from .data import load_records
 
