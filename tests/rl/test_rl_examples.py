@@ -62,3 +62,20 @@ def test_prompt_file_is_the_script_s():
         sys.path.pop(0)
     rows = [json.loads(x) for x in (ROOT / "examples/data/easy_arithmetic_prompts.jsonl").read_text().splitlines()]
     assert rows == make_tiny_policy.problems() and len(rows) == 100
+
+
+def test_bundled_policy_is_what_the_script_makes(tmp_path):
+    """examples/make_tiny_policy.py (SFT with backends.lf) regenerates examples/tiny-qwen3-arith (within float
+    noise across machines; bit-equal on the one it was made on)."""
+    from safetensors.torch import load_file
+
+    proc = subprocess.run([sys.executable, "examples/make_tiny_policy.py", str(tmp_path / "policy")], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    made = load_file(tmp_path / "policy" / "model.safetensors")
+    bundled = load_file(ROOT / "examples/tiny-qwen3-arith/model.safetensors")
+    assert made.keys() == bundled.keys()
+    for key, value in bundled.items():
+        assert (made[key] - value).abs().max() < 1e-3, key
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "policy" / name).read_text() == (ROOT / "examples/tiny-qwen3-arith" / name).read_text()
