@@ -35,7 +35,9 @@ def test_every_rendered_example_parses(path, tmp_path, monkeypatch):
     assert (cfg.lora is not None) == (job.finetuning == "lora")
     assert cfg.train.precision == job.train.precision
     assert cfg.model.model_id == plan.model_id and cfg.model.load_hf == job.model_path
-    assert cfg.metrics_file == str((tmp_path / "run").resolve() / "metrics.jsonl")
+    # (a k8s manifest names the pods' run directory, output_dir, wherever the files are written here)
+    run_dir = Path(job.output_dir) if job.launcher == "k8s" else (tmp_path / "run").resolve()
+    assert cfg.metrics_file == str(run_dir / "metrics.jsonl")
 
 
 def test_every_job_setting_reaches_the_engine(job_text, tmp_path):
