@@ -1,9 +1,35 @@
-"""MindSpeed-RL: RL with Megatron-style actors, the MindSpeed-RL YAML, backends.rl."""
+"""MindSpeed-RL: RL with Megatron-style actors, the MindSpeed-RL YAML, backends.rl.
+
+Rendering writes what MindSpeed-RL reads: `mindspeed_rl.yaml` (its sections; every key one its config
+classes accept), the model file its `defaults` composes (`model/<name>.yaml`, the published
+configs/model format), the prompts as JSONL rows (`prompt`, and the answer as `labels`, the
+dataset_additional_keys MindSpeed-RL's verifiers read) converted from the job's prompt data, and
+`engine.yaml` for AscendFactory's own settings."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+from typing import Any
+
 from ascendfactory.frameworks.base import FeatureUse
 from ascendfactory.frameworks.rl import RLAdapter, role_cp
+from ascendfactory.frameworks.verl import converts, prompt_rows
+
+PROMPTS_FILE = "prompts.jsonl"
+MODEL_DIR = "model"
+# MindSpeed-RL's templates (configs/model/templates.json) by model family
+PROMPT_TYPE = {"qwen2": "qwen", "qwen3": "qwen3", "llama": "llama3", "mistral": "mistral", "mixtral": "mixtral",
+               "gemma": "gemma", "deepseek": "deepseek3"}
+# job reward type -> MindSpeed-RL verifier_function name (gsm8k: backends.rl's "#### <n>" verifier;
+# MindSpeed-RL's own registry has no GSM8K verifier, see backends/rl/config.py)
+VERIFIER = {"gsm8k": "gsm8k", "math": "math_17k_acc"}
+
+
+def model_name(model_id: str) -> str:
+    """MindSpeed-RL's model file names: qwen2.5-7b -> qwen25_7b, qwen3-8b -> qwen3_8b."""
+    return re.sub(r"[^a-z0-9_]", "_", model_id.lower().replace(".", ""))
 
 
 class MindSpeedRL(RLAdapter):
@@ -11,6 +37,8 @@ class MindSpeedRL(RLAdapter):
     engine_module = "backends.rl"
     columns = {"methods": "list", "vllm": "version", "megatron_backend": "flag", "long_seq": "flag"}
     template = "engines/mindspeed-rl.yaml.j2"
+    model_template = "engines/mindspeed-rl.model.yaml.j2"
+    sidecar_template = "engines/verl.engine.yaml.j2"   # backends.rl's sidecar, the same for both dialects
     config_name = "mindspeed_rl.yaml"
     rollout_engines = ("vllm", "hf")
 
@@ -21,6 +49,61 @@ class MindSpeedRL(RLAdapter):
         if cp > 1:
             uses.append(FeatureUse("long_seq", f"context parallel cp={cp}"))
         return uses
+
+    def limits(self, job):
+        out = []
+        if job.rl is not None:
+            reward = job.rl.reward
+            if reward.type in ("exact_match", "length", "function"):
+                out.append(self.refuse("rl.reward.type", f"scores with its rule verifiers (rl_config.verifier_function); "
+                                       f"{reward.type} has none", "use type: gsm8k or math"))
+        return out
+
+    # ------------------------------------------------------------------ rendering
+
+    def _facts(self, context: dict[str, Any], job) -> dict[str, Any]:
+        rl, t = job.rl, job.train
+        roles = job.role_layouts()
+        actor = roles.get("actor")
+        integrated = (roles.get("reference") == actor and rl.critic is None and rl.reward.type != "model")
+        steps = t.steps if t.steps is not None else None
+        clip_high = rl.clip_eps_high if rl.clip_eps_high is not None else (0.28 if job.stage == "dapo"
+                                                                            else rl.clip_eps_low)
+        run_dir = Path(context["paths"]["run_dir"])
+        return {"model_name": model_name(context["model_id"]),
+                "data_path": str(run_dir / PROMPTS_FILE) if converts(job) else job.data.path,
+                "prompt_type": job.data.template or PROMPT_TYPE.get(context["family"], "empty"),
+                "verifier": VERIFIER.get(rl.reward.type, rl.reward.type),
+                "integrated": integrated, "clip_high": clip_high,
+                "train_iters": steps if steps is not None else self._epoch_iters(job),
+                "warmup_fraction": round(t.warmup_steps / steps, 6) if steps and t.warmup_steps else 0.0}
+
+    def _epoch_iters(self, job) -> int:
+        """train.epochs as iterations (MindSpeed-RL counts train_iters): prompts per epoch / global batch."""
+        rows = len(prompt_rows(job)) if converts(job) else job.train.global_batch
+        return max(int(job.train.epochs * max(rows // job.train.global_batch, 1)), 1)
+
+    def render_config(self, shell, yml, context, job, run_dir: Path):
+        context = dict(context, msrl=self._facts(context, job))
+        try:  # the model file goes in model/ beside the config (Hydra's config group); write_files makes no folders
+            (run_dir / MODEL_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        return super().render_config(shell, yml, context, job, run_dir)
+
+    def extra_files(self, context: dict[str, Any], job) -> dict[str, Any]:
+        from ascendfactory.render import _environment
+
+        context = dict(context, msrl=self._facts(context, job))
+        name = context["msrl"]["model_name"]
+        files: dict[str, Any] = {
+            f"{MODEL_DIR}/{name}.yaml": _environment("yaml").get_template(self.model_template).render(context)}
+        if converts(job):
+            files[PROMPTS_FILE] = "".join(
+                json.dumps({"prompt": r["prompt"][-1]["content"] if len(r["prompt"]) == 1 else r["prompt"],
+                            "labels": r["reward_model"]["ground_truth"]}, ensure_ascii=False) + "\n"
+                for r in prompt_rows(job))
+        return files
 
 
 ADAPTER = MindSpeedRL()
