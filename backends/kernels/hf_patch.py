@@ -31,6 +31,8 @@ RMSNORM_CLASSES = {
     "LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "MixtralRMSNorm",
     "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm",
 }
+# Gemma's RMSNorm keeps w and scales by (1 + w), in fp32 before casting back (Llama casts first)
+OFFSET_RMSNORM_CLASSES = {"Gemma3RMSNorm"}
 ATTENTION_CLASSES = {
     "LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention", "MixtralAttention",
     "Qwen2VLAttention", "Qwen2_5_VLAttention",
@@ -144,6 +146,10 @@ def _rmsnorm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+def _offset_rmsnorm_forward(self, hidden_states):
+    return rms_norm(hidden_states.float(), 1.0 + self.weight.float(), self.eps).type_as(hidden_states)
+
+
 def _mlp_forward(self, x):
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
@@ -249,6 +255,8 @@ def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:
         cls = type(module).__name__
         if cls in RMSNORM_CLASSES:
             mark("rms_norm", module, _rmsnorm_forward)
+        elif cls in OFFSET_RMSNORM_CLASSES:
+            mark("rms_norm", module, _offset_rmsnorm_forward)
         elif cls in ATTENTION_CLASSES:
             mark("attention", module, _attention_module_forward)
         elif cls in MLP_CLASSES:
@@ -272,7 +280,7 @@ def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:
         elif cls.endswith(_KERNEL_SUFFIXES):
             unknown[cls] += 1
     # Classes that look like a kernel's but are not listed run as transformers computes them (Gemma3's
-    # RMSNorm scales by 1 + w, its attention has soft-capping and sliding windows, vision towers differ).
+    # attention masks image tokens bidirectionally and its MLP is GeGLU; vision towers differ).
     skipped += [f"{cls} x{n} (not a class this patch knows: kept as transformers computes it)"
                 for cls, n in sorted(unknown.items())]
 

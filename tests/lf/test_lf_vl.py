@@ -201,7 +201,8 @@ def test_flash_attn_picks_the_attention_left_to_transformers(models, tmp_path, f
     cfg = _cfg(models["gemma3"], tmp_path, flash_attn=flash_attn)
     hf = lfmodel.load_hf_model(cfg)
     report = lfmodel.apply_kernels(hf)
-    assert report["attn_implementation"] == impl and not report["patched"]
+    # its (1 + w) RMSNorms go through backends.kernels, its attention (image tokens see each other) does not
+    assert report["attn_implementation"] == impl and set(report["patched"]) == {"rms_norm"}
     assert hf.config.get_text_config()._attn_implementation == impl
     ids = torch.tensor([[5, 17, 42, 9, 33, 8, 21, 2]])
     with torch.no_grad():
