@@ -301,6 +301,7 @@ def write_files(rendered: Rendered, out_dir: Path, extra: dict[str, str] | None 
     written = []
     for name, text in {**rendered.files, **(extra or {})}.items():
         target = out_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)  # e.g. MindSpeed-RL's model/<name>.yaml
         tmp = target.with_name(f".{target.name}.tmp")
         if isinstance(text, bytes):  # a binary engine file (VeRL's parquet prompts)
             tmp.write_bytes(text)

@@ -85,10 +85,6 @@ class MindSpeedRL(RLAdapter):
 
     def render_config(self, shell, yml, context, job, run_dir: Path):
         context = dict(context, msrl=self._facts(context, job))
-        try:  # the model file goes in model/ beside the config (Hydra's config group); write_files makes no folders
-            (run_dir / MODEL_DIR).mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass
         return super().render_config(shell, yml, context, job, run_dir)
 
     def extra_files(self, context: dict[str, Any], job) -> dict[str, Any]:
