@@ -100,14 +100,15 @@ def _write(tmp: Path, records: Path, tokenizer, template, cutoff_len: int, max_s
     return meta
 
 
-class PairLoader:
-    """Micro-batches of `micro_batch` pairs for this dp rank, as 2 × micro rows (chosen, then rejected)."""
+class UnitLoader:
+    """A seeded, dp-sharded, resumable stream of units (pairs, or vision-language samples): each epoch a
+    permutation from (seed, epoch); global micro-step k covers units [k·G, (k+1)·G) with G = micro × dp,
+    rank r taking its micro of them. Subclasses turn a micro-batch's units into tensors."""
 
-    def __init__(self, dataset: PairDataset, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
+    def __init__(self, n_units: int, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
                  pad_id: int = 0, pad_to_multiple_of: int = 8):
-        self.dataset, self.micro_batch, self.dp_rank, self.dp_world = dataset, micro_batch, dp_rank, dp_world
+        self.n_units, self.micro_batch, self.dp_rank, self.dp_world = n_units, micro_batch, dp_rank, dp_world
         self.seed, self.pad_id, self.multiple = seed, pad_id, pad_to_multiple_of
-        self.n_units = len(dataset)
         self.position = 0
         self._orders: dict[int, np.ndarray] = {}
 
@@ -119,34 +120,50 @@ class PairLoader:
             self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n_units)}
         return self._orders[epoch]
 
-    def _units(self, start: int, count: int) -> list[int]:
-        return [int(self._order(p // self.n_units)[p % self.n_units]) for p in range(start, start + count)]
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        import torch
-
-        units = self._units(self.position + self.dp_rank * self.micro_batch, self.micro_batch)
+    def next_units(self) -> list[int]:
+        """This rank's units of the next micro-step (the stream moves on by the whole global micro-batch)."""
+        start = self.position + self.dp_rank * self.micro_batch
         self.position += self.micro_batch * self.dp_world
-        rows = [self.dataset.pair(u)[0] for u in units] + [self.dataset.pair(u)[1] for u in units]
+        return [int(self._order(p // self.n_units)[p % self.n_units]) for p in range(start, start + self.micro_batch)]
+
+    def padded(self, rows: list) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, shifted labels) of (ids, labels) rows, right-padded to the longest (a multiple of 8)."""
         width = round_up(max(len(x) for x, _ in rows), self.multiple)
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
         for r, (x, y) in enumerate(rows):
             ids[r, :len(x)] = x
             labels[r, :len(x)] = shift_labels(np.asarray(y))
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-                "position_ids": torch.arange(width).expand(len(rows), width).contiguous(),
-                "n_tokens": torch.tensor(len(units)),  # DPO's loss terms are pairs
-                "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(len(x) for x, _ in rows))}
+        return ids, labels
+
+    def __iter__(self):
+        return self
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "n_units": self.n_units}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("n_units") != self.n_units or state.get("seed") != self.seed:
-            raise ValueError(f"pair loader state was saved with {state.get('n_units')} pairs and seed "
-                             f"{state.get('seed')}, this run has {self.n_units} and {self.seed}: the order would differ")
+            raise ValueError(f"loader state was saved with {state.get('n_units')} units and seed {state.get('seed')}, "
+                             f"this run has {self.n_units} and {self.seed}: the order would differ")
         self.position = int(state["position"])
+
+
+class PairLoader(UnitLoader):
+    """Micro-batches of `micro_batch` pairs for this dp rank, as 2 × micro rows (chosen, then rejected)."""
+
+    def __init__(self, dataset: PairDataset, micro_batch: int, **kw):
+        super().__init__(len(dataset), micro_batch, **kw)
+        self.dataset = dataset
+
+    def __next__(self) -> dict:
+        import torch
+
+        units = self.next_units()
+        rows = [self.dataset.pair(u)[0] for u in units] + [self.dataset.pair(u)[1] for u in units]
+        ids, labels = self.padded(rows)
+        width = ids.shape[1]
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "position_ids": torch.arange(width).expand(len(rows), width).contiguous(),
+                "n_tokens": torch.tensor(len(units)),  # DPO's loss terms are pairs
+                "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(len(x) for x, _ in rows))}

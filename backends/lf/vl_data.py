@@ -25,9 +25,9 @@ import numpy as np
 from backends.common.data.formats import DataFormatError, encode_instruction, encode_pairwise, has_target, \
     iter_records
 from backends.common.data.indexed import IndexedDataset, IndexedDatasetWriter
-from backends.common.data.loader import round_up, shift_labels
 from backends.common.data.templates import IGNORE_INDEX
 from backends.lf.mm_plugin import IMAGE_PLACEHOLDER, MediaError, VisionPlugin
+from backends.lf.pairs import UnitLoader
 
 VL_VERSION = 1
 
@@ -162,49 +162,24 @@ def _write(tmp: Path, records: Path, fmt: str, tokenizer, template, plugin: Visi
     (tmp / "meta.json").write_text(json.dumps(meta))
 
 
-class VLLoader:
+class VLLoader(UnitLoader):
     """Micro-batches of `micro_batch` units for this dp rank, with their images' model inputs."""
 
-    def __init__(self, dataset: VLDataset, plugin: VisionPlugin, micro_batch: int, dp_rank: int = 0,
-                 dp_world: int = 1, seed: int = 0, pad_id: int = 0, pad_to_multiple_of: int = 8):
-        self.dataset, self.plugin, self.micro_batch = dataset, plugin, micro_batch
-        self.dp_rank, self.dp_world, self.seed, self.pad_id = dp_rank, dp_world, seed, pad_id
-        self.multiple = pad_to_multiple_of
-        self.n_units = len(dataset)
-        self.position = 0
-        self._orders: dict[int, np.ndarray] = {}
-
-    def __len__(self) -> int:
-        return -(-self.n_units // (self.micro_batch * self.dp_world))
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n_units)}
-        return self._orders[epoch]
-
-    def _units(self, start: int, count: int) -> list[int]:
-        return [int(self._order(p // self.n_units)[p % self.n_units]) for p in range(start, start + count)]
-
-    def __iter__(self):
-        return self
+    def __init__(self, dataset: VLDataset, plugin: VisionPlugin, micro_batch: int, **kw):
+        super().__init__(len(dataset), micro_batch, **kw)
+        self.dataset, self.plugin = dataset, plugin
 
     def __next__(self) -> dict:
         import torch
 
-        units = self._units(self.position + self.dp_rank * self.micro_batch, self.micro_batch)
-        self.position += self.micro_batch * self.dp_world
+        units = self.next_units()
         per_unit = [self.dataset.rows(u) for u in units]
         n_rows = len(per_unit[0])
         # pairs: every chosen row, then every rejected row (LF's pairwise collator); images follow the rows
         order = [(j, i) for j in range(n_rows) for i in range(len(units))]
         rows = [per_unit[i][j] for j, i in order]
         paths = [p for _, i in order for p in self.dataset.images[units[i]]]
-        width = round_up(max(len(x) for x, _ in rows), self.multiple)
-        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
-        for r, (x, y) in enumerate(rows):
-            ids[r, :len(x)] = x
-            labels[r, :len(x)] = shift_labels(y)
+        ids, labels = self.padded(rows)
         input_ids = torch.from_numpy(ids)
         images = [self.plugin.open(p) for p in paths]
         out = {"input_ids": input_ids, "labels": torch.from_numpy(labels),
@@ -212,15 +187,6 @@ class VLLoader:
                "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(len(x) for x, _ in rows))}
         out.update(self.plugin.batch_inputs(images, input_ids))
         return out
-
-    def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "n_units": self.n_units}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("n_units") != self.n_units or state.get("seed") != self.seed:
-            raise ValueError(f"loader state was saved with {state.get('n_units')} units and seed {state.get('seed')}, "
-                             f"this run has {self.n_units} and {self.seed}: the order would differ")
-        self.position = int(state["position"])
 
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids")
