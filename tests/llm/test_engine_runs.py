@@ -10,6 +10,8 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.tiny_runs import tiny_job
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-qwen3"
 
@@ -21,20 +23,8 @@ def run_cli(*args, timeout=600):
 
 
 def job(out: Path, **changes) -> dict:
-    base = {
-        "model": "qwen3-0.6b", "model_path": str(TINY), "framework": "mindspeed-llm", "stage": "sft",
-        "data": {"path": str(ROOT / "examples/data/arithmetic_alpaca.json"), "seq_len": 64, "max_samples": 64},
-        "train": {"steps": 5, "global_batch": 8, "micro_batch": 2, "lr": 2e-3, "precision": "fp32",
-                  "warmup_steps": 1},
-        "resources": {"device": "cpu", "devices_per_node": 1}, "launcher": "local", "output_dir": str(out),
-        "resume": "never",
-    }
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            base[key] = {**base[key], **value}
-        else:
-            base[key] = value
-    return base
+    """The cluster tests' tiny job (tests/helpers/tiny_runs.py) at 5 steps, the length these runs compare."""
+    return tiny_job(out, **{**changes, "train": {"steps": 5, **changes.get("train", {})}})
 
 
 def torchrun(devices: int) -> dict:
