@@ -167,8 +167,8 @@ def _k8s_context(plan: Plan, paths: dict[str, str], files: dict[str, str], devic
     if config_map:
         volumes.append({"name": K8S_FILES_VOLUME, "configMap": {"name": config_map}})
         for file in sorted(files):  # each file at the path the command reads it from
-            mounts.append({"name": K8S_FILES_VOLUME, "mountPath": f"{paths['run_dir']}/{file}", "subPath": file,
-                           "readOnly": True})
+            mounts.append({"name": K8S_FILES_VOLUME, "mountPath": f"{paths['run_dir']}/{file}",
+                           "subPath": config_map_key(file), "readOnly": True})
 
     def on_volume(path: str) -> bool:
         full = path if path.startswith("/") else os.path.join(job.k8s.workdir or "/", path)
@@ -188,7 +188,8 @@ def _k8s_context(plan: Plan, paths: dict[str, str], files: dict[str, str], devic
                         f"{paths['run_dir']} on a k8s.volumes mount and copy them there")
     if not on_volume(job.data.path):
         warnings.append(f"k8s: data.path {job.data.path} is on no k8s.volumes mount: the image must hold it")
-    context = {"name": name, "config_map": config_map, "config_files": {k: files[k] for k in sorted(files)},
+    context = {"name": name, "config_map": config_map,
+               "config_files": {config_map_key(k): files[k] for k in sorted(files)},
                "resources": resources, "volumes": volumes, "mounts": mounts}
     return context, warnings
 
@@ -291,6 +292,11 @@ def _sbatch_word(text: str) -> str:
     """One #SBATCH option value: sbatch splits these lines at blanks and strips double quotes."""
     text = one_line(text)
     return f'"{text}"' if re.search(r"[\s\"'\\]", text) else text
+
+
+def config_map_key(file: str) -> str:
+    """A ConfigMap data key for a run-directory file (keys are [-._a-zA-Z0-9]+: model/x.yaml → model.x.yaml)."""
+    return file.replace("/", ".")
 
 
 def write_files(rendered: Rendered, out_dir: Path, extra: dict[str, str] | None = None) -> list[Path]:

@@ -18,7 +18,7 @@ import yaml
 from ascendfactory.errors import JobError
 from ascendfactory.frameworks import FRAMEWORKS
 from ascendfactory.plan import make_plan
-from ascendfactory.render import render
+from ascendfactory.render import config_map_key, render
 from ascendfactory.spec import load_job, parse_job
 from tests.helpers.tiny_runs import ROOT, cli, losses, tiny_job, write_job
 
@@ -113,7 +113,12 @@ def test_every_example_renders_a_valid_pytorchjob(validator, monkeypatch, tmp_pa
                 assert limits == {"requests": {"cpu": str(plan.layout.devices_per_node)}}
             else:
                 assert limits == {"limits": {"huawei.com/Ascend910": plan.layout.devices_per_node}}
-            assert set(cm["data"]) == set(r.files) - {"launch.yaml"}
+            files = {f for f, v in r.files.items() if f != "launch.yaml" and isinstance(v, str)}
+            assert set(cm["data"]) == {config_map_key(f) for f in files}
+            mounted = {m["subPath"]: m["mountPath"] for spec in job["spec"]["pytorchReplicaSpecs"].values()
+                       for m in spec["template"]["spec"]["containers"][0]["volumeMounts"] if "subPath" in m}
+            # each key is mounted at the file's own path (model/x.yaml too, whose key has no slash)
+            assert {mounted[config_map_key(f)] for f in files} == {f"/mnt/runs/job/{f}" for f in files}
             covered.add((plan.job.framework, device, nnodes))
     missing = {(fw, d, n) for fw in FRAMEWORKS for d, n in VARIANTS} - covered
     assert not missing, f"no example renders as {sorted(missing)}"
