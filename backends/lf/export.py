@@ -98,6 +98,7 @@ def export(model: nn.Module, cfg: LFConfig, tokenizer) -> None:
     is_main = _rank() == 0
     config = hf.config.to_dict()
     config.pop("_attn_implementation_autoset", None)
+    config.pop("_name_or_path", None)  # the training machine's path of the base model means nothing elsewhere
     if config.get("_attn_implementation") not in (None, "eager", "sdpa", "flash_attention_2"):
         config.pop("_attn_implementation", None)  # our kernel name means nothing to a reader of the export
     if cfg.finetuning_type == "lora" and lora_modules(hf):

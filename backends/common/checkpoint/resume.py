@@ -501,15 +501,27 @@ def _finalize(tmp: Path, final: Path, marker: dict[str, Any], digests: dict[str,
 
 def _save_failed(root: Path, step: int, tmp: Path, failures: list[str]) -> CheckpointError:
     """Remove the half-written directory (rank 0) and say what failed and what is still there."""
+    full = any("No space left" in f or "Errno 28" in f for f in failures)
+    if not full and _nearly_full(root):
+        # torch's zip writer reports a short write on a full disk as "unexpected pos …", without the errno
+        failures = failures + [f"No space left on device: the filesystem of {root} is full"]
+        full = True
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     previous = [p for p in list_checkpoints(root) if _step_of(p) != step]
     kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-    full = any("No space left" in f or "Errno 28" in f for f in failures)
     advice = ("free space on that filesystem or point the checkpoint directory elsewhere" if full else
               "check that the directory is writable on every node")
     return CheckpointError(f"saving checkpoint step_{step} under {root} failed ({'; '.join(failures)}); "
                            f"nothing half-written was left, {kept}; {advice}")
+
+
+def _nearly_full(root: Path, slack: int = 1 << 20) -> bool:
+    """Whether the filesystem holding root has less than `slack` bytes free (checked before cleaning up)."""
+    try:
+        return shutil.disk_usage(root).free < slack
+    except OSError:
+        return False
 
 
 def _prune(root: Path, keep_last: int, current_step: int) -> None:
