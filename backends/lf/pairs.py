@@ -56,23 +56,29 @@ def build_pairs(records: Path, tokenizer, template, cutoff_len: int, cache: Path
                 max_samples: int | None = None) -> PairDataset:
     """Tokenize every pair of `records` (canonical JSONL) into the cache, or reuse it."""
     folder = cache / _key(records, tokenizer, template, cutoff_len, max_samples)
-    meta_file = folder / "meta.json"
-    if meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
-        return PairDataset(IndexedDataset(folder / "ids"), IndexedDataset(folder / "labels"),
-                           {**meta, "folder": str(folder), "cached": True})
-    tmp = cache / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    cached = build_once(folder, lambda tmp: _write(tmp, records, tokenizer, template, cutoff_len, max_samples))
+    meta = json.loads((folder / "meta.json").read_text())
+    return PairDataset(IndexedDataset(folder / "ids"), IndexedDataset(folder / "labels"),
+                       {**meta, "folder": str(folder), "cached": cached})
+
+
+def build_once(folder: Path, write) -> bool:
+    """A cache folder (complete once it holds meta.json) built by `write(tmp)` into a temporary sibling and
+    renamed into place: nothing half-written stays, and a process that finishes first wins. Returns
+    whether it was already there."""
+    if (folder / "meta.json").is_file():
+        return True
+    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
-        meta = _write(tmp, records, tokenizer, template, cutoff_len, max_samples)
+        write(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
         os.replace(tmp, folder)
     except OSError:  # another process finished the same cache first
         shutil.rmtree(tmp, ignore_errors=True)
-    return PairDataset(IndexedDataset(folder / "ids"), IndexedDataset(folder / "labels"),
-                       {**meta, "folder": str(folder), "cached": False})
+    return False
 
 
 def _write(tmp: Path, records: Path, tokenizer, template, cutoff_len: int, max_samples: int | None) -> dict:

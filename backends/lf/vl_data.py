@@ -14,9 +14,6 @@ the prompt's images.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from backends.common.data.formats import DataFormatError, encode_instruction, en
 from backends.common.data.indexed import IndexedDataset, IndexedDatasetWriter
 from backends.common.data.templates import IGNORE_INDEX
 from backends.lf.mm_plugin import IMAGE_PLACEHOLDER, MediaError, VisionPlugin
-from backends.lf.pairs import UnitLoader
+from backends.lf.pairs import UnitLoader, build_once
 
 VL_VERSION = 1
 
@@ -86,20 +83,8 @@ def build_vl(records: Path, fmt: str, tokenizer, template, plugin: VisionPlugin,
              pairwise: bool = False, max_samples: int | None = None, rules: dict | None = None) -> VLDataset:
     rules = rules or {}
     folder = cache / _key(records, fmt, tokenizer, template, plugin, cutoff_len, max_samples, rules, pairwise)
-    if not (folder / "meta.json").is_file():
-        tmp = cache / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        try:
-            _write(tmp, records, fmt, tokenizer, template, plugin, cutoff_len, pairwise, max_samples, rules)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays in the cache
-            raise
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished the same cache first
-            shutil.rmtree(tmp, ignore_errors=True)
-        cached = False
-    else:
-        cached = True
+    cached = build_once(folder, lambda tmp: _write(tmp, records, fmt, tokenizer, template, plugin, cutoff_len,
+                                                   pairwise, max_samples, rules))
     meta = json.loads((folder / "meta.json").read_text())
     images = json.loads((folder / "images.json").read_text())
     return VLDataset(IndexedDataset(folder / "ids"), IndexedDataset(folder / "labels"), images, pairwise,
