@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .loss import _AllReduceGrad, _vocab_start, auto_chunk_size
+from .loss import auto_chunk_size, vocab_shard
 
 
 def _chunk_stats(z: torch.Tensor, local_ids: torch.Tensor, here: torch.Tensor):
@@ -112,14 +112,8 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, la
     holding rows vocab_start.., or a Shard(0) DTensor); hidden and labels the same on every rank, results
     the same on every rank. grad(hidden) is all-reduced over tp_group unless reduce_hidden_grad=False."""
     _check(hidden, weight_shard, labels)
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(weight_shard, DTensor) and tp_group is None:
-        tp_group = weight_shard.device_mesh.get_group()
-    if vocab_start is None or isinstance(weight_shard, DTensor):
-        weight_shard, vocab_start = _vocab_start(weight_shard, tp_group)
-    if reduce_hidden_grad:
-        hidden = _AllReduceGrad.apply(hidden, tp_group)
+    hidden, weight_shard, vocab_start, tp_group = vocab_shard(hidden, weight_shard, tp_group, vocab_start,
+                                                              reduce_hidden_grad)
     chunk = chunk_size or auto_chunk_size(weight_shard.shape[0])
     return _LinearLogprobs.apply(hidden, weight_shard, labels, int(vocab_start), tp_group, int(chunk),
                                  float(temperature))

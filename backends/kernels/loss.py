@@ -233,6 +233,20 @@ def _vocab_start(weight: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     return weight, int(sum(int(r) for r in everyone[:me]))
 
 
+def vocab_shard(hidden, weight_shard, tp_group, vocab_start, reduce_hidden_grad: bool):
+    """What the vocab-parallel kernels share before their chunks: the group (a DTensor's own mesh when none
+    is given), the local shard and its first vocabulary id, and hidden's gradient summed over the group."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight_shard, DTensor) and tp_group is None:
+        tp_group = weight_shard.device_mesh.get_group()
+    if vocab_start is None or isinstance(weight_shard, DTensor):
+        weight_shard, vocab_start = _vocab_start(weight_shard, tp_group)
+    if reduce_hidden_grad:
+        hidden = _AllReduceGrad.apply(hidden, tp_group)
+    return hidden, weight_shard, vocab_start, tp_group
+
+
 def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
                                  tp_group=None, ignore_index: int = -100, *, vocab_start: int | None = None,
                                  chunk_size: int | None = None,
@@ -252,12 +266,8 @@ def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tenso
     if hidden.shape[0] != labels.shape[0] or hidden.shape[1] != weight_shard.shape[1]:
         raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight_shard.shape)}, "
                          f"labels {tuple(labels.shape)}")
-    if isinstance(weight_shard, DTensor) and tp_group is None:
-        tp_group = weight_shard.device_mesh.get_group()
-    if vocab_start is None or isinstance(weight_shard, DTensor):
-        weight_shard, vocab_start = _vocab_start(weight_shard, tp_group)
-    if reduce_hidden_grad:
-        hidden = _AllReduceGrad.apply(hidden, tp_group)
+    hidden, weight_shard, vocab_start, tp_group = vocab_shard(hidden, weight_shard, tp_group, vocab_start,
+                                                              reduce_hidden_grad)
     chunk = chunk_size or auto_chunk_size(weight_shard.shape[0])
     return _VocabParallelCE.apply(hidden, weight_shard, labels, int(vocab_start), tp_group, ignore_index,
                                   int(chunk))
