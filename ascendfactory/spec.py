@@ -39,6 +39,25 @@ def _out_of_range(value: int, lo: int, hi: int, hint: str) -> PydanticCustomErro
                                {"shown": L.show_number(value), "lo": lo, "hi": hi, "hint": hint})
 
 
+NAME_MAX = 255   # bytes in one path component (Linux)
+PATH_MAX = 4095  # bytes in a whole path
+
+
+def _local_path(value: str) -> str:
+    """A path the file system can hold: checked here so that no later stat() raises on it."""
+    raw = value.encode("utf-8", "surrogatepass")
+    if b"\x00" in raw:
+        raise ValueError("a path cannot hold a NUL character")
+    longest = max(len(part) for part in raw.split(b"/"))
+    if len(raw) > PATH_MAX or longest > NAME_MAX:
+        raise ValueError(f"path of {len(raw)} bytes (longest name {longest}) is longer than a file system allows "
+                         f"({PATH_MAX} in all, {NAME_MAX} a name): fix the path")
+    return value
+
+
+LocalPath = Annotated[str, AfterValidator(_local_path)]
+
+
 def bounded(lo: int, hi: int, hint: str):
     """An int type that holds its value to lo … hi, with what to do when it does not."""
     def check(value: int) -> int:
@@ -135,7 +154,7 @@ class VisionSpec(_Block):
 
 
 class DataSpec(_Block):
-    path: str = Field(..., description="data file or directory (JSON/JSONL/parquet), or a Megatron prefix")
+    path: LocalPath = Field(..., description="data file or directory (JSON/JSONL/parquet), or a Megatron prefix")
     format: Literal["alpaca", "sharegpt", "text", "pairwise", "prompt"] = "alpaca"
     template: Optional[str] = Field(None, description="chat template name; default: the model's own")
     seq_len: SeqLen = Field(2048, description="sequence length (cutoff_len / --seq-length)")
@@ -241,7 +260,7 @@ class RewardSpec(RoleSpec):
     type: Literal["gsm8k", "math", "exact_match", "length", "function", "model"] = Field(
         "gsm8k", description="a rule (gsm8k, math, exact_match, length), your function, or a reward model")
     function: Optional[str] = Field(None, description="module:function for type=function")
-    model_path: Optional[str] = Field(None, description="Hugging Face reward model directory for type=model")
+    model_path: Optional[LocalPath] = Field(None, description="Hugging Face reward model directory for type=model")
 
     @model_validator(mode="after")
     def _kind(self):
@@ -340,9 +359,9 @@ _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 
 class K8sVolume(_Block):
     name: str = Field(..., description="volume name (a DNS-1123 label: lowercase letters, digits, -)")
-    mount_path: str = Field(..., description="absolute path in the container")
+    mount_path: LocalPath = Field(..., description="absolute path in the container")
     pvc: Optional[str] = Field(None, description="PersistentVolumeClaim name (shared storage across nodes)")
-    host_path: Optional[str] = Field(None, description="a directory on the node (every node must have it)")
+    host_path: Optional[LocalPath] = Field(None, description="a directory on the node (every node must have it)")
     read_only: bool = False
 
     @model_validator(mode="after")
@@ -384,7 +403,7 @@ class K8sSpec(_Block):
 class JobSpec(_Block):
     name: Optional[str] = Field(None, description="job name; default <model>-<stage>")
     model: str = Field(..., description="model id, display name or Hugging Face repo id")
-    model_path: Optional[str] = Field(None, description="local Hugging Face model directory; without it, random init from the card")
+    model_path: Optional[LocalPath] = Field(None, description="local Hugging Face model directory; without it, random init from the card")
     model_overrides: dict[str, Union[int, float, bool, None]] = Field(
         default_factory=dict, description="architecture numbers to change for random init (e.g. num_layers: 2)")
     framework: Framework
@@ -403,8 +422,8 @@ class JobSpec(_Block):
     launcher: Literal["local", "torchrun", "slurm", "k8s", "modelarts"] = "torchrun"
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     k8s: K8sSpec = Field(default_factory=K8sSpec)
-    output_dir: Optional[str] = Field(None, description="run directory; default runs/<name>")
-    resume: str = Field("auto", description="auto (latest complete checkpoint), never, or a checkpoint path")
+    output_dir: Optional[LocalPath] = Field(None, description="run directory; default runs/<name>")
+    resume: LocalPath = Field("auto", description="auto (latest complete checkpoint), never, or a checkpoint path")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the workers")
     backend_overrides: dict[str, Any] = Field(
         default_factory=dict, description="native keys of the framework's own dialect, passed through")

@@ -288,6 +288,19 @@ def test_every_framework_and_launcher_is_fuzzed():
         assert validate((ROOT / example).read_text())["kind"] == "ok", example
 
 
+PATH_FIELDS = ["model_path", "data.path", "output_dir", "resume"]
+
+
+@pytest.mark.parametrize("value", ["A" * 256, "a/" * 2100, "x\x00y"], ids=["long name", "long path", "nul"])
+@pytest.mark.parametrize("field", PATH_FIELDS)
+def test_path_the_file_system_cannot_hold_is_one_error_naming_the_field(field, value):
+    """A 200,000-character model_path once reached stat() in the planner and raised ENAMETOOLONG."""
+    job = yaml.safe_load((ROOT / "examples/verl/grpo.yaml").read_text())
+    _node(job, tuple(field.split(".")))[field.split(".")[-1]] = value
+    outcome = validate(yaml.safe_dump(job))
+    assert outcome["kind"] == "error" and outcome["where"] == [field], outcome
+
+
 @pytest.mark.slow
 def test_twenty_thousand_mutations_fail_cleanly():
     cases = ((*mutate(EXAMPLES[i % len(EXAMPLES)], i), ) for i in range(20_000))
