@@ -2,8 +2,8 @@
 the blocks the model declares (`parts()`: the text decoder; `vision_parts()`: the vision encoder).
 
     apply_recompute(vl, parts)                   recompute per part, as model.json / the Megatron flags set it
-    apply_tensor_parallel(vl, tp_mesh, sp)       TP (+ SP) of the text decoder; the vision parts replicated
-    attach_pipeline(vl, cfg, par, rt)            PP over the parts as pipeline_num_layers splits them
+    apply_tensor_parallel(vl, tp_mesh, sp)       TP (+ SP) of the text decoder, the vision tower and the merger
+    attach_pipeline(vl, cfg, par, rt)            PP over the parts as pipeline_num_layers splits them (vision first)
 """
 
 from __future__ import annotations
@@ -55,43 +55,100 @@ def _text_block_plan(layer, mesh, sp: bool) -> dict:
     return plan
 
 
-def check_tensor_parallel(text, tp: int) -> None:
+def _vision_block_plan(block, mesh, sp: bool) -> dict:
+    """A VisionBlock's styles, MindSpeed-MM's (its ViT layers are Megatron's ColumnParallelLinear linear_qkv,
+    RowParallelLinear linear_proj and MLP): attention by heads, proj row parallel; gate/up column, down row.
+    The fused qkv weight ([q | k | v] rows, the checkpoint's layout) stays whole on every rank, which computes
+    only its heads' rows of it: sharding it by heads would need a permuted layout that the optimizer states
+    and checkpoints of other layouts would not share. The blocks work on [T, hidden] patches; their TP regions
+    see them as [1, T, hidden], the sequence dim the shared region boundaries split under SP."""
+    from torch.distributed.tensor import Replicate
+
+    from backends.common.parallel.tensor_parallel import (REPLICATE_PARTIAL, LocalParallel, RegionEntry, _Param,
+                                                          colwise, replicated, rowwise)
+
+    tp, rank, attn = mesh.size(), mesh.get_local_rank(), block.attn
+    per = attn.num_heads // tp * attn.head_dim
+    own_heads = lambda t: t.view(3, tp, per, *t.shape[1:])[:, rank].reshape(3 * per, *t.shape[1:])  # noqa: E731
+    qkv = LocalParallel({"weight": _Param(Replicate(), REPLICATE_PARTIAL, own_heads),
+                         "bias": _Param(Replicate(), REPLICATE_PARTIAL, own_heads)})
+    return {"norm1": replicated(partial_grad=sp), "norm2": replicated(partial_grad=sp),
+            "attn.qkv": qkv, "attn.proj": rowwise(mesh, sp),
+            "attn": RegionEntry(sp, attrs={"num_heads": attn.num_heads // tp}, post=_drop_batch_dim),
+            "mlp.gate_proj": colwise(), "mlp.up_proj": colwise(), "mlp.down_proj": rowwise(mesh, sp),
+            "mlp": RegionEntry(sp, post=_drop_batch_dim)}
+
+
+def _add_batch_dim(mod, args):
+    return (args[0].unsqueeze(0), *args[1:])
+
+
+def _drop_batch_dim(mod, args, out):
+    return out.squeeze(0)
+
+
+class VisionSequence:
+    """Sequence parallel over the vision tower's patches (MindSpeed-MM scatters them over the tp ranks after the
+    window reordering and gathers them before the merger): each rank keeps a contiguous run of the
+    window-ordered rows around the norms and residuals; the attention and MLP regions all-gather them, so the
+    windows (cu_seqlens over the whole sequence) and the rotary tables stay whole."""
+
+    def __init__(self, mesh):
+        self.mesh, self.size = mesh, mesh.size()
+
+    def shard(self, x):  # backward: all-gather of the rows' gradients
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(
+            self.mesh, [Shard(0)]).to_local()
+
+    def gather(self, x):  # backward: this rank's rows of the (complete, replicated) gradient
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        return DTensor.from_local(x, self.mesh, [Shard(0)], run_check=False).redistribute(
+            self.mesh, [Replicate()]).to_local()
+
+
+def check_tensor_parallel(vl, tp: int) -> None:
+    text, vision = vl.config.text, vl.config.vision
+    enc, proj = "image_encoder.vision_encoder", "image_encoder.vision_projector"
     problems = [f"{what} {n} does not split over tp={tp}" for what, n in (
         ("text_decoder.num_attention_heads", text.num_attention_heads),
         ("text_decoder.num_query_groups", text.num_kv_heads), ("text_decoder.ffn_hidden_size", text.ffn_hidden_size),
-        ("text_decoder.vocab_size", text.vocab_size)) if n % tp]
+        ("text_decoder.vocab_size", text.vocab_size), (f"{enc}.num_attention_heads", vision.num_heads),
+        (f"{enc}.ffn_hidden_size", vision.intermediate_size),
+        (f"{proj}.ffn_hidden_size", vision.hidden_size * vision.merge_unit)) if n % tp]
     if problems:
         raise ConfigError("tensor parallel: " + "; ".join(problems))
 
 
 def apply_tensor_parallel(vl, tp_mesh, sequence_parallel: bool) -> None:
-    """Shard the text decoder over `tp_mesh` in place (embedding vocab-parallel, blocks by _text_block_plan, lm_head
-    vocab-parallel for the loss); the vision encoder and merger stay whole on every tp rank (replicated DTensor
-    parameters computed locally, so every parameter is a DTensor on one mesh for clipping, the optimizers and
-    checkpoints). The embeddings stay whole until the image features are scattered into them; with SP a
-    pre-hook of the decoder then cuts them to this rank's sequence shard (backward: all-gather of the grads)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    """Shard the model over `tp_mesh` in place: the text decoder (embedding vocab-parallel, blocks by
+    _text_block_plan, lm_head vocab-parallel for the loss), the vision blocks by _vision_block_plan and the
+    merger's MLP (column, then row parallel on the gathered patches); the patch embedding and the merger's norm
+    replicated. The text embeddings stay whole until the image features are scattered into them; with SP a
+    pre-hook of the decoder then cuts them to this rank's sequence shard (backward: all-gather of the grads),
+    and the vision tower runs its blocks on sequence shards of the patches (VisionSequence)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from backends.common.parallel.tensor_parallel import parallelize, replicated
+    from backends.common.parallel.tensor_parallel import RegionEntry, colwise, parallelize, replicated, rowwise
 
     tp, sp = tp_mesh.size(), bool(sequence_parallel)
-    check_tensor_parallel(vl.config.text, tp)
+    check_tensor_parallel(vl, tp)
     parallelize(vl, tp_mesh, vl.parts(), lambda layer: _text_block_plan(layer, tp_mesh, sp), sequence_parallel=sp,
                 embedding_sp=False)
-    owners = [name for name, m in vl.visual.named_modules() if any(True for _ in m.parameters(recurse=False))]
-    parallelize_module(vl.visual, tp_mesh, {name: replicated(partial_grad=False) for name in owners})
-
-    def to_sequence_shard(mod, args):
-        embeds, *rest = args
-        if embeds.shape[1] % tp:
-            raise ValueError(f"sequence parallel: sequence length {embeds.shape[1]} does not split over tp={tp}")
-        local = DTensor.from_local(embeds, tp_mesh, [Replicate()], run_check=False).redistribute(
-            tp_mesh, [Shard(1)]).to_local()
-        return (local, *rest)
-
+    visual = vl.visual
+    parallelize_module(visual, tp_mesh, {"patch_embed.proj": replicated(partial_grad=False),
+                                         "merger.ln_q": replicated(partial_grad=False),
+                                         "merger.mlp": RegionEntry(False), "merger.mlp.0": colwise(),
+                                         "merger.mlp.2": rowwise(tp_mesh, False)})
+    for block in visual.blocks:
+        parallelize_module(block, tp_mesh, _vision_block_plan(block, tp_mesh, sp))
+        for region in (block.attn, block.mlp):  # before the region entry's own pre-hook
+            region.register_forward_pre_hook(_add_batch_dim, prepend=True)
     if sp:
-        vl.model.register_forward_pre_hook(to_sequence_shard)
+        visual.sequence = VisionSequence(tp_mesh)
+        vl.model.register_forward_pre_hook(lambda mod, args: (sequence_shard(args[0], tp_mesh), *args[1:]))
 
 
 def sequence_shard(embeds, tp_mesh):
@@ -108,83 +165,203 @@ def sequence_shard(embeds, tp_mesh):
 # ------------------------------------------------------------------------------------------ pipeline parallel
 
 
-def check_pipeline_split(parts, pp: int) -> list[int]:
-    """The text decoder's layers per stage; the whole vision encoder (and the merger) on the first stage, as
-    MindSpeed-MM's published layouts put it ([32, 0, 0, 0])."""
-    vision, text = parts["vision_encoder"].pipeline_num_layers, parts["text_decoder"].pipeline_num_layers
-    if any(vision[1:]):
-        raise ConfigError(f"model.json image_encoder.vision_encoder.pipeline_num_layers = {vision}: vision layers on "
-                          "stages after the first are not built in backends.mm; put them all on the first stage")
-    if min(text) < 1:
-        raise ConfigError(f"model.json text_decoder.pipeline_num_layers = {text}: every stage needs at least one "
-                          "text decoder layer in backends.mm")
-    return list(text)
+class StageSplit:
+    """model.json's pipeline_num_layers, vision first: the vision tower's layers on stages 0..merger_stage (the
+    merger and the text embedding on the stage of the last vision layer), the text decoder's after it, starting
+    on that stage or the next. vision / text: the layer indices of every stage."""
+
+    def __init__(self, parts, pp: int):
+        vision, text = parts["vision_encoder"].pipeline_num_layers, parts["text_decoder"].pipeline_num_layers
+        where = ("model.json image_encoder.vision_encoder.pipeline_num_layers = {} and text_decoder."
+                 "pipeline_num_layers = {}").format(vision, text)
+        self.pp = pp
+        self.merger_stage = m = max(i for i, n in enumerate(vision) if n)
+        if not all(vision[:m + 1]):
+            raise ConfigError(f"{where}: stage {vision.index(0)} holds no vision layer while a later one does; the "
+                              "vision tower's layers fill the first stages, one after another")
+        if any(text[:m]):
+            raise ConfigError(f"{where}: text decoder layers on stage {min(i for i in range(m) if text[i])}, before "
+                              f"the vision tower ends on stage {m}; the vision layers come first (the text decoder "
+                              "needs the image features), so text layers start on that stage or later")
+        empty = [i for i in range(m + 1, pp) if not text[i]]
+        if empty:
+            raise ConfigError(f"{where}: stage {empty[0]} holds no layer; give every stage at least one")
+        self.vision, self.text = self._ranges(vision), self._ranges(text)
+
+    @staticmethod
+    def _ranges(counts):
+        bounds = [0]
+        for n in counts:
+            bounds.append(bounds[-1] + n)
+        return [list(range(bounds[i], bounds[i + 1])) for i in range(len(counts))]
 
 
-def _first_stage_class():
-    from backends.common.parallel.pipeline import StageModule
+def check_pipeline_split(parts, pp: int) -> StageSplit:
+    return StageSplit(parts, pp)
 
-    class VLFirstStage(StageModule):
-        """The first stage: the vision tower on this micro-batch's images (handed over out of band, in
-        micro-batch order: the schedule runs the first stage's forwards in that order), the image features
-        scattered into the embeddings, then its text layers. The hidden states leave it as the other stages'."""
 
-        def __init__(self, vl, parts, layers, *, last: bool, tp_mesh=None, sp: bool = False):
-            super().__init__(parts, layers, first=True, last=last, carry_aux=False)
-            self.visual = vl.visual
-            self._embed = vl.embed
+def _stage_class():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from backends.common.parallel.pipeline import _cu_seqlens
+
+    class VLStage(nn.Module):
+        """One pipeline stage of Qwen2.5-VL: its vision blocks (the patch embedding first on stage 0, the merger
+        and the scatter of the image features into the text embeddings on the merger stage), then its text
+        layers. A micro-batch's input_ids and images come out of band (`batches`, in micro-batch order: the
+        schedule runs a stage's forwards in that order). What leaves a stage before the merger is the patches'
+        hidden states, padded to `carry_rows` (the schedule sends fixed shapes); after it, the text hidden states."""
+
+        def __init__(self, vl, parts, split: StageSplit, stage: int, *, tp_mesh=None, sp: bool = False):
+            super().__init__()
+            self.stage, self.merger_stage, self.last = stage, split.merger_stage, stage == split.pp - 1
+            self.visual = vl.visual if stage <= split.merger_stage else None
+            blocks = parts.get(parts.blocks)
+            self.layers = nn.ModuleDict({str(i): blocks[str(i)] for i in split.text[stage]})
+            self.norm = parts.get(parts.norm) if self.last else None
+            self.output = parts.output_module() if self.last else None
+            self.block_inputs = parts.block_inputs
+            self._embed_with = vl.embed_with
             self.tp_mesh, self.sp = tp_mesh, sp
-            self.images: list = []
+            self.batches: list[dict] = []
+            self.carry_rows = 0
 
-        def forward(self, x, aux=None, *, position_ids, doc_ids=None):
-            from backends.common.parallel.pipeline import _cu_seqlens
-
-            pixel_values, grid = self.images.pop(0)
-            hidden = self._embed(x, pixel_values, grid)
-            if self.sp:
-                hidden = sequence_shard(hidden, self.tp_mesh)
+        def forward(self, x, *, position_ids, doc_ids=None):
+            mb = self.batches.pop(0)
+            if self.visual is not None:
+                hidden = self._vision(x, mb)
+                if self.stage < self.merger_stage:
+                    return hidden
+            else:
+                hidden = x
             cu_seqlens = _cu_seqlens(doc_ids) if doc_ids is not None else None
             inputs = self.block_inputs(position_ids, hidden.dtype)
             for layer in self.layers.values():
                 hidden, _ = layer(hidden, *inputs, cu_seqlens)
-            if self.last:
-                hidden = self.norm(hidden)
-            return hidden
+            return self.norm(hidden) if self.last else hidden
 
-    return VLFirstStage
+        def _vision(self, x, mb):
+            visual, grid, features = self.visual, mb["image_grid_thw"], None
+            dtype = next(iter(visual.blocks.values())).norm1.weight.dtype
+            if grid is not None:
+                vi = visual.inputs(grid, dtype, x.device)
+                if self.stage == 0:
+                    h = visual.begin(mb["pixel_values"], vi)
+                else:
+                    h = x[:vi.rows // (visual.sequence.size if visual.sequence else 1)].to(dtype)
+                h = visual.run(h, vi)
+                if self.stage < self.merger_stage:
+                    return F.pad(h.float(), (0, 0, 0, self.carry_rows - h.shape[0]))
+                features = visual.end(h, vi)
+            elif self.stage < self.merger_stage:  # no image in this micro-batch: nothing to carry
+                return torch.zeros(self.carry_rows, visual.cfg.hidden_size, device=x.device)
+            hidden = self._embed_with(mb["input_ids"], features)
+            return sequence_shard(hidden, self.tp_mesh) if self.sp else hidden
+
+    return VLStage
+
+
+def _runner_class():
+    from backends.common.parallel.pipeline import PipelineRunner
+
+    class VLPipelineRunner(PipelineRunner):
+        """The shared runner (schedule, loss on the last stage, tied embedding) with VLStage modules and the
+        tensors that cross each boundary: the patches' hidden states [carry rows, vision hidden] inside the
+        vision tower, the text hidden states after the merger stage. The patches are at most the micro-batch's
+        tokens × merge_unit (every image token is merge_unit patches), so that bound is the fixed carry."""
+
+        def __init__(self, vl, parts, plan, split: StageSplit, *, tp_mesh, sp: bool, **kw):
+            super().__init__(parts, _no_stages(plan), tp_mesh=tp_mesh, sequence_parallel=sp, carry_aux=False, **kw)
+            self.plan, self.split, self.vision_hidden = plan, split, vl.config.vision.hidden_size
+            self.merge_unit = vl.config.vision.merge_unit
+            self.modules = [_stage_class()(vl, parts, split, s, tp_mesh=tp_mesh, sp=sp) for s in plan.stage_ids]
+
+        def _build(self, n_micro: int, mb_shape: tuple[int, int], dtype) -> None:
+            import torch
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+            b, s = mb_shape
+            tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
+            rows = b * s * self.merge_unit // (tp if self.sp else 1)
+            vision = self._meta((rows, self.vision_hidden), dtype)
+            text = self._meta((b, s // tp if self.sp else s, self.hidden_size), dtype)
+            (sid,), (module,) = self.plan.stage_ids, self.modules
+            module.carry_rows = rows
+            inputs = self._meta((b, s), torch.long) if sid == 0 else (
+                vision if sid - 1 < self.split.merger_stage else text)
+            output = vision if sid < self.split.merger_stage else text
+            stage = PipelineStage(module, sid, self.plan.n_virtual, self.device, input_args=(inputs,),
+                                  output_args=(output,), group=self.pp_group)
+            self.schedule = Schedule1F1B(stage, n_micro, loss_fn=self._loss, scale_grads=False)
+            self._shape = (n_micro, mb_shape)
+
+        def forward_backward(self, micro_batches, token_scale, aux_scale):
+            keys = ("input_ids", "pixel_values", "image_grid_thw")
+            self.modules[0].batches = [{k: mb.get(k) for k in keys} for mb in micro_batches]
+            return super().forward_backward(micro_batches, token_scale, aux_scale)
+
+    return VLPipelineRunner
+
+
+def _no_stages(plan):
+    import dataclasses
+
+    return dataclasses.replace(plan, stage_ids=[])
+
+
+def _tied_groups(mesh, embed_stage: int, pp: int):
+    """A tied model's pairs of the embedding stage's and the last stage's ranks (same dp/cp/tp coordinate):
+    this rank's group, or None. Collective: every rank builds every group."""
+    import torch.distributed as dist
+
+    ranks, mine, me = mesh.mesh, None, dist.get_rank()
+    for a, b in zip(ranks[embed_stage].reshape(-1).tolist(), ranks[pp - 1].reshape(-1).tolist()):
+        group = dist.new_group([a, b])
+        if me in (a, b):
+            mine = group
+    return mine
+
+
+def _prune_vision(visual, layers: list[int], *, first: bool, merger: bool) -> None:
+    from torch import nn
+
+    visual.blocks = nn.ModuleDict({str(i): visual.blocks[i] for i in layers})
+    if not first:
+        del visual.patch_embed
+    if not merger:
+        del visual.merger
 
 
 def attach_pipeline(vl, cfg, par, rt) -> list[int]:
-    """Prune the model to this rank's stage (the vision parts stay on the first) and hang the runner and the
-    pp groups on `par` (backends.common.parallel.pipeline, one stage per rank, 1F1B) -> this rank's layers.
+    """Prune the model to this rank's stage and hang the runner and the pp groups on `par`
+    (backends.common.parallel.pipeline's schedule, one stage per rank, 1F1B) -> this rank's text layers.
     The blocks take M-RoPE tables: position ids travel as [B, 3, S] (the schedule splits dim 0)."""
     import dataclasses
 
-    from backends.common.parallel.pipeline import (PipelineConfigError, PipelineRunner, plan_pipeline, prune_to_rank,
-                                                   tied_embedding_groups)
+    from backends.common.parallel.pipeline import PipelineLayout, prune_to_rank
 
     p, mesh = cfg.parallel, par.mesh
-    text_split = check_pipeline_split(cfg.parts, p.pp)
-    par.pp_rank = mesh["pp"].get_local_rank()
+    split = check_pipeline_split(cfg.parts, p.pp)
+    par.pp_rank = rank = mesh["pp"].get_local_rank()
     par.pp_group = mesh["pp"].get_group()
-    try:
-        plan = plan_pipeline(vl.config.text.num_layers, p.pp, par.pp_rank, pp_layers=text_split)
-    except PipelineConfigError as err:
-        raise ConfigError(str(err)) from None
-    layers = [i for s in plan.stage_ids for i in plan.layers[s]]
+    m = split.merger_stage
+    plan = PipelineLayout(pp=p.pp, pp_rank=rank, stage_ids=[rank], n_virtual=p.pp, layers=split.text,
+                          first_rank=rank == 0, last_rank=rank == p.pp - 1)
     rotary = vl.model.rotary
     parts = dataclasses.replace(vl.parts(), block_inputs=lambda pos, dtype: rotary(pos.transpose(0, 1), dtype))
-    par.tied_group = tied_embedding_groups(mesh, p.pp) if parts.tied else None
-    prune_to_rank(parts, layers, first=plan.first_rank, last=plan.last_rank)
-    tp_mesh = mesh["tp"] if par.layout.tp > 1 else None
-    runner = PipelineRunner(parts, plan, pp_group=par.pp_group, device=rt.device, carry_aux=False, tp_mesh=tp_mesh,
-                            sequence_parallel=p.sp and tp_mesh is not None, precision=cfg.train.precision)
-    if plan.first_rank:
-        runner.modules[0] = _first_stage_class()(vl, parts, plan.layers[0], last=plan.last_rank, tp_mesh=tp_mesh,
-                                                 sp=p.sp and tp_mesh is not None)
+    par.tied_group = _tied_groups(mesh, m, p.pp) if parts.tied and m < p.pp - 1 else None
+    prune_to_rank(parts, split.text[rank], first=rank == m, last=plan.last_rank)
+    if rank <= m:
+        _prune_vision(vl.visual, split.vision[rank], first=rank == 0, merger=rank == m)
     else:
-        del vl.visual  # the vision encoder and merger live on the first stage only
-    par.pipeline = runner
-    log.info("pipeline: pp=%d, this rank runs text layers %s%s", p.pp, layers,
-             " and the vision encoder" if plan.first_rank else "")
-    return layers
+        del vl.visual
+    tp_mesh = mesh["tp"] if par.layout.tp > 1 else None
+    par.pipeline = _runner_class()(vl, parts, plan, split, tp_mesh=tp_mesh, sp=p.sp and tp_mesh is not None,
+                                   pp_group=par.pp_group, device=rt.device, precision=cfg.train.precision)
+    what = [f"vision layers {split.vision[rank]}"] if rank <= m else []
+    what += ["the merger"] if rank == m else []
+    what += [f"text layers {split.text[rank]}"] if split.text[rank] else []
+    log.info("pipeline: pp=%d, this rank runs %s", p.pp, ", ".join(what))
+    return split.text[rank]

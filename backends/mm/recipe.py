@@ -123,8 +123,12 @@ class MMRecipe(Recipe):
         frozen = freeze_parts(vl, cfg.parts)
         text = vl.config.text
         try:
-            pnl = cfg.parts["text_decoder"].pipeline_num_layers if cfg.parallel.pp > 1 else None
-            layout = check_layout(world=rt.world, heads=text.num_attention_heads, layers=text.num_layers, experts=0,
+            layers, pnl = text.num_layers, None
+            if cfg.parallel.pp > 1:  # a stage's layers are both parts' (the vision tower's on the first stages)
+                parallelize.check_pipeline_split(cfg.parts, cfg.parallel.pp)
+                per_part = [cfg.parts[name].pipeline_num_layers for name in ("vision_encoder", "text_decoder")]
+                layers, pnl = vl.config.vision.depth + text.num_layers, [v + n for v, n in zip(*per_part)]
+            layout = check_layout(world=rt.world, heads=text.num_attention_heads, layers=layers, experts=0,
                                   kv_heads=text.num_kv_heads, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=1,
                                   pp_layers=pnl, seq_len=cfg.data.seq_len, micro_batch=t.micro_batch,
                                   global_batch=t.global_batch)
@@ -161,19 +165,8 @@ class MMRecipe(Recipe):
                                     after_backward=data_parallel.grad_sync(model, par),
                                     clip=data_parallel.grad_clip(model, optimizer, par),
                                     forward_backward=self._pipeline_step if par.pipeline is not None else None)}
-        resume = self._resume()
-        if layout.pp > 1 and resume is not None:
-            from pathlib import Path
-
-            from backends.common.checkpoint.resume import list_checkpoints
-
-            if resume != "auto" or list_checkpoints(Path(cfg.load)):
-                raise ConfigError(f"resuming at --pipeline-model-parallel-size {layout.pp} is not built in backends.mm "
-                                  f"(a stage's model cannot load the checkpoint of {cfg.load}); resume it with "
-                                  "--pipeline-model-parallel-size 1 (the checkpoint loads into any layout without "
-                                  "pipeline stages), or start afresh")
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
-                        exit_interval=t.exit_interval, resume=resume, log_interval=t.log_interval,
+                        exit_interval=t.exit_interval, resume=self._resume(), log_interval=t.log_interval,
                         metrics_file=cfg.metrics_file)
 
     def _resume(self) -> str | None:
@@ -204,10 +197,7 @@ class MMRecipe(Recipe):
         return out
 
     def _pipeline_step(self, micro_batches, token_scale, extra_scale):
-        runner = self.par.pipeline
-        if runner.plan.first_rank:  # the first stage's images, in micro-batch order
-            runner.modules[0].images = [(mb["pixel_values"], mb["image_grid_thw"]) for mb in micro_batches]
-        loss_sum, _ = runner.forward_backward(micro_batches, token_scale, extra_scale)
+        loss_sum, _ = self.par.pipeline.forward_backward(micro_batches, token_scale, extra_scale)
         return loss_sum, {}
 
     def loss(self, model, mb: dict) -> Loss:

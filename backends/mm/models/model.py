@@ -64,12 +64,13 @@ class VisionAttention(nn.Module):
         self.core_attention = vision_attend  # selective recompute wraps it from outside
 
     def forward(self, x, cos, sin, cu_seqlens):
-        t = x.shape[0]
-        q, k, v = self.qkv(x).view(t, 3, -1, self.head_dim).unbind(1)
+        """x [T, hidden] (or [1, T, hidden], as tensor parallel's sequence-parallel regions hand it)."""
+        lead = x.shape[:-1]
+        q, k, v = self.qkv(x).view(lead.numel(), 3, -1, self.head_dim).unbind(1)
         q = kernels.apply_rotary(q, cos, sin)
         k = kernels.apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, cu_seqlens, self.scale)
-        return self.proj(out.reshape(t, -1))
+        return self.proj(out.reshape(*lead, -1))
 
 
 class VisionBlock(nn.Module):
@@ -101,9 +102,11 @@ class PatchMerger(nn.Module):
 
 
 class VisionInputs:
-    """What every vision block needs, computed once per forward from image_grid_thw."""
+    """What every vision block needs, computed once per forward from image_grid_thw. multiple: the patch
+    sequence is padded to a multiple of it (sequence parallel splits it evenly over the tp ranks); the padding
+    is one more document of zero rows, so the real patches' attention does not change."""
 
-    def __init__(self, v: VisionConfig, grid_thw: torch.Tensor, dtype: torch.dtype, device):
+    def __init__(self, v: VisionConfig, grid_thw: torch.Tensor, dtype: torch.dtype, device, multiple: int = 1):
         grid_thw = grid_thw.to("cpu")
         order, cu_window = P.window_index(grid_thw, v.spatial_merge_size, v.window_size, v.patch_size)
         self.order = order.to(device)
@@ -114,16 +117,30 @@ class VisionInputs:
         inv = kernels.rotary_inv_freq(v.head_dim // 2, v.rope_theta).to(device)
         freqs = (pos[..., None].float() * inv).flatten(1)  # [N, head_dim/2]: h angles then w angles
         emb = torch.cat((freqs, freqs), dim=-1)
+        cu_full = P.vision_cu_seqlens(grid_thw)
+        self.patches = int(cu_full[-1])
+        self.pad = -self.patches % multiple
+        self.rows = self.patches + self.pad
+        if self.pad:
+            emb = F.pad(emb, (0, 0, 0, self.pad))
+            cu_full, cu_window = (torch.cat([cu, cu.new_tensor([self.rows])]) for cu in (cu_full, cu_window))
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self.cu_full = P.vision_cu_seqlens(grid_thw).to(device)
+        self.cu_full = cu_full.to(device)
         self.cu_window = cu_window.to(device)
         self.unit = unit
 
     def to_window_order(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(-1, self.unit, x.shape[-1])[self.order].reshape(-1, x.shape[-1])
+        x = x.view(-1, self.unit, x.shape[-1])[self.order].reshape(-1, x.shape[-1])
+        return F.pad(x, (0, 0, 0, self.pad)) if self.pad else x
 
 
 class VisionTower(nn.Module):
+    """forward = end(run(*begin(...))): a pipeline stage holding only some of the blocks runs the pieces.
+    `sequence` (set by tensor parallel with SP): .size, .shard(x) to this rank's rows of the window-ordered
+    patches, .gather(x) back to all of them before the merger."""
+
+    sequence = None
+
     def __init__(self, v: VisionConfig):
         super().__init__()
         self.cfg = v
@@ -131,17 +148,32 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(v, i) for i in range(v.depth))
         self.merger = PatchMerger(v)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixel_values [N, C·t·p·p] as the Qwen2-VL image processor lays them out -> [N/merge², out_hidden]."""
-        n = int(grid_thw.prod(-1).sum())
-        if pixel_values.shape[0] != n:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw says {n}")
-        x = self.patch_embed(pixel_values)
-        vi = VisionInputs(self.cfg, grid_thw, x.dtype, x.device)
-        x = vi.to_window_order(x)
-        for block in self.blocks:
+    def inputs(self, grid_thw: torch.Tensor, dtype: torch.dtype, device) -> VisionInputs:
+        return VisionInputs(self.cfg, grid_thw, dtype, device, self.sequence.size if self.sequence else 1)
+
+    def begin(self, pixel_values: torch.Tensor, vi: VisionInputs) -> torch.Tensor:
+        """pixel_values [N, C·t·p·p] as the Qwen2-VL image processor lays them out -> patches in window order
+        (this rank's rows of them under SP)."""
+        if pixel_values.shape[0] != vi.patches:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw says {vi.patches}")
+        x = vi.to_window_order(self.patch_embed(pixel_values))
+        return self.sequence.shard(x) if self.sequence else x
+
+    def run(self, x: torch.Tensor, vi: VisionInputs) -> torch.Tensor:
+        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+        for block in blocks:
             x, _ = block(x, vi.cos, vi.sin, vi.cu_full, vi.cu_window)
-        return self.merger(x)[vi.reverse]
+        return x
+
+    def end(self, x: torch.Tensor, vi: VisionInputs) -> torch.Tensor:
+        """-> image features [N/merge², out_hidden] in the images' order."""
+        if self.sequence:
+            x = self.sequence.gather(x)
+        return self.merger(x[:vi.patches])[vi.reverse]
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        vi = self.inputs(grid_thw, self.patch_embed.proj.weight.dtype, pixel_values.device)
+        return self.end(self.run(self.begin(pixel_values, vi), vi), vi)
 
 
 # ---------------------------------------------------------------------------------- text decoder
@@ -201,14 +233,17 @@ class Qwen2_5_VL(nn.Module):
 
     def embed(self, input_ids, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
         """Token embeddings with the vision tower's outputs in the image placeholder tokens."""
+        return self.embed_with(input_ids, None if pixel_values is None else self.visual(pixel_values, image_grid_thw))
+
+    def embed_with(self, input_ids, image: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings with the image features `image` (the vision tower's output) in the placeholders."""
         embeds = self.model.embed_tokens(input_ids)
         is_image = input_ids == self.config.image_token_id
         n_tokens = int(is_image.sum())
-        if pixel_values is None:
+        if image is None:
             if n_tokens:
                 raise ValueError(f"{n_tokens} image tokens but no pixel_values")
             return embeds
-        image = self.visual(pixel_values, image_grid_thw)
         if image.shape[0] != n_tokens:
             raise ValueError(f"image features and image tokens do not match: {image.shape[0]} features, "
                              f"{n_tokens} tokens")
