@@ -344,3 +344,57 @@ def even_split(layers: int, pp: int) -> list[int]:
         raise ValueError(f"pipeline size {show_number(pp)} is out of range 1 … {MAX_PARALLEL}")
     base, extra = divmod(layers, pp)
     return [base + (1 if i >= pp - extra else 0) for i in range(pp)]
+
+
+# ---------------------------------------------------------------------- RL batches
+
+# the job-file field of each number rl_batches checks (an engine passes its own dialect's keys)
+RL_BATCH_FIELDS = {"prompts": "train.global_batch", "mini_batch": "rl.mini_batch", "micro_batch": "train.micro_batch",
+                   "n": "rl.rollout.n", "ppo_epochs": "rl.ppo_epochs"}
+GROUP_ALGORITHMS = ("grpo", "dapo")  # advantages normalised within each prompt's group of responses
+
+
+def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: int, n: int, dp: int,
+               ppo_epochs: int = 1, fields: dict[str, str] | None = None) -> list[LayoutProblem]:
+    """The batch arithmetic of one RL step that backends.rl refuses at start, every broken rule at once.
+
+    A step rolls out `prompts` prompts x `n` responses, split over `dp` ranks by prompt; the update
+    runs `ppo_epochs` passes over mini-batches of `mini_batch` prompts (each split over the ranks by
+    prompt too), in micro-batches of `micro_batch` responses per rank. The planner and the engine
+    both call this, so a job that plans also starts."""
+    names = {**RL_BATCH_FIELDS, **(fields or {})}
+    problems: list[LayoutProblem] = []
+
+    def bad(key: str, message: str, hint: str) -> None:
+        problems.append(LayoutProblem(names[key], message, hint))
+
+    if algorithm in GROUP_ALGORITHMS and n < 2:
+        bad("n", f"{algorithm} compares the responses of one prompt: n must be at least 2, got {n}",
+            f"set {names['n']}: 2 or more (8 is usual)")
+    if micro_batch < 1:
+        bad("micro_batch", f"micro_batch must be at least 1, got {micro_batch}", f"set {names['micro_batch']}: 1 or more")
+    if ppo_epochs < 1:
+        bad("ppo_epochs", f"ppo_epochs must be at least 1, got {ppo_epochs}", f"set {names['ppo_epochs']}: 1 or more")
+    if prompts < 1 or mini_batch < 1 or dp < 1:
+        if prompts < 1:
+            bad("prompts", f"the batch must hold at least 1 prompt, got {prompts}", f"set {names['prompts']}: 1 or more")
+        if mini_batch < 1:
+            bad("mini_batch", f"the mini-batch must hold at least 1 prompt, got {mini_batch}",
+                f"set {names['mini_batch']}: 1 or more")
+        return problems  # the divisibility below needs positive sizes (dp < 1 is the layout's own problem)
+    fits = [d for d in divisors(prompts, upto=MAX_BATCH) if d % dp == 0]
+    choice = (f"one of {', '.join(map(str, fits[:8]))}{' …' if len(fits) > 8 else ''}" if fits else
+              f"a multiple of dp={dp} that divides the batch")
+    if prompts % mini_batch:
+        bad("mini_batch", f"{names['prompts']} {prompts} (prompts) is not a multiple of the mini-batch size "
+                          f"{mini_batch} (prompts): each step updates on whole mini-batches",
+            f"set {names['mini_batch']} to {choice}")
+    if prompts % dp:
+        bad("prompts", f"{names['prompts']} {prompts} (prompts) does not split over the {dp} data-parallel ranks "
+                       f"(each rolls out {names['prompts']} / dp prompts)",
+            f"use a batch of {round_up(prompts, dp)} prompts, or change the data-parallel size")
+    if mini_batch % dp and not prompts % mini_batch and not prompts % dp:  # else said above already
+        bad("mini_batch", f"the mini-batch of {mini_batch} prompts does not split over the {dp} data-parallel ranks "
+                          f"(each updates on mini_batch / dp prompts x n={n} responses)",
+            f"set {names['mini_batch']} to {choice}")
+    return problems

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ascendfactory import catalog
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
-from ascendfactory.layout import Layout
+from ascendfactory.layout import Layout, rl_batches
 from ascendfactory.layout import solve as solve_layout
 from ascendfactory.matrix import CapabilityReport, require_supported
 from ascendfactory.spec import RL_STAGES, TRAINED_ROLES, JobSpec
@@ -104,8 +104,10 @@ def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, li
         world=r.nnodes * r.devices_per_node, nnodes=r.nnodes, heads=arch["num_attention_heads"],
         kv_heads=arch["num_kv_heads"], layers=arch["num_layers"], experts=moe["num_experts"] if moe else 0,
         tp=p.tp, pp=p.pp, vpp=p.vpp, pp_layers=p.pp_layers, cp=p.cp, cp_algo=p.cp_algo,
-        ulysses_degree=p.ulysses_degree, ep=p.ep, sp=p.sp, seq_len=d.seq_len, micro_batch=t.micro_batch,
-        global_batch=t.global_batch)
+        ulysses_degree=p.ulysses_degree, ep=p.ep, sp=p.sp, seq_len=d.seq_len,
+        # RL batches count prompts and micro-batches responses: their rules are rl_batches (_role_layouts)
+        micro_batch=None if job.stage in RL_STAGES else t.micro_batch,
+        global_batch=None if job.stage in RL_STAGES else t.global_batch)
     problems = [Problem(b.field, b.message, hint=b.hint) for b in broken]
     warnings: list[str] = []
 
@@ -119,9 +121,6 @@ def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, li
         if arch.get("sliding_window"):
             bad("parallel.cp", "context parallel does not support sliding-window attention", "set parallel.cp: 1")
     problems += adapter(job.framework).plan_problems(job, arch)
-    if job.stage in RL_STAGES and job.rl and job.rl.mini_batch and t.global_batch % job.rl.mini_batch:
-        bad("rl.mini_batch", f"train.global_batch {t.global_batch} (prompts) is not a multiple of rl.mini_batch "
-                             f"{job.rl.mini_batch}", "pick a mini-batch that divides the global batch")
 
     # data and sharding options
     if d.neat_packing and not d.packing:
@@ -150,10 +149,11 @@ def _role_layouts(job: JobSpec, arch: dict[str, Any]) -> tuple[dict[str, Layout]
     the job's layout is the main layout; only a role's own layout can break a rule anew."""
     from ascendfactory.hfconfig import read_model_dir
 
-    r, t, d = job.resources, job.train, job.data
+    r, d = job.resources, job.data
     world = r.nnodes * r.devices_per_node
     roles: dict[str, Layout] = {}
     problems: list[Problem] = []
+    seen: set[tuple[str, str]] = set()  # batch problems already said for the actor
     for role, lay in job.role_layouts().items():
         dims = arch
         if role == "reward":
@@ -167,19 +167,42 @@ def _role_layouts(job: JobSpec, arch: dict[str, Any]) -> tuple[dict[str, Layout]
         moe = dims.get("moe")
         numbers = {k: getattr(lay, k) for k in ("tp", "pp", "vpp", "pp_layers", "cp", "cp_algo", "ulysses_degree",
                                                  "ep", "sp") if hasattr(lay, k)}
-        trained = role in TRAINED_ROLES
         solved, broken = solve_layout(
             world=world, nnodes=r.nnodes, heads=dims["num_attention_heads"], kv_heads=dims["num_kv_heads"],
-            layers=dims["num_layers"], experts=moe["num_experts"] if moe else 0, seq_len=d.seq_len,
-            micro_batch=t.micro_batch if trained else None, global_batch=t.global_batch if trained else None,
-            **numbers)
+            layers=dims["num_layers"], experts=moe["num_experts"] if moe else 0, seq_len=d.seq_len, **numbers)
         if solved is not None:
             roles[role] = solved
+            if role in TRAINED_ROLES:
+                problems += _rl_batch_problems(job, role, solved.dp, seen)
         if role != "reward" and _same_layout(lay, job.parallel):
             continue  # the job's own layout, on the same model: its problems are reported once, above
         problems += [Problem(f"rl.{role}.{b.field}" if b.field.startswith("parallel") else b.field,
                              f"the {role}'s layout: {b.message}", hint=b.hint) for b in broken]
     return roles, problems
+
+
+def _rl_batch_problems(job: JobSpec, role: str, dp: int, seen: set[tuple[str, str]]) -> list[Problem]:
+    """The RL batch arithmetic (ascendfactory.layout.rl_batches, the engine's own rule) on a trained
+    role's data-parallel size; what the actor's already broke is not said again for the critic."""
+    rl, t = job.rl, job.train
+    broken = rl_batches(algorithm=job.stage, prompts=t.global_batch, mini_batch=rl.mini_batch or t.global_batch,
+                        micro_batch=t.micro_batch, n=rl.rollout.n, dp=dp, ppo_epochs=rl.ppo_epochs)
+    out = []
+    for b in broken:
+        if (b.field, b.message) not in seen:
+            seen.add((b.field, b.message))
+            out.append(Problem(b.field, b.message if role == "actor" else f"the {role}'s layout: {b.message}",
+                               hint=b.hint))
+    return out
+
+
+def _rl_layout(layout: Layout, job: JobSpec) -> Layout:
+    """An RL job's main layout with its update's numbers: micro-batches of responses per rank, and
+    the responses of one mini-batch (one optimizer step) as the global batch."""
+    t, rl = job.train, job.rl
+    responses = (rl.mini_batch or t.global_batch) * rl.rollout.n
+    return replace(layout, micro_batch=t.micro_batch, global_batch=responses,
+                   grad_accum=-(-responses // (layout.dp * t.micro_batch)))
 
 
 def _same_layout(role_layout, parallel) -> bool:
@@ -204,6 +227,8 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
         layout_only = all(pr.where.startswith(("parallel", "resources", "rl.")) for pr in problems)
         what = "The parallel layout does not work" if layout_only else "The job cannot be planned"
         raise JobError(f"{what} ({n} problem{'s' if n != 1 else ''})", problems)
+    if job.stage in RL_STAGES:
+        layout = _rl_layout(layout, job)
     device = job.resources.device
     limit = job.resources.device_memory_gib or DEFAULT_DEVICE_MEMORY_GIB.get(device)
     mem = estimate(job, arch, layout, card, device_memory_gib=limit)

@@ -1,0 +1,176 @@
+"""The RL batch arithmetic at plan time: ascendfactory.layout.rl_batches (one pure rule), the planner
+refusing each broken combination by field with its numbers, the examples still planning, and the
+planner agreeing with backends.rl (its config parsing and its start-up checks) on rendered files."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from ascendfactory import plan as planner
+from ascendfactory.errors import JobError
+from ascendfactory.layout import rl_batches
+from ascendfactory.plan import make_plan
+from ascendfactory.render import render
+from ascendfactory.spec import load_job, parse_job
+
+ROOT = Path(__file__).resolve().parents[1]
+RL_EXAMPLES = sorted((ROOT / "examples" / "verl").glob("*.yaml")) + sorted((ROOT / "examples" / "mindspeed-rl").glob("*.yaml"))
+
+
+def rl_job(stage="grpo", *, global_batch=8, micro_batch=2, mini_batch=None, n=4, dp=1, framework="verl",
+           parallel=None, **rl):
+    spec = {"model": "qwen3-14b" if framework == "verl" else "qwen2.5-7b", "model_path": "examples/tiny-qwen3", "framework": framework, "stage": stage,
+            "data": {"path": "examples/data/arithmetic_prompts.jsonl", "format": "prompt", "seq_len": 64,
+                     "answer_key": "answer"},
+            "parallel": parallel or {"fsdp": framework == "verl"},
+            "train": {"lr": 1e-5, "global_batch": global_batch, "micro_batch": micro_batch, "steps": 2,
+                      "precision": "fp32"},
+            "rl": {"rollout": {"engine": "hf", "n": n, "max_new_tokens": 8}, **rl,
+                   **({"mini_batch": mini_batch} if mini_batch else {})},
+            "resources": {"device": "cpu", "devices_per_node": dp},
+            "launcher": "local" if dp == 1 else "torchrun"}
+    return parse_job(yaml.safe_dump(spec))
+
+
+def refusal(job) -> JobError:
+    with pytest.raises(JobError) as info:
+        make_plan(job, check_memory=False)
+    return info.value
+
+
+# ---------------------------------------------------------------------- the rule
+
+
+def test_rule_accepts_what_divides():
+    assert rl_batches(algorithm="grpo", prompts=8, mini_batch=4, micro_batch=3, n=4, dp=2) == []
+    assert rl_batches(algorithm="ppo", prompts=6, mini_batch=6, micro_batch=1, n=1, dp=3) == []  # ppo: n 1 is fine
+
+
+@pytest.mark.parametrize("numbers,field,words", [
+    (dict(algorithm="grpo", n=1), "rl.rollout.n", ["n must be at least 2, got 1"]),
+    (dict(algorithm="dapo", n=1), "rl.rollout.n", ["dapo", "got 1"]),
+    (dict(prompts=8, mini_batch=3), "rl.mini_batch", ["8", "mini-batch size 3", "one of 1, 2, 4, 8"]),
+    (dict(prompts=6, mini_batch=6, dp=4), "train.global_batch", ["6", "4 data-parallel ranks", "batch of 8"]),
+    (dict(prompts=8, mini_batch=2, dp=4), "rl.mini_batch", ["mini-batch of 2 prompts", "4 data-parallel",
+                                                             "one of 4, 8"]),
+    (dict(micro_batch=0), "train.micro_batch", ["at least 1, got 0"]),
+    (dict(ppo_epochs=0), "rl.ppo_epochs", ["at least 1, got 0"]),
+    (dict(mini_batch=0), "rl.mini_batch", ["at least 1 prompt, got 0"]),
+])
+def test_rule_names_the_field_and_numbers(numbers, field, words):
+    base = dict(algorithm="grpo", prompts=8, mini_batch=4, micro_batch=2, n=4, dp=1)
+    problems = rl_batches(**{**base, **numbers})
+    assert [p.field for p in problems] == [field], problems
+    assert all(w in problems[0].message + " " + problems[0].hint for w in words), problems[0]
+
+
+def test_rule_speaks_an_engine_s_keys():
+    fields = {"prompts": "data.train_batch_size", "mini_batch": "actor_rollout_ref.actor.ppo_mini_batch_size"}
+    (problem,) = rl_batches(algorithm="grpo", prompts=8, mini_batch=3, micro_batch=1, n=2, dp=1, fields=fields)
+    assert problem.field == fields["mini_batch"] and "data.train_batch_size 8" in problem.message
+
+
+# ---------------------------------------------------------------------- the planner
+
+
+@pytest.mark.parametrize("job,field,words", [
+    (dict(n=1), "rl.rollout.n", ["n must be at least 2, got 1"]),
+    (dict(global_batch=8, mini_batch=3), "rl.mini_batch", ["train.global_batch 8", "mini-batch size 3"]),
+    (dict(global_batch=6, dp=4), "train.global_batch", ["train.global_batch 6", "4 data-parallel ranks"]),
+    (dict(global_batch=8, mini_batch=2, dp=4), "rl.mini_batch", ["mini-batch of 2 prompts", "4 data-parallel"]),
+    (dict(framework="mindspeed-rl", global_batch=8, mini_batch=2, dp=4, parallel={"tp": 2}), None, []),
+    (dict(framework="mindspeed-rl", global_batch=8, mini_batch=1, dp=4, parallel={"tp": 2}), "rl.mini_batch",
+     ["mini-batch of 1 prompts", "2 data-parallel"]),
+])
+def test_planner_refuses_each_broken_combination(job, field, words):
+    if field is None:  # tp 2 of 4 ranks: dp 2, so a mini-batch of 2 splits
+        assert make_plan(rl_job(**job), check_memory=False).roles["actor"].dp == 2
+        return
+    err = refusal(rl_job(**job))
+    assert [p.where for p in err.problems] == [field], err.render()
+    assert all(w in err.render() for w in words), err.render()
+
+
+def test_critic_with_its_own_layout_is_checked_on_its_own_dp():
+    # actor (the job's layout) Ulysses cp 2 over 4 ranks: dp 2; the critic's cp 1: dp 4
+    job = rl_job("ppo", global_batch=4, mini_batch=2, n=2, dp=4,
+                 parallel={"fsdp": True, "cp": 2, "cp_algo": "ulysses"}, critic={"parallel": {"cp": 1}})
+    err = refusal(job)
+    assert [p.where for p in err.problems] == ["rl.mini_batch"], err.render()
+    assert "the critic's layout" in err.render() and "4 data-parallel ranks" in err.render()
+
+
+def test_micro_batches_count_responses_not_prompts():
+    """The SFT rule (global batch a multiple of micro x dp) is not an RL rule: 8 prompts x 4 responses
+    in micro-batches of 3 responses plan, and the layout says the update's numbers."""
+    plan = make_plan(rl_job(global_batch=8, mini_batch=4, micro_batch=3, n=4), check_memory=False)
+    lay = plan.layout
+    assert (lay.micro_batch, lay.global_batch, lay.grad_accum) == (3, 16, 6)  # 16 responses, ceil(16 / 3)
+
+
+@pytest.mark.parametrize("path", RL_EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_examples_still_plan(path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    make_plan(load_job(path), check_memory=False)
+
+
+# ---------------------------------------------------------------------- planner and engine agree
+
+AGREEMENT = [  # (job numbers, dp); the verdicts must match whatever they are
+    dict(global_batch=8, mini_batch=4, micro_batch=3, n=4),
+    dict(global_batch=8, mini_batch=8, micro_batch=5, n=2, dp=2),
+    dict(global_batch=8, mini_batch=4, micro_batch=1, n=2, dp=4),
+    dict(global_batch=8, mini_batch=3, n=4),
+    dict(global_batch=6, mini_batch=6, n=2, dp=4),
+    dict(global_batch=8, mini_batch=2, n=2, dp=4),
+    dict(global_batch=4, n=1),
+    dict(stage="ppo", global_batch=4, n=1, dp=2),
+    dict(stage="dapo", global_batch=12, mini_batch=6, n=2, dp=3),
+]
+
+
+class _Started(Exception):
+    """backends.rl passed its batch checks and went on to load the tokenizer."""
+
+
+def _engine_accepts(files: dict, dp: int, monkeypatch) -> bool:
+    import transformers
+
+    from backends.rl import config as rlconfig
+    from backends.rl.recipe import RLRecipe
+
+    try:
+        cfg = rlconfig.parse_verl(yaml.safe_load(files["verl_config.yaml"]), yaml.safe_load(files["engine.yaml"]))
+    except rlconfig.RLConfigError:
+        return False
+
+    def started(*args, **kwargs):
+        raise _Started
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", started)
+    rt = SimpleNamespace(rank=0, local_rank=0, world=dp, device="cpu", backend="gloo", is_main=True)
+    try:
+        RLRecipe(cfg).build(rt)
+    except _Started:
+        return True
+    except ValueError:
+        return False
+    raise AssertionError("the engine's build went past the tokenizer")
+
+
+@pytest.mark.parametrize("numbers", AGREEMENT, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_planner_and_engine_agree(numbers, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    job = rl_job(**numbers)
+    try:
+        make_plan(job, check_memory=False)
+        planned = True
+    except JobError as err:
+        assert all(p.where in ("train.global_batch", "rl.mini_batch", "rl.rollout.n") for p in err.problems)
+        planned = False
+    # the same job rendered without the planner's batch rule: the engine must judge it the same way
+    monkeypatch.setattr(planner, "rl_batches", lambda **numbers: [])
+    files = render(make_plan(rl_job(**numbers), check_memory=False), tmp_path).files
+    assert _engine_accepts(files, numbers.get("dp", 1), monkeypatch) == planned
