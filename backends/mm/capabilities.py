@@ -10,12 +10,13 @@ Imports nothing heavy. Declared only what a test proves:
 - recompute (qwen2_5_vl): full (uniform / block) and selective, per part (vision encoder, text decoder; model.json
   keys, else the Megatron flags): loss and gradients equal, fewer bytes saved for backward
   (tests/mm/test_mm_recompute.py); through `ascendfactory run` the losses equal one process (test_mm_parallel.py).
-- sptd (qwen2_5_vl): data parallel (dp2), tensor parallel with sequence parallel on the text decoder (tp2;
-  tp2 + SP × dp2 with the distributed optimizer) and pipeline parallel over the parts as model.json's
-  pipeline_num_layers splits them (pp2; pp2 × dp2 with full recompute and the distributed optimizer) equal one
-  process, losses and exported weights within 1e-4 (tests/mm/test_mm_parallel.py; tp2 + SP × pp2 under the slow
-  marker). The vision tower runs whole on every tp rank (not tensor-parallel) and whole on the first pipeline
-  stage: a pipeline_num_layers that puts vision layers on a later stage is refused by the engine.
+- sptd (qwen2_5_vl): data parallel (dp2), tensor parallel with sequence parallel on the text decoder, the vision
+  tower's blocks and the merger's MLP (tp2; tp2 + SP × dp2 with the distributed optimizer) and pipeline parallel
+  over the parts as model.json's pipeline_num_layers splits them, vision first (pp2 as rendered, the vision tower
+  on the first stage; pp2 × dp2 with full recompute and the distributed optimizer with the vision tower across
+  both stages) equal one process, losses and exported weights within 1e-4 (tests/mm/test_mm_parallel.py; tp2 +
+  SP × pp2 with the vision tower across both stages under the slow marker). A split that puts text layers before
+  the last vision layer's stage, or leaves a stage empty, is refused by name.
 """
 
 IMPLEMENTS = {

@@ -149,6 +149,8 @@ def apply_tensor_parallel(vl, tp_mesh, sequence_parallel: bool) -> None:
     if sp:
         visual.sequence = VisionSequence(tp_mesh)
         vl.model.register_forward_pre_hook(lambda mod, args: (sequence_shard(args[0], tp_mesh), *args[1:]))
+    log.info("tensor parallel: tp=%d over the text decoder, the vision tower's %d blocks and the merger%s", tp,
+             len(visual.blocks), " (sequence parallel on both)" if sp else "")
 
 
 def sequence_shard(embeds, tp_mesh):

@@ -1,10 +1,14 @@
 """backends.mm parallel layouts through `ascendfactory run` under torchrun (gloo, CPU processes): each matches
 one process on the pt example (every part trained: vision tower, merger, language model), losses within 1e-4
-over 5 steps and the exported weights within 1e-4. One one-process run is shared by the module."""
+over 5 steps and the exported weights within 1e-4. One one-process run is shared by the module. Layouts whose
+pipeline_num_layers the renderer does not write (vision layers on later stages) run MindSpeed-MM's files as a
+user would edit them: rendered, model.json's split changed, launch.sh run."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,27 @@ def pt_job(out: Path, devices: int = 1, parallel: dict | None = None, **train) -
     if parallel:
         spec["parallel"] = parallel
     return spec
+
+
+def run_split(tmp_path: Path, spec: dict, name: str, vision: list[int], text: list[int]) -> Path:
+    """Render `spec`, set model.json's pipeline_num_layers per part, run its launch.sh -> the run dir."""
+    out = Path(spec["output_dir"])
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    res = run_cli("render", tmp_path / f"{name}.yaml")
+    assert res.returncode == 0, res.stdout + res.stderr
+    model = json.loads((out / "model.json").read_text())
+    model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] = vision
+    model["text_decoder"]["pipeline_num_layers"] = text
+    (out / "model.json").write_text(json.dumps(model, indent=4))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(["bash", str(out / "launch.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:] + run_log(out)[-5000:]
+    return out
+
+
+def run_log(out: Path) -> str:
+    return "".join(p.read_text() for p in sorted((out / "logs").rglob("*.log"))) if (out / "logs").exists() else ""
 
 
 def end_event(out: Path) -> dict:
@@ -77,48 +102,59 @@ def test_recompute_through_run_matches_one_process(one, tmp_path):
 
 
 def test_tensor_parallel_matches_one_process(one, tmp_path):
-    """tp2 on the text decoder (vocab-parallel embedding and loss, heads and FFN split; the vision parts
-    replicated), then tp2 with sequence parallel × dp2 with the distributed optimizer on four processes (packed
-    micro-batches of odd lengths get one padding document so the sequence splits)."""
+    """tp2 on the text decoder (vocab-parallel embedding and loss, heads and FFN split) and inside the vision tower
+    (heads, gated MLP) and the merger's MLP, then tp2 with sequence parallel on both (the window-ordered patches
+    split over the tp ranks around the vision blocks' norms and residuals) × dp2 with the distributed optimizer
+    on four processes (packed micro-batches of odd lengths get one padding document so the sequence splits)."""
     run_job(tmp_path, pt_job(tmp_path / "tp2", devices=2, parallel={"tp": 2}), "tp2.yaml")
     assert_matches(tmp_path / "tp2", one)
+    assert "tensor parallel: tp=2 over the text decoder, the vision tower's 2 blocks and the merger\n" in run_log(
+        tmp_path / "tp2")
     run_job(tmp_path, pt_job(tmp_path / "tpsp", devices=4, parallel={"tp": 2, "sp": True,
                                                                     "distributed_optimizer": True}), "tpsp.yaml")
     assert "--sequence-parallel" in (tmp_path / "tpsp" / "mindspeed_mm_args.sh").read_text()
+    assert "the merger (sequence parallel on both)" in run_log(tmp_path / "tpsp")
     assert_matches(tmp_path / "tpsp", one)
-    # the text decoder's weights are split over tp, the Adam states over dp as well
-    held, ref = end_event(tmp_path / "tpsp")["model_state_mib"], end_event(one)["model_state_mib"]
-    assert len(held) == 4 and max(held) < 0.6 * ref[0], (held, ref)
+    # the text decoder's and the vision blocks' weights are split over tp (the patch embedding and the fused
+    # qkv stay whole: 0.59 of the model per rank; the vision tower whole would hold 0.68), the Adam states over dp
+    ref = end_event(one)["model_state_mib"][0]
+    assert max(end_event(tmp_path / "tp2")["model_state_mib"]) < 0.63 * ref
+    held = end_event(tmp_path / "tpsp")["model_state_mib"]
+    assert len(held) == 4 and max(held) < 0.6 * ref, (held, ref)
 
 
 def test_pipeline_parallel_matches_one_process(one, tmp_path):
-    """pp2 over the parts as model.json's pipeline_num_layers splits them (vision encoder [2, 0]: all on the first
-    stage, text decoder [1, 1]), then pp2 × dp2 with full recompute (per stage chunk) and the distributed
-    optimizer on four processes (micro-batch 2: the schedule needs 2 micro-batches per step)."""
+    """pp2 over the parts as model.json's pipeline_num_layers splits them: as rendered (vision encoder [2, 0]: all
+    on the first stage with the merger and text layer 0, text decoder [1, 1]), then vision [1, 1] and text [0, 2]
+    (the vision tower spans both stages: the patches' hidden states cross them, the merger runs on the second)
+    × dp2 with full recompute (per stage chunk) and the distributed optimizer on four processes (micro-batch 2:
+    the schedule needs 2 micro-batches per step)."""
     run_job(tmp_path, pt_job(tmp_path / "pp2", devices=2, parallel={"pp": 2}), "pp2.yaml")
     model = json.loads((tmp_path / "pp2" / "model.json").read_text())
     assert model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] == [2, 0]
     assert model["text_decoder"]["pipeline_num_layers"] == [1, 1]
     assert_matches(tmp_path / "pp2", one)
-    log = "".join(p.read_text() for p in (tmp_path / "pp2" / "logs").glob("*.log"))
-    assert "this rank runs text layers [0] and the vision encoder" in log and "runs text layers [1]\n" in log
+    log = run_log(tmp_path / "pp2")
+    assert "this rank runs vision layers [0, 1], the merger, text layers [0]\n" in log
+    assert "this rank runs text layers [1]\n" in log
     first, last = end_event(tmp_path / "pp2")["model_state_mib"]
     assert last < 0.6 * first < 0.6 * end_event(one)["model_state_mib"][0]  # each stage holds only its parts
-    # resuming its checkpoint at pp 2 is not built: refused by name (at pp 1 it loads)
-    again = run_cli("run", tmp_path / "pp2.yaml")
-    assert again.returncode != 0
-    assert "resuming at --pipeline-model-parallel-size 2 is not built" in again.stdout + again.stderr + "".join(
-        p.read_text() for p in (tmp_path / "pp2" / "logs").glob("*.log"))
-    run_job(tmp_path, pt_job(tmp_path / "ppdp", devices=4, micro_batch=2,
-                             parallel={"pp": 2, "recompute": "full", "distributed_optimizer": True}), "ppdp.yaml")
-    assert_matches(tmp_path / "ppdp", one)
+    spec = pt_job(tmp_path / "ppdp", devices=4, micro_batch=2,
+                  parallel={"pp": 2, "recompute": "full", "distributed_optimizer": True})
+    out = run_split(tmp_path, spec, "ppdp", vision=[1, 1], text=[0, 2])
+    assert_matches(out, one)
+    log = run_log(out)
+    assert log.count("this rank runs vision layers [0]\n") == 2
+    assert log.count("this rank runs vision layers [1], the merger, text layers [0, 1]\n") == 2
 
 
 @pytest.mark.slow
 def test_tensor_with_pipeline_parallel_matches_one_process(one, tmp_path):
-    """tp2 with SP × pp2: the first stage cuts its sequence shard after the image features are in."""
-    run_job(tmp_path, pt_job(tmp_path / "tppp", devices=4, parallel={"tp": 2, "sp": True, "pp": 2}), "tppp.yaml")
-    assert_matches(tmp_path / "tppp", one)
+    """tp2 with SP × pp2 with the vision tower across both stages: the patches' sequence shards cross them, the
+    second stage gathers them for the merger and cuts the text sequence shard after the image features are in."""
+    out = run_split(tmp_path, pt_job(tmp_path / "tppp", devices=4, parallel={"tp": 2, "sp": True, "pp": 2}), "tppp",
+                    vision=[1, 1], text=[0, 2])
+    assert_matches(out, one)
 
 
 @pytest.mark.slow
@@ -142,3 +178,61 @@ def test_pipeline_with_tied_embeddings_matches_one_process(tmp_path):
     for name, spec in jobs.items():
         run_job(tmp_path, spec, f"{name}.yaml")
     assert_matches(tmp_path / "pp2", tmp_path / "one")
+
+
+@pytest.mark.parametrize("vision, text, message", [
+    ([1, 1], [1, 1], "text decoder layers on stage 0, before the vision tower ends on stage 1; the vision layers "
+                     "come first"),
+    ([0, 2], [1, 1], "stage 0 holds no vision layer while a later one does"),
+    ([1, 1, 0], [0, 2, 0], "stage 2 holds no layer"),
+])
+def test_pipeline_split_must_put_the_vision_tower_first(vision, text, message):
+    from backends.mm.config import ConfigError, Part
+    from backends.mm.parallelize import check_pipeline_split
+
+    parts = {"vision_encoder": Part(pipeline_num_layers=vision), "text_decoder": Part(pipeline_num_layers=text)}
+    with pytest.raises(ConfigError, match="image_encoder.vision_encoder.pipeline_num_layers = .*" + message):
+        check_pipeline_split(parts, len(vision))
+    ok = check_pipeline_split({"vision_encoder": Part(pipeline_num_layers=[2, 1, 0]),
+                               "text_decoder": Part(pipeline_num_layers=[0, 1, 3])}, 3)
+    assert (ok.merger_stage, ok.vision, ok.text) == (1, [[0, 1], [2], []], [[], [0], [1, 2, 3]])
+
+
+def test_tensor_parallel_refuses_vision_heads_that_do_not_split():
+    from backends.mm.config import ConfigError
+    from backends.mm.models import from_pretrained
+    from backends.mm.parallelize import check_tensor_parallel
+
+    vl = from_pretrained(TINY)  # vision: 2 heads, FFN 64; text: 4 heads, 2 kv groups
+    check_tensor_parallel(vl, 2)
+    with pytest.raises(ConfigError, match=r"image_encoder.vision_encoder.num_attention_heads 2 does not split over "
+                                          r"tp=4"):
+        check_tensor_parallel(vl, 4)
+
+
+def test_vision_padding_for_sequence_parallel_leaves_the_features_unchanged():
+    """Under SP the window-ordered patches are padded to a multiple of tp with one more document of zero rows:
+    the image features (and their gradients) equal the unpadded tower's."""
+    from backends.mm.models import from_pretrained
+
+    class Whole:  # a one-rank stand-in for VisionSequence: pads to a multiple of `size`, splits nothing
+        def __init__(self, size):
+            self.size = size
+
+        def shard(self, x):
+            return x
+
+        gather = shard
+
+    vl = from_pretrained(TINY)
+    grid = torch.tensor([[1, 4, 8], [1, 6, 4]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), vl.visual.patch_embed.proj.weight[0].numel())
+    want = vl.visual(pixels, grid)
+    (g_want,) = torch.autograd.grad(want.square().sum(), vl.visual.blocks[0].attn.qkv.weight)
+    vl.visual.sequence = Whole(5)  # 56 patches -> 60 rows
+    vi = vl.visual.inputs(grid, torch.float32, "cpu")
+    assert (vi.patches, vi.rows) == (56, 60) and vi.cu_window[-1] == vi.cu_full[-1] == 60
+    got = vl.visual(pixels, grid)
+    (g_got,) = torch.autograd.grad(got.square().sum(), vl.visual.blocks[0].attn.qkv.weight)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_got, g_want, atol=1e-5, rtol=1e-5)
