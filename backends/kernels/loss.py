@@ -147,7 +147,18 @@ def linear_cross_entropy(
             f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}"
         )
     chunk = chunk_size or auto_chunk_size(weight.shape[0])
+    hidden, labels = trained_rows(hidden, labels, ignore_index)
     return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, int(chunk))
+
+
+def trained_rows(hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int):
+    """(hidden, labels) of the rows with a label only, when some have none. Ignored rows add nothing to the
+    loss and get an exact-zero gradient (the gather's backward writes it), so their [N, V] share of the
+    three vocabulary-wide matmuls is skipped: in SFT most tokens (prompt, image) carry no label."""
+    keep = (labels != ignore_index).nonzero().squeeze(1)
+    if keep.numel() == labels.numel():
+        return hidden, labels
+    return hidden.index_select(0, keep), labels.index_select(0, keep)
 
 
 # ---------------------------------------------------------------------- vocab-parallel cross entropy
@@ -266,6 +277,7 @@ def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight_shard: torch.Tenso
     if hidden.shape[0] != labels.shape[0] or hidden.shape[1] != weight_shard.shape[1]:
         raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight_shard.shape)}, "
                          f"labels {tuple(labels.shape)}")
+    hidden, labels = trained_rows(hidden, labels, ignore_index)  # the same rows on every rank: labels agree
     hidden, weight_shard, vocab_start, tp_group = vocab_shard(hidden, weight_shard, tp_group, vocab_start,
                                                               reduce_hidden_grad)
     chunk = chunk_size or auto_chunk_size(weight_shard.shape[0])

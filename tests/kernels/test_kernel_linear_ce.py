@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import backends.kernels as K
 from kernel_helpers import devices_with_backend
@@ -49,6 +50,39 @@ def test_only_hidden_needs_grad_and_all_ignored():
     torch.testing.assert_close(h.grad, h2.grad, atol=1e-6, rtol=1e-5)
     loss0, count0 = K.linear_cross_entropy(hidden, weight, torch.full((37,), -100))
     assert loss0.item() == 0.0 and count0.item() == 0
+
+
+class _VocabMatmulRows(TorchDispatchMode):
+    """Rows of every matmul that produces [rows, V] logits (V = the vocabulary size), backward included."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[1] == self.vocab:
+            self.rows.append(out.shape[0])
+        return out
+
+
+def test_ignored_rows_skip_the_vocabulary_matmul():
+    # SFT: most rows carry no label. Only the 6 labelled rows reach the [rows, V] logits, and the
+    # loss and both gradients still equal the full-logits definition (ignored rows: exact-zero grad).
+    ignore = [i for i in range(37) if i % 6]
+    hidden, weight, labels = _inputs(ignore=ignore)
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    with _VocabMatmulRows(50) as seen:
+        loss, count = K.linear_cross_entropy(h1, w1, labels, chunk_size=4)
+        (loss / count).backward()
+    assert count.item() == 7 and seen.rows and max(seen.rows) <= 4 and sum(seen.rows) == 7 * 2  # forward + backward
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    want = _reference(h2, w2, labels)
+    (want / 7).backward()
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w1.grad, w2.grad, atol=1e-6, rtol=1e-5)
+    assert (h1.grad[ignore] == 0).all()
 
 
 def test_custom_ignore_index():
