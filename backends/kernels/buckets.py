@@ -7,6 +7,8 @@ autograd nodes, each slice's backward writing a full-size zero gradient) dominat
 padded batch: with long, uneven documents the padding's quadratic scores dominate. The bucket
 plan minimises a cost model of both (bucket_tops()) and is cached per set of lengths; moving
 tokens in and out is one index_select and one index_copy_ per bucket (no Python work per document).
+When every document has the same length (a vision tower's equal windows, one image size) the one
+bucket is the packed tensor itself, viewed as [B, L, ...]: no gather, no scatter, no key mask.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ class Plan:
     @property
     def rows(self) -> int:
         return sum(b * t for b, t in zip(self.sizes, self.tops))
+
+    @property
+    def whole(self) -> bool:
+        """One bucket without padding: its rows are the packed tokens in order."""
+        return len(self.tops) == 1 and self.rows == self.total
+
+    def padded(self, b: int) -> bool:
+        return self.pad[b].numel() > 0
 
 
 def bucket_tops(lengths: list[int]) -> list[int]:
@@ -160,8 +170,12 @@ class _FromBuckets(torch.autograd.Function):
 
 
 def to_buckets(x: torch.Tensor, p: Plan) -> tuple[torch.Tensor, ...]:
+    if p.whole:
+        return (x.view(p.sizes[0], p.tops[0], *x.shape[1:]),)
     return _ToBuckets.apply(x, p)
 
 
 def from_buckets(outs, p: Plan) -> torch.Tensor:
+    if p.whole:
+        return outs[0].reshape(p.total, *outs[0].shape[2:])
     return _FromBuckets.apply(p, *outs)

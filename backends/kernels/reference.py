@@ -93,10 +93,12 @@ def _bucketed(fn, q, k, v, cu_seqlens, **kw):
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         return (out, out.new_zeros(q.shape[1], 0, dtype=torch.float32)) if fn is explicit_attention else out
     outs, lses = [], []
-    for qb, kb, vb, lens in zip(buckets.to_buckets(q, p), buckets.to_buckets(k, p), buckets.to_buckets(v, p),
-                                p.key_lengths):
-        # Causal: a document's queries never reach the padding after it, so no key mask is needed.
-        res = fn(qb, kb, vb, key_lengths=None if kw["causal"] else lens, **kw)
+    for i, (qb, kb, vb) in enumerate(zip(buckets.to_buckets(q, p), buckets.to_buckets(k, p),
+                                         buckets.to_buckets(v, p))):
+        # Causal: a document's queries never reach the padding after it, so no key mask is needed;
+        # nor in a bucket without padding (then SDPA can take its unmasked kernel).
+        lens = p.key_lengths[i] if not kw["causal"] and p.padded(i) else None
+        res = fn(qb, kb, vb, key_lengths=lens, **kw)
         if isinstance(res, tuple):
             outs.append(res[0])
             lses.append(res[1].transpose(1, 2))  # [B, L, H]: token-major like the outputs

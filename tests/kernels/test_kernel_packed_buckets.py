@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import backends.kernels as K
 from backends.kernels import buckets, cuda, reference
@@ -121,6 +122,62 @@ def test_packed_call_runs_a_few_sdpa_calls_not_one_per_document(monkeypatch):
     assert sum(s[0] for s in calls) == 256  # every document in exactly one batch row
     assert "length-bucketed padded batches" in K.describe("cpu")["attention"]
     assert "per document" not in reference.impl_name("attention")
+
+
+class _Ops(TorchDispatchMode):
+    """Names of the aten ops run, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _sdpa_masks(monkeypatch):
+    masks = []
+    real = F.scaled_dot_product_attention
+
+    def logging(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", logging)
+    return masks
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_equal_documents_are_one_view_without_gathers(causal, monkeypatch):
+    # A vision tower's equal windows (and an empty document): one bucket that is the packed tensor
+    # itself, so no token is gathered or scattered and the non-causal call needs no key mask.
+    lengths = [16, 16, 0, 16, 16]
+    q, k, v, cu = _inputs(lengths, 4, 2)
+    p = buckets.plan(tuple(lengths), "cpu")
+    assert p.whole and p.tops == (16,) and p.sizes == (4,)
+    masks = _sdpa_masks(monkeypatch)
+    with _Ops() as ops:
+        got, got_g = _out_and_grads(lambda *t: K.attention(*t, causal=causal, cu_seqlens=cu), q, k, v)
+    assert not {"index_select", "index_copy_", "index_copy", "index_fill_"} & ops.names, ops.names
+    assert masks == [None]
+    want, want_g = _out_and_grads(lambda *t: per_document(*t, cu, causal=causal), q, k, v)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b)
+
+
+def test_unpadded_bucket_takes_no_key_mask(monkeypatch):
+    # Non-causal, two buckets: the one of equal 64-token documents has no padding and so no mask; the
+    # padded one of 3- and 5-token documents keeps its key mask.
+    lengths = [64, 64] + [3, 5] * 20 + [64, 64]
+    q, k, v, cu = _inputs(lengths, 2, 2)
+    p = buckets.plan(tuple(lengths), "cpu")
+    assert p.tops == (5, 64) and not p.whole and p.padded(0) and not p.padded(1)
+    masks = _sdpa_masks(monkeypatch)
+    got = K.attention(q, k, v, causal=False, cu_seqlens=cu)
+    assert [m is None for m in masks] == [False, True]
+    torch.testing.assert_close(got, per_document(q, k, v, cu, causal=False))
 
 
 # ---------------------------------------------------------------- the plan
