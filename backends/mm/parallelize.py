@@ -188,6 +188,11 @@ class StageSplit:
         empty = [i for i in range(m + 1, pp) if not text[i]]
         if empty:
             raise ConfigError(f"{where}: stage {empty[0]} holds no layer; give every stage at least one")
+        if m and parts["vision_encoder"].freeze:  # (the optimizer of a stage with nothing to train has no work)
+            held = "stage 0 holds" if m == 1 else f"stages 0-{m - 1} hold"
+            raise ConfigError(f"{where}: {held} only vision layers, and model.json image_encoder."
+                              "vision_encoder.freeze is true, so they would train nothing; put the frozen vision tower "
+                              "on fewer stages (all on stage 0 with the merger) or train it")
         self.vision, self.text = self._ranges(vision), self._ranges(text)
 
     @staticmethod

@@ -180,17 +180,19 @@ def test_pipeline_with_tied_embeddings_matches_one_process(tmp_path):
     assert_matches(tmp_path / "pp2", tmp_path / "one")
 
 
-@pytest.mark.parametrize("vision, text, message", [
-    ([1, 1], [1, 1], "text decoder layers on stage 0, before the vision tower ends on stage 1; the vision layers "
-                     "come first"),
-    ([0, 2], [1, 1], "stage 0 holds no vision layer while a later one does"),
-    ([1, 1, 0], [0, 2, 0], "stage 2 holds no layer"),
+@pytest.mark.parametrize("vision, text, frozen, message", [
+    ([1, 1], [1, 1], False, "text decoder layers on stage 0, before the vision tower ends on stage 1; the vision "
+                            "layers come first"),
+    ([0, 2], [1, 1], False, "stage 0 holds no vision layer while a later one does"),
+    ([1, 1, 0], [0, 2, 0], False, "stage 2 holds no layer"),
+    ([1, 1], [0, 2], True, "stage 0 holds only vision layers, and .*vision_encoder.freeze is true"),
 ])
-def test_pipeline_split_must_put_the_vision_tower_first(vision, text, message):
+def test_pipeline_split_must_put_the_vision_tower_first(vision, text, frozen, message):
     from backends.mm.config import ConfigError, Part
     from backends.mm.parallelize import check_pipeline_split
 
-    parts = {"vision_encoder": Part(pipeline_num_layers=vision), "text_decoder": Part(pipeline_num_layers=text)}
+    parts = {"vision_encoder": Part(pipeline_num_layers=vision, freeze=frozen),
+             "text_decoder": Part(pipeline_num_layers=text)}
     with pytest.raises(ConfigError, match="image_encoder.vision_encoder.pipeline_num_layers = .*" + message):
         check_pipeline_split(parts, len(vision))
     ok = check_pipeline_split({"vision_encoder": Part(pipeline_num_layers=[2, 1, 0]),
