@@ -296,6 +296,13 @@ def newest_intact(root: str | os.PathLike) -> tuple[Path | None, list[tuple[Path
 # --------------------------------------------------------------------------- state dicts
 
 
+# Optimizer groups keyed per parameter name ("optim.param_groups.<fqn>.lr"), not per group index: a
+# group's "params" list differs between pipeline stages, and DCP keeps one rank's copy of a non-tensor
+# value, so a stage would get another stage's group. The states are keyed per name either way.
+# Checkpoints without this marker entry key the groups by index.
+OPTIM_KEYS = "per-parameter"
+
+
 def _options(trainable_only: bool) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
@@ -308,37 +315,65 @@ def _parts(model, optimizer) -> dict[str, tuple[Any, Any]]:
     return {"": (model, optimizer)}
 
 
-def _part_states(model, optimizer, options) -> dict[str, Any]:
+def _groups_per_parameter(osd: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state dict with its group settings under each parameter's name."""
+    groups = {}
+    for group in osd["param_groups"]:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for fqn in group["params"]:
+            groups[fqn] = dict(settings)
+    return {**osd, "param_groups": groups}
+
+
+def _groups_as_list(osd: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """Back to torch's form: this optimizer's groups (their parameter names) with the loaded settings."""
+    groups = []
+    for fqns in names:
+        settings = osd["param_groups"][fqns[0]]
+        differ = [f for f in fqns[1:] if osd["param_groups"][f] != settings]
+        if differ:  # saved in other groups: a different optimizer setup (e.g. weight decay per parameter)
+            raise CheckpointError(f"optimizer group of {fqns[0]} was saved with other settings for {differ[:4]} "
+                                  f"({settings} vs {osd['param_groups'][differ[0]]}): the optimizer's groups differ "
+                                  "from the checkpoint's")
+        groups.append({**settings, "params": list(fqns)})
+    return {**osd, "param_groups": groups}
+
+
+def _part_states(model, optimizer, options, per_parameter: bool, names: dict) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model, options=options)}
     msd, osd = get_state_dict(model, optimizer, options=options)
+    if per_parameter:
+        names[id(optimizer)] = [list(g["params"]) for g in osd["param_groups"]]
+        osd = _groups_per_parameter(osd)
     return {"model": msd, "optim": osd}
 
 
-def _get_states(model, optimizer, options) -> dict[str, Any]:
-    parts = _parts(model, optimizer)
+def _get_states(model, optimizer, options, per_parameter: bool = True) -> tuple[dict[str, Any], dict]:
+    """The state dicts DCP saves or fills, and each optimizer's group names (to turn them back)."""
+    parts, names = _parts(model, optimizer), {}
     if set(parts) == {""}:
-        return _part_states(*parts[""], options)
-    return {name: _part_states(m, o, options) for name, (m, o) in parts.items()}
+        return _part_states(*parts[""], options, per_parameter, names), names
+    return {name: _part_states(m, o, options, per_parameter, names) for name, (m, o) in parts.items()}, names
 
 
-def _set_part_states(model, optimizer, states, options) -> None:
+def _set_part_states(model, optimizer, states, options, names: dict) -> None:
     if optimizer is None:
         set_model_state_dict(model, states["model"], options=options)
-    else:
-        set_state_dict(
-            model, optimizer, model_state_dict=states["model"],
-            optim_state_dict=states["optim"], options=options,
-        )
+        return
+    osd = states["optim"]
+    if id(optimizer) in names:
+        osd = _groups_as_list(osd, names[id(optimizer)])
+    set_state_dict(model, optimizer, model_state_dict=states["model"], optim_state_dict=osd, options=options)
 
 
-def _set_states(model, optimizer, states, options) -> None:
+def _set_states(model, optimizer, states, options, names: dict) -> None:
     parts = _parts(model, optimizer)
     if set(parts) == {""}:
-        _set_part_states(*parts[""], states, options)
+        _set_part_states(*parts[""], states, options, names)
         return
     for name, (m, o) in parts.items():
-        _set_part_states(m, o, states[name], options)
+        _set_part_states(m, o, states[name], options, names)
 
 
 def _model_prefixes(model) -> tuple[str, ...]:
@@ -381,16 +416,29 @@ def _flatten(states: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _union_over_ranks(keys: set[str]) -> set[str]:
+    """The keys any rank holds (collective): a pipeline stage holds only its own layers, so a
+    checkpoint key no stage holds is one the model does not have."""
+    if not _dist_on():
+        return keys
+    box: list[Any] = [None] * _world()
+    dist.all_gather_object(box, sorted(keys))
+    return {k for part in box for k in part}
+
+
+def _listed(what: str, keys: list[str]) -> str:
+    return f"{len(keys)} {what}: " + ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "")
+
+
 def _check_fits(path: Path, states: dict[str, Any], model_keys: tuple[str, ...] = ("model.",)) -> None:
-    """Compare what the model/optimizer need with the checkpoint's metadata; one clear error."""
+    """Compare what the model/optimizer need with the checkpoint's metadata; one clear error, raised on
+    every rank (collective) so that no rank is left waiting in the load."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:
         raise CheckpointError(f"checkpoint {path}: cannot read the DCP metadata ({type(e).__name__}: {e})") from e
     saved = metadata.state_dict_metadata
     flat = _flatten(states)
-    if not flat:
-        return
     missing, mismatched = [], []
     for key, value in flat.items():
         if key not in saved:
@@ -401,25 +449,38 @@ def _check_fits(path: Path, states: dict[str, Any], model_keys: tuple[str, ...] 
         saved_shape = tuple(meta.size) if hasattr(meta, "size") else None
         if shape is not None and saved_shape != shape:
             mismatched.append(f"{key}: checkpoint {list(saved_shape) if saved_shape is not None else 'non-tensor'} vs model {list(shape)}")
-    unexpected = sorted(k for k in saved if k.startswith(model_keys) and k not in flat)
-    if not (missing or mismatched or unexpected):
-        return
+    held = _union_over_ranks(set(flat))
+    unexpected = sorted(k for k in saved if k.startswith(model_keys) and k not in held) if flat else []
     parts = []
     if mismatched:
-        parts.append(f"{len(mismatched)} shape mismatch(es): " + "; ".join(mismatched[:8])
-                     + (" ..." if len(mismatched) > 8 else ""))
+        parts.append(_listed("shape mismatch(es)", mismatched))
     missing_model = [k for k in missing if k.startswith(model_keys)]
     missing_other = [k for k in missing if not k.startswith(model_keys)]
     if missing_model:
-        parts.append(f"{len(missing_model)} model key(s) missing from the checkpoint: "
-                     + ", ".join(missing_model[:8]) + (" ..." if len(missing_model) > 8 else ""))
+        parts.append(_listed("model key(s) missing from the checkpoint", missing_model))
     if unexpected:
-        parts.append(f"{len(unexpected)} checkpoint model key(s) the model does not have: "
-                     + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""))
+        parts.append(_listed("checkpoint model key(s) the model does not have", unexpected))
     if missing_other:
-        parts.append(f"{len(missing_other)} optimizer key(s) missing (different optimizer?): "
-                     + ", ".join(missing_other[:8]) + (" ..." if len(missing_other) > 8 else ""))
-    raise CheckpointError(f"checkpoint {path} does not fit the model/optimizer: " + " | ".join(parts))
+        parts.append(_listed("optimizer key(s) missing (different optimizer?)", missing_other))
+    problems = _agree_text(" | ".join(parts) if parts else None)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not fit the model/optimizer: " + " || ".join(problems))
+
+
+def _refuse_group_keys_across_stages(path: Path, states: dict[str, Any], model_keys: tuple[str, ...]) -> None:
+    """An older checkpoint keys optimizer groups by index, holding one rank's parameter list for each: it
+    loads only where every rank holds the same parameters (collective)."""
+    mine = sorted(k for k in _flatten(states) if k.startswith(model_keys))
+    box: list[Any] = [mine]
+    if _dist_on():
+        box = [None] * _world()
+        dist.all_gather_object(box, mine)
+    if any(keys != box[0] for keys in box):
+        raise CheckpointError(
+            f"checkpoint {path} keys its optimizer groups by index (saved before per-parameter optimizer keys), "
+            "and the ranks of this layout hold different parameters (pipeline stages): it cannot be resharded "
+            "into them. Resume it once without pipeline parallelism (pp 1; its next save is per-parameter and "
+            "loads into any layout), or start afresh")
 
 
 # --------------------------------------------------------------------------- save
@@ -465,7 +526,11 @@ def _describe(error: BaseException) -> str:
 
 def _agree(error: BaseException | None) -> list[str]:
     """Every distinct failure over the ranks (collective), with the ranks it happened on; []: all succeeded."""
-    text = None if error is None else _describe(error)
+    return _agree_text(None if error is None else _describe(error))
+
+
+def _agree_text(text: str | None) -> list[str]:
+    """Every distinct problem text over the ranks (collective), with the ranks that found it."""
     box: list[Any] = [text]
     if _dist_on():
         box = [None] * _world()
@@ -571,7 +636,7 @@ def save_checkpoint(
     _barrier()
 
     options = _options(trainable_only)
-    states = _get_states(model, optimizer, options)
+    states, _ = _get_states(model, optimizer, options)
     error: BaseException | None = None
     try:
         with _quiet_dcp():
@@ -614,6 +679,7 @@ def save_checkpoint(
             "trainable_only": bool(trainable_only),
             "has_optimizer": optimizer is not None,
             "has_scheduler": scheduler is not None,
+            "optim_keys": OPTIM_KEYS,
             "parts": sorted(_parts(model, optimizer)),
             "torch": torch.__version__,
             "time": time.time(),
@@ -661,13 +727,16 @@ def load_checkpoint(
     if optimizer is not None and not marker.get("has_optimizer", True):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state but an optimizer was given")
 
+    per_parameter = marker.get("optim_keys") == OPTIM_KEYS
     options = _options(bool(marker.get("trainable_only", False)))
-    states = _get_states(model, optimizer, options)
+    states, names = _get_states(model, optimizer, options, per_parameter)
     _check_fits(path, states, _model_prefixes(model))
+    if optimizer is not None and not per_parameter:
+        _refuse_group_keys_across_stages(path, states, _model_prefixes(model))
     try:
         with _quiet_dcp():
             dcp.load(states, checkpoint_id=str(path))
-        _set_states(model, optimizer, states, options)
+        _set_states(model, optimizer, states, options, names)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
