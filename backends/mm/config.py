@@ -58,7 +58,6 @@ class DataArgs:
     assistant_tag: str = "assistant"
     system_tag: str | None = None
     shuffle: bool = True
-    drop_last: bool = True
     seq_len: int = 1024
 
 
@@ -521,6 +520,12 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
     for key in ("image_max_pixels", "image_min_pixels"):
         if key in pre and (not isinstance(pre[key], int) or pre[key] < 0):
             raise ConfigError(f"--mm-data {ns.mm_data}: preprocess_parameters.{key} must be a whole number of pixels")
+    if loader.get("drop_last", True) is not True:
+        # MindSpeed-MM's BaseRandomBatchSampler raises on it too ("not implemented that the drop_last is false")
+        raise ConfigError(f"--mm-data {ns.mm_data}: dataloader_param.drop_last = {json.dumps(loader['drop_last'])} is "
+                          "not built: keeping each epoch's last incomplete batch is not implemented by MindSpeed-MM's "
+                          "BaseRandomBatchSampler nor by backends.mm; set it to true (the samples that do not fill "
+                          "micro-batch × data-parallel size at an epoch's end are left out of that epoch)")
     dataset = str(basic["dataset"])
     data = DataArgs(
         dataset=dataset, dataset_dir=str(basic.get("dataset_dir") or Path(dataset).parent), processor_dir=str(processor),
@@ -529,7 +534,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
         images=attr.get("images") or "images", role_tag=attr.get("role_tag") or "role",
         content_tag=attr.get("content_tag") or "content", user_tag=attr.get("user_tag") or "user",
         assistant_tag=attr.get("assistant_tag") or "assistant", system_tag=attr.get("system_tag"),
-        shuffle=bool(loader.get("shuffle", True)), drop_last=bool(loader.get("drop_last", True)),
+        shuffle=bool(loader.get("shuffle", True)),
         seq_len=ns.seq_length)
     if data.image_min_pixels > data.image_max_pixels:
         raise ConfigError(f"--mm-data {ns.mm_data}: image_min_pixels {data.image_min_pixels} is above image_max_pixels "

@@ -174,12 +174,13 @@ def collate(samples: list[Sample]) -> dict:
 
 class Loader:
     """Micro-batches of this data-parallel rank: an epoch is a shuffled order (seeded per epoch), cut into
-    global batches of dp × micro-batch samples (drop_last drops the tail); rank r takes its slice."""
+    spans of dp × micro-batch samples, rank r taking its slice of each. The tail that does not fill a span is
+    left out of the epoch (MindSpeed-MM's drop_last: true, the only setting its BaseRandomBatchSampler has)."""
 
     def __init__(self, dataset: MLLMDataset, micro_batch: int, dp_rank: int, dp_world: int, seed: int,
-                 shuffle: bool, drop_last: bool):
+                 shuffle: bool):
         self.ds, self.mb, self.rank, self.world = dataset, micro_batch, dp_rank, dp_world
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.seed, self.shuffle = seed, shuffle
         self.epoch, self.pos = 0, 0
         self.n_units = len(dataset)
         if len(dataset) < micro_batch * dp_world:

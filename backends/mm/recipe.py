@@ -152,7 +152,7 @@ class MMRecipe(Recipe):
         tokenizer = AutoTokenizer.from_pretrained(d.processor_dir)
         processor = AutoImageProcessor.from_pretrained(d.processor_dir)
         self.dataset = MLLMDataset(d, tokenizer, processor, vl.config.vision.spatial_merge_size)
-        self.loader = Loader(self.dataset, t.micro_batch, par.dp_rank, layout.dp, t.seed, d.shuffle, d.drop_last)
+        self.loader = Loader(self.dataset, t.micro_batch, par.dp_rank, layout.dp, t.seed, d.shuffle)
         total_steps = t.steps or max(1, math.ceil(t.epochs * len(self.dataset) / t.global_batch))
         warmup = round(t.warmup_fraction * total_steps) if t.warmup_fraction is not None else t.warmup
         self.vl, self.rt = vl, rt
