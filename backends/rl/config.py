@@ -49,6 +49,8 @@ class RLConfig:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0                  # of the total steps, when warmup_steps is 0
     gradient_checkpointing: bool = False       # full recompute of the actor's (and critic's) blocks
+    fsdp: bool = False                         # FSDP2: actor, critic and reference sharded over the ranks
+    reshard_after_forward: bool = True         # FSDP2 blocks free their gathered weights after forward
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float = 3.0
@@ -285,7 +287,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     only("actor_rollout_ref.rollout.pipeline_model_parallel_size", (1,), "no pipeline parallel rollout")
     only("actor_rollout_ref.rollout.do_sample", (True,), "rollout samples; set temperature 0 for greedy")
     only("actor_rollout_ref.rollout.ignore_eos", (False,), "responses stop at EOS")
-    only("actor_rollout_ref.actor.strategy", ("fsdp", "fsdp2"), "the FSDP-style backend")
+    only("actor_rollout_ref.actor.strategy", ("fsdp", "fsdp2"), "the FSDP backend (both run as FSDP2 here)")
     only("actor_rollout_ref.actor.ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallel is pending")
     only("actor_rollout_ref.actor.use_dynamic_bsz", (False,), "micro-batches are counted in responses")
     only("actor_rollout_ref.actor.optim.lr_scheduler_type", ("constant",), "constant learning rate after warm-up")
@@ -422,7 +424,8 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         save_interval=get("trainer.save_freq"),
     )
     if algorithm == "ppo":
-        get("critic.grad_clip"), get("critic.strategy")
+        get("critic.grad_clip")
+        only("critic.strategy", ("fsdp", "fsdp2"), "the FSDP backend (both run as FSDP2 here)")
     if is_num(warmup) and warmup > 0:
         values["warmup_steps"] = int(warmup)
     elif is_num(warmup_ratio) and warmup_ratio > 0:
@@ -443,6 +446,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     world = want("trainer.nnodes", pos, "a positive integer") * want("trainer.n_gpus_per_node", pos,
                                                                     "a positive integer")
     values["expected_world"] = world
+    values.update(_verl_fsdp(given, get, want, problems, world, ppo=algorithm == "ppo"))
 
     # what the user set that this engine does not read: VeRL's default, or refused by name
     for key, value in given.items():
@@ -456,6 +460,36 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     if problems:
         raise RLConfigError(f"{source}: " + "; ".join(problems))
     return _with_sidecar(values, side, source)
+
+
+def _verl_fsdp(given: Mapping, get: Callable, want: Callable, problems: list[str], world: Any, ppo: bool) -> dict:
+    """VeRL's FSDP layout: strategy fsdp / fsdp2 with fsdp_size -1 (or at least the world) fully shards
+    the actor over every rank; fsdp_size 1 is VeRL's hybrid shard with groups of one, i.e. replicated.
+    The reference and the critic take the actor's layout."""
+    actor = "actor_rollout_ref.actor.fsdp_config."
+    size = want(actor + "fsdp_size", lambda v: isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v > 0),
+                "-1 (every rank) or a positive integer")
+    reshard = want(actor + "reshard_after_forward", lambda v: isinstance(v, bool), "true or false")
+    whole = isinstance(world, int) and isinstance(size, int) and (size == -1 or size >= world)
+    if isinstance(size, int) and size > 1 and not whole:
+        problems.append(f"{actor}fsdp_size: {size} shards within groups of {size} of the {world} ranks (hybrid "
+                        "sharding), which is not built; set -1 to shard over every rank or 1 to replicate")
+    ref_strategy = get("actor_rollout_ref.ref.strategy")
+    if "actor_rollout_ref.ref.strategy" in given and ref_strategy not in ("fsdp", "fsdp2"):
+        problems.append(f"actor_rollout_ref.ref.strategy: {ref_strategy!r} is not built in this engine (the reference "
+                        "runs on the actor's FSDP backend); set it to 'fsdp' or 'fsdp2'")
+    # the reference only runs forward, on its gathered weights (backends/rl/sharding.py): resharding after
+    # forward changes nothing there
+    get("actor_rollout_ref.ref.fsdp_config.reshard_after_forward")
+    follow = [("actor_rollout_ref.ref.fsdp_config.fsdp_size", size)]
+    if ppo:
+        follow += [("critic.fsdp.fsdp_size", size), ("critic.fsdp.reshard_after_forward", reshard)]
+    for key, actor_value in follow:
+        value = get(key)
+        if key in given and value != actor_value:
+            problems.append(f"{key}: {value!r} differs from the actor's {actor_value!r}; the reference and the "
+                            "critic take the actor's FSDP layout here")
+    return {"fsdp": size != 1, "reshard_after_forward": bool(reshard)}
 
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
