@@ -1,7 +1,7 @@
 """The RL recipe on the shared trainer: colocated GRPO, DAPO and PPO.
 
-One step, on every rank (each holds a replica of the actor and takes train_batch_size / world of the
-prompts, contiguously, so the global order of the responses is the one-process order):
+One step, on every rank (each takes train_batch_size / world of the prompts, contiguously, so the
+global order of the responses is the one-process order):
 
   rollout     n responses per prompt from the actor's own weights (rollout.generate, in place)
               (stopping at the model's EOS ids: generation_config.json and the tokenizer's, as vLLM does)
@@ -19,8 +19,11 @@ prompts, contiguously, so the global order of the responses is the one-process o
               micro-batch carries the mini-batch's global token and sequence counts, so token-mean is
               the mean over all its tokens on all ranks (and the seq-mean modes likewise).
 
-Gradients are averaged over the ranks after each backward pass (the data-parallel all-reduce); the
-trainer multiplies the local loss by the world size, so the average becomes the global sum.
+Layouts: replicated (every rank holds the actor; gradients averaged over the ranks after each
+backward pass) or, with cfg.fsdp (VeRL's strategy fsdp / fsdp2), FSDP2 over the ranks (sharding.py:
+actor, critic and reference sharded; rollout and the forward-only passes run on the gathered model;
+updates in lockstep). Either way the trainer multiplies the local loss by the world size, so the
+average of the gradients becomes the global sum.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from backends.common.distributed import Runtime, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 
-from . import algos, rollout
+from . import algos, rollout, sharding
 from .config import RLConfig
 from .rewards import Scorer, load_function
 
@@ -166,22 +169,28 @@ class RLRecipe(Recipe):
         self.scorer = Scorer(verifier=c.verifier, function=fn, format_weight=c.format_weight,
                              overlong_buffer=c.overlong_buffer, overlong_factor=c.overlong_factor,
                              max_response_length=c.overlong_max_length or c.max_new_tokens)
+        from backends.common.parallel.recompute import apply_recompute
+
         actor = from_pretrained(c.model_path, device=rt.device)
         actor.train()
+        par = sharding.data_parallel_layout(rt, actor) if c.fsdp and rt.world > 1 else None
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
+            if par is not None:
+                sharding.shard(self.reference, self.reference.parts(), par)
         if c.gradient_checkpointing:
-            from backends.common.parallel.recompute import apply_recompute
-
-            apply_recompute(actor.parts(), "full")
+            apply_recompute(actor.parts(), "full", fsdp=par is not None)
+        if par is not None:
+            sharding.shard(actor, actor.parts(), par, c.reshard_after_forward)
         self.parts = {"actor": self._part(actor, c.lr)}
         if c.algorithm == "ppo":
-            critic = Critic(from_pretrained(c.model_path, device=rt.device)).to(rt.device)
+            lm = from_pretrained(c.model_path, device=rt.device)
+            critic = Critic(lm).to(rt.device)
             if c.gradient_checkpointing:
-                from backends.common.parallel.recompute import apply_recompute
-
-                apply_recompute(critic.model.parts(), "full")
+                apply_recompute(lm.parts(), "full", fsdp=par is not None)
+            if par is not None:
+                sharding.shard(critic, lm.parts(), par, c.reshard_after_forward)
             self.parts["critic"] = self._part(critic, c.critic_lr)
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
                         resume=c.resume, metrics_file=c.metrics_file)
@@ -191,8 +200,10 @@ class RLRecipe(Recipe):
         opt = build_optimizer(model, lr=lr, weight_decay=c.weight_decay, betas=tuple(c.betas))
         sched = build_scheduler(opt, lr=lr, min_lr=lr, warmup=c.warmup_steps, total=max(c.total_steps, 1),
                                 style="constant")
+        # FSDP2 reduce-scatters (averages) the gradients in each backward itself
+        average = None if sharding.is_sharded(model) else _average_grads(model, self.rt.world)
         return Part(model, opt, sched, grad_world=self.rt.world, precision=c.precision, grad_clip=c.grad_clip,
-                    after_backward=_average_grads(model, self.rt.world))
+                    after_backward=average)
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor}
@@ -234,11 +245,12 @@ class RLRecipe(Recipe):
         rows = [self._prompt_index(first + i) for i in range(share)]
         prompts = [c.records[r]["prompt_ids"] for r in rows]
         actor = self.parts["actor"].model
-        out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                               top_p=c.top_p, top_k=c.top_k, n=c.n, eos_token_id=c.eos_token_id or None,
-                               seed=c.seed * 7919 + step * 131 + round_, stop=c.stop or None,
-                               decode=self.tokenizer.decode if c.stop else None,
-                               prompt_ids=[first + i for i in range(share)])
+        with sharding.gathered(actor):  # ranks stop generating at different steps: no per-block gathers
+            out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                                   top_p=c.top_p, top_k=c.top_k, n=c.n, eos_token_id=c.eos_token_id or None,
+                                   seed=c.seed * 7919 + step * 131 + round_, stop=c.stop or None,
+                                   decode=self.tokenizer.decode if c.stop else None,
+                                   prompt_ids=[first + i for i in range(share)])
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out]
         truths = [c.records[r].get("ground_truth") for r in rows for _ in range(c.n)]
         sources = [c.records[r].get("data_source", "") for r in rows for _ in range(c.n)]
@@ -363,18 +375,20 @@ class RLRecipe(Recipe):
         critic = self.parts["critic"].model if "critic" in self.parts else None
         t1 = time.perf_counter()
         size = self.cfg.micro_batch_size
+        chunks = [rows[s:s + size] for s in range(0, len(rows), size)]
+        stacked = [self._stack(chunk) for chunk in chunks]
+        passes = [("old_logp", actor, lambda m, mb: self._logprobs(m, mb)[0])]
+        if self.reference is not None:
+            passes.append(("ref_logp", self.reference, lambda m, mb: self._logprobs(m, mb)[0]))
+        if critic is not None:
+            passes.append(("values", critic, self._values))
         with torch.no_grad():
-            for s in range(0, len(rows), size):
-                chunk = rows[s:s + size]
-                mb = self._stack(chunk)
-                keys = {"old_logp": self._logprobs(actor, mb)[0]}
-                if self.reference is not None:
-                    keys["ref_logp"] = self._logprobs(self.reference, mb)[0]
-                if critic is not None:
-                    keys["values"] = self._values(critic, mb)
-                for i, row in enumerate(chunk):
-                    for key, value in keys.items():
-                        row[key] = value[i, :len(row["responses"])].cpu()
+            for key, model, forward in passes:  # one model gathered at a time (sharded: see sharding.py)
+                with sharding.gathered(model):
+                    for chunk, mb in zip(chunks, stacked):
+                        value = forward(model, mb)
+                        for i, row in enumerate(chunk):
+                            row[key] = value[i, :len(row["responses"])].cpu()
         t_ref = time.perf_counter() - t1
         self._advantages(r, rows)
         t2 = time.perf_counter()
@@ -429,6 +443,8 @@ class RLRecipe(Recipe):
         for _epoch in range(c.ppo_epochs):
             for mine in minis:
                 micro = self._micro(mine)
+                if sharding.is_sharded(self.parts["actor"].model):  # every rank the same passes
+                    micro = sharding.lockstep(micro, rt.device)
                 counts = torch.tensor([sum(m["n_tokens"] for m in micro), float(len(mine))], dtype=torch.float64,
                                       device=rt.device)
                 tokens, seqs = all_reduce_sum(counts).tolist()
@@ -445,6 +461,8 @@ class RLRecipe(Recipe):
 
     def _actor_loss(self, model, mb: dict) -> Loss:
         c = self.cfg
+        if mb.get("padding"):
+            return Loss(sum=sharding.zero_touch(model(mb["input_ids"], return_hidden=True), model.output_weight()))
         mask = mb["mask"].float()
         agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
         logp, ent = self._logprobs(model, mb, entropy=True)
@@ -464,6 +482,8 @@ class RLRecipe(Recipe):
 
     def _critic_loss(self, model, mb: dict) -> Loss:
         c = self.cfg
+        if mb.get("padding"):
+            return Loss(sum=sharding.zero_touch(model(mb["input_ids"])))
         agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
         vpreds = self._values(model, mb)
         loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mb["mask"].float(), c.cliprange_value,

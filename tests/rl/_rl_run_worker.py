@@ -1,7 +1,7 @@
 """Run the RL recipe on the tiny model for a few steps, once per case, under torchrun (or alone):
 argv[1] = JSON list of {"name", "algorithm", **RLConfig overrides}, argv[2] = output folder. Each case
 writes <name>.jsonl (metrics) and, from rank 0, <name>.params (the sum and the sum of squares of the
-actor's parameters after the run)."""
+actor's parameters after the run). A case with "fsdp": true shards the actor, critic and reference."""
 
 import json
 import sys
@@ -42,8 +42,11 @@ def main():
         cfg = RLConfig(model_path=str(MODEL), records=data, metrics_file=str(out / f"{name}.jsonl"), **case)
         recipe = RLRecipe(cfg)
         Trainer(recipe, rt).run()
+        # whole tensors on every rank (an FSDP-sharded actor gathers each DTensor, collectively)
+        params = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                  for p in recipe.parts["actor"].model.parameters()]
+        params = [p.double() for p in params]
         if rt.rank == 0:
-            params = [p.detach().double() for p in recipe.parts["actor"].model.parameters()]
             (out / f"{name}.params").write_text(json.dumps([sum(float(p.sum()) for p in params),
                                                             sum(float((p * p).sum()) for p in params)]))
     if torch.distributed.is_initialized():

@@ -1,7 +1,9 @@
 """The RL loop (backends.rl.recipe on the shared trainer) on the tiny model: GRPO, DAPO and PPO on 2
 processes match 1 process (losses global over micro-batches and ranks, seeded per-sample rollouts),
-DAPO's dynamic sampling fills the batch over several rounds, and the policy learns (the rollout
-uses the updated weights in place)."""
+both with the actor replicated and with actor, critic and reference sharded by FSDP2 (VeRL's
+strategy fsdp2), DAPO's dynamic sampling fills the batch over several rounds, and the policy learns
+(the rollout uses the updated weights in place). Under FSDP2 a run cut after step 2 and resumed
+ends bit-exact where the uninterrupted run ends, and the exported actor is the trained one."""
 
 import json
 import os
@@ -29,6 +31,13 @@ CASES = [
 ]
 LEARN = dict(name="learn", algorithm="grpo", reward_function=f"{REWARD}:digit_share", **{
     **COMMON, "stop": [], "total_steps": 10, "lr": 3e-3, "train_batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 8})
+# FSDP2 runs every forward / backward in lockstep: odd n and odd kept-group counts give the ranks different
+# numbers of micro-batches (rows 2 / 1 per rank; seed 0 keeps 3 groups at steps 1 and 3)
+RAGGED = dict(name="ragged", algorithm="dapo", n=3, max_new_tokens=6, train_batch_size=4, mini_batch_size=2,
+              micro_batch_size=1, total_steps=3, seed=0, lr=2e-3, reward_function=f"{REWARD}:many_digits",
+              filter_groups=True, max_gen_rounds=1, use_kl_loss=False, stop=["1"])
+FSDP = [dict(c, name=c["name"] + "_fsdp", fsdp=True) for c in CASES] + [
+    dict(RAGGED, name="ragged_fsdp", fsdp=True, reshard_after_forward=False)]  # blocks kept from forward to backward
 KEYS = ("loss", "grad_norm", "reward_mean", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kept_groups",
         "gen_rounds")
 
@@ -43,30 +52,75 @@ def _run(tmp: Path, nproc: int, cases: list[dict]) -> Path:
     return out
 
 
+def _resume_cases(tmp: Path) -> list[dict]:
+    """PPO (actor, critic and reference sharded) cut after step 2, then resumed to step 3 and exported."""
+    ppo = next(c for c in FSDP if c["name"] == "ppo_fsdp")
+    saved = str(tmp / "ppo_ckpt")
+    return [dict(ppo, name="ppo_cut", total_steps=2, save_dir=saved),
+            dict(ppo, name="ppo_resumed", save_dir=saved, resume="auto", export_hf=str(tmp / "ppo_export"))]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl")
-    return _run(tmp, 1, CASES + [LEARN]), _run(tmp, 2, CASES)
+    return _run(tmp, 1, CASES + [LEARN, RAGGED]), _run(tmp, 2, CASES + FSDP + _resume_cases(tmp))
 
 
 def _steps(folder: Path, name: str) -> list[dict]:
     return [r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines()) if "reward_mean" in r]
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in CASES])
-def test_two_processes_match_one(runs, name):
-    one, two = (_steps(folder, name) for folder in runs)
+def _end(folder: Path, name: str) -> dict:
+    return next(r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines())
+                if r.get("event") == "end")
+
+
+@pytest.mark.parametrize("name,layout", [(c["name"], layout) for c in CASES for layout in ("", "_fsdp")]
+                         + [("ragged", "_fsdp")])
+def test_two_processes_match_one(runs, name, layout):
+    one, two = _steps(runs[0], name), _steps(runs[1], name + layout)
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two):
         for key in KEYS:
             assert (key in a) == (key in b), key
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (name, a["step"], key, a[key], b[key])
-    p1, p2 = (json.loads((folder / f"{name}.params").read_text()) for folder in runs)
+    p1, p2 = (json.loads((folder / f"{n}.params").read_text()) for folder, n in zip(runs, (name, name + layout)))
     for x, y in zip(p1, p2):
         assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (name, p1, p2)
     assert any(r["grad_norm"] > 0 for r in one)
-    assert any(r["response_length_mean"] < 9 for r in one)  # ragged responses
+    assert any(r["response_length_mean"] < 5 for r in one)  # ragged responses
+
+
+def test_fsdp_shards_the_models(runs):
+    """Each rank holds half of the actor's (and critic's) parameters and optimizer states."""
+    for name in ("grpo", "ppo"):
+        replicated, sharded = _end(runs[1], name)["model_state_mib"], _end(runs[1], name + "_fsdp")["model_state_mib"]
+        assert all(s < 0.6 * r for s, r in zip(sharded, replicated)), (name, replicated, sharded)
+
+
+def test_fsdp_ranks_in_lockstep_with_uneven_micro_batches(runs):
+    # 3 kept groups of 3: a mini-batch of 3 responses, 2 micro-batches on rank 0 and 1 on rank 1
+    assert any(r["kept_groups"] == 3 for r in _steps(runs[0], "ragged"))
+
+
+def test_fsdp_resume_is_bit_exact(runs):
+    whole, resumed = _steps(runs[1], "ppo_fsdp"), _steps(runs[1], "ppo_resumed")
+    assert [r["step"] for r in _steps(runs[1], "ppo_cut")] == [1, 2] and [r["step"] for r in resumed] == [3]
+    for key in KEYS + ("critic/grad_norm", "response_length_mean"):
+        assert (key in whole[-1]) == (key in resumed[0]), key
+        assert whole[-1].get(key) == resumed[0].get(key), (key, whole[-1].get(key), resumed[0].get(key))
+    assert (runs[1] / "ppo_fsdp.params").read_text() == (runs[1] / "ppo_resumed.params").read_text()
+
+
+def test_fsdp_export_is_the_trained_actor(runs):
+    from safetensors.torch import load_file
+
+    export = runs[1].parent / "ppo_export"
+    tensors = [t.double() for f in sorted(export.glob("*.safetensors")) for t in load_file(f).values()]
+    total, squares = json.loads((runs[1] / "ppo_resumed.params").read_text())
+    assert abs(sum(float(t.sum()) for t in tensors) - total) <= 1e-9 * abs(total)
+    assert abs(sum(float((t * t).sum()) for t in tensors) - squares) <= 1e-9 * abs(squares)
 
 
 def test_each_algorithm_does_its_part(runs):
