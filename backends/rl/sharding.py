@@ -64,7 +64,8 @@ def is_sharded(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def gathered(model: nn.Module):
     """The whole model gathered on every rank for the duration (collective on entry and exit; nothing
-    collective inside, so ranks may run different numbers of forward passes there)."""
+    collective inside, so ranks may run different numbers of forward passes there). Not between a
+    forward with gradients and its backward: the exit frees the gathered weights that graph holds."""
     units = getattr(model, "rl_fsdp_units", None)
     if not units:
         yield model
