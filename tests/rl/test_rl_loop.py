@@ -36,8 +36,9 @@ LEARN = dict(name="learn", algorithm="grpo", reward_function=f"{REWARD}:digit_sh
 RAGGED = dict(name="ragged", algorithm="dapo", n=3, max_new_tokens=6, train_batch_size=4, mini_batch_size=2,
               micro_batch_size=1, total_steps=3, seed=0, lr=2e-3, reward_function=f"{REWARD}:many_digits",
               filter_groups=True, max_gen_rounds=1, use_kl_loss=False, stop=["1"])
-FSDP = [dict(c, name=c["name"] + "_fsdp", fsdp=True) for c in CASES] + [
-    dict(RAGGED, name="ragged_fsdp", fsdp=True, reshard_after_forward=False)]  # blocks kept from forward to backward
+# PPO also recomputes the actor's and critic's blocks; the ragged run keeps blocks gathered from forward to backward
+FSDP = [dict(c, name=c["name"] + "_fsdp", fsdp=True, gradient_checkpointing=c["name"] == "ppo") for c in CASES] + [
+    dict(RAGGED, name="ragged_fsdp", fsdp=True, reshard_after_forward=False)]
 KEYS = ("loss", "grad_norm", "reward_mean", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kept_groups",
         "gen_rounds")
 
