@@ -14,6 +14,11 @@ Layout of one checkpoint (``root/step_{N}/``)::
                                    (:func:`verify_checkpoint`); ``resume: auto`` then falls back to
                                    the newest checkpoint that verifies (:func:`newest_intact`)
 
+Ranks may hold different parameters (pipeline stages: each keeps its own layers under their whole-model
+names): each saves and loads its own, the fit check compares the checkpoint with what all ranks hold together,
+and the optimizer's group settings are stored per parameter name (marker ``optim_keys``), so a checkpoint
+moves between one process, any pipeline split and tp / dp / distributed-optimizer layouts.
+
 Several models (an RL recipe's actor and critic) go in one checkpoint: pass ``{name: module}`` and
 ``{name: optimizer}`` (and ``{name: scheduler}``); their states sit under ``name.model`` / ``name.optim``.
 
