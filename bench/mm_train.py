@@ -118,7 +118,7 @@ def hf_stepper(path: Path):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step, model.config.image_token_id
 
