@@ -2,8 +2,9 @@
 names) is one MindSpeed-RL's config classes accept in that section (../shared/upstream/
 mindspeed-rl-config-keys.tsv; their update() raises on any other key; `model` is the one key update()
 takes apart to pick the model file's entry), with the published example's section structure; backends.rl
-reads the files into its typed config. Every example, every `init` starter and a set of feature jobs
-are checked."""
+reads the GRPO files into its typed config (tests/rl/test_mindspeed_rl_engine.py has the rest) and
+refuses the DAPO / PPO ones by their stage. Every example, every `init` starter and a set of feature
+jobs are checked."""
 
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from ascendfactory.plan import make_plan
 from ascendfactory.render import render, write_files
 from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
+from backends.rl import config as rlconfig
 from tests.helpers.starters import starters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +102,7 @@ def assert_msrl_keys(plan, out: Path) -> tuple[dict, dict]:
     prompt_types = {"default", "empty", "trl", "qwen", "qwen_r1", "qwen_math_r1", "qwen3", "llama3", "mistral",
                     "mixtral", "gemma", "llama2", "alpaca", "deepseek2", "deepseek3", "deepseek3_r1"}
     assert tree["megatron_training"]["prompt_type"] in prompt_types
+    assert tree["megatron_training"]["stage"] == f"ray_{plan.job.stage}"  # MindSpeed-RL's loss registry
     side = yaml.safe_load(files["engine.yaml"])
     assert set(side) <= {"model_id", "model_family", "kernels", "metrics_file", "precision", "export_hf"}
     return tree, files
@@ -133,10 +136,20 @@ def test_feature_jobs_render_mindspeed_rl_keys(name, tmp_path, monkeypatch):
                      check_memory=False)
     tree, files = assert_msrl_keys(plan, tmp_path)
     rl = tree["rl_config"]
+    write_files(render(plan, tmp_path), tmp_path)
+    if plan.job.stage == "grpo":  # the engine reads what was rendered, with MindSpeed-RL's meanings
+        cfg = rlconfig.load(tmp_path / CONFIG, engine=tmp_path / "engine.yaml")
+        assert (cfg.algorithm, cfg.n, cfg.train_batch_size, cfg.micro_batch_size) == ("grpo", 4, 16, 1)
+        assert cfg.verifier == {"grpo": "gsm8k", "grpo-clip-higher-math": "math"}[name]
+        assert (cfg.clip_low, cfg.clip_high) == ((0.2, 0.28) if name == "grpo-clip-higher-math" else (0.2, 0.2))
+        assert len(cfg.records) == 100 and all(r["prompt_ids"] for r in cfg.records)  # easy_arithmetic_prompts
+    else:  # DAPO / PPO in this dialect: refused by name
+        with pytest.raises(rlconfig.RLConfigError, match=f"megatron_training.stage: 'ray_{plan.job.stage}' is not "
+                                                         "built in this engine"):
+            rlconfig.load(tmp_path / CONFIG, engine=tmp_path / "engine.yaml")
     if name == "grpo":
         assert rl["init_kl_coef"] == 0.001 and rl["adv_estimator"] == "group_norm" and "clip_higher_enable" not in rl
         assert rl["verifier_function"] == ["gsm8k"] and tree["megatron_training"]["prompt_type"] == "qwen3"
-        write_files(render(plan, tmp_path), tmp_path)
         assert (tmp_path / "model" / "qwen25_7b.yaml").is_file()
         first = (tmp_path / "prompts.jsonl").read_text().splitlines()[0]
         assert first == '{"prompt": "What is 0 + 0? Put the final answer after ####.", "labels": "0"}'

@@ -2,16 +2,29 @@
 and by `run` before launch. Imports nothing: the orchestrator reads it without torch.
 
 The engine trains the native text decoders of backends.llm (families below) with the in-repo
-KV-cache generator as the rollout, the actor replicated on every rank (data parallel, losses global
-over micro-batches and ranks). What proves each feature (tests/rl/):
+KV-cache generator as the rollout, losses global over micro-batches and ranks. In the VeRL dialect
+the actor, critic and reference are sharded with FSDP2 over the data-parallel ranks (strategy fsdp /
+fsdp2; fsdp_size 1 replicates); in the MindSpeed-RL dialect they are replicated. It reads two dialects: VeRL's ppo_trainer tree (backends/rl/config.py)
+and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feature (tests/rl/):
 
-- methods:grpo / methods:dapo / methods:ppo: the algorithms on hand-worked cases and against VeRL's
-  own functions (test_rl_algos*.py); 2 processes equal 1 over 3 steps for each (test_rl_loop.py); the
-  VeRL and MindSpeed-RL files rendered from jobs run through `ascendfactory run` and the bundled
-  VeRL files rendered from jobs are read by the engine and run through `ascendfactory run`
-  (tests/test_verl_keys.py). Qwen2.5-VL, vLLM / SGLang rollout, FSDP sharding of the actor, reward
-  models and the whole MindSpeed-RL dialect are not built: PENDING below, and `run` refuses such jobs
-  before launch (UNBUILT / LIMITS).
+- verl methods:grpo / methods:dapo / methods:ppo: the algorithms on hand-worked cases and against
+  VeRL's own functions (test_rl_algos*.py); 2 processes equal 1 over 3 steps for each
+  (test_rl_loop.py); the VeRL files rendered from jobs are read by the engine and run through
+  `ascendfactory run` (tests/test_verl_keys.py), and the bundled examples learn
+  (test_rl_examples.py: the mean reward of the last 5 steps clearly above the first 5).
+- verl train_backend (FSDP): 2 processes sharded equal 1 over 3 steps for GRPO / DAPO / PPO, each rank
+  holds a fraction of the model state, resume under FSDP is bit-exact and the export is the trained
+  actor (test_rl_loop.py: test_two_processes_match_one[*-_fsdp], test_fsdp_*); the strategy and
+  fsdp_config keys (test_rl_fsdp_config.py).
+- mindspeed-rl methods:grpo: the rendered MindSpeed-RL file parses to the RLConfig of the equivalent
+  VeRL job (the same prompt ids, batches, sampling, loss), unknown / unimplemented / TP>1 keys are
+  refused by name, the published upstream files parse or are refused by name
+  (test_mindspeed_rl_engine.py); examples/mindspeed-rl/grpo.yaml learns through `ascendfactory run`
+  in the shared runs of test_rl_examples.py; the GRPO loop itself is the one the verl cells prove.
+
+Not built: Qwen2.5-VL, vLLM / SGLang rollout, Megatron TP / PP / CP actors (MindSpeed-RL's
+megatron_backend and long_seq columns), reward models, and DAPO / PPO in the MindSpeed-RL dialect:
+PENDING below, and `run` refuses such jobs before launch (UNBUILT / LIMITS).
 """
 
 TEXT_FAMILIES = ["qwen2", "qwen3"]
@@ -21,8 +34,11 @@ IMPLEMENTS = {
         "methods:grpo": TEXT_FAMILIES,
         "methods:dapo": TEXT_FAMILIES,
         "methods:ppo": TEXT_FAMILIES,
+        "train_backend": TEXT_FAMILIES,
     },
-    "mindspeed-rl": {},
+    "mindspeed-rl": {
+        "methods:grpo": TEXT_FAMILIES,
+    },
 }
 
 PENDING: dict[str, dict[str, str]] = {
@@ -31,11 +47,10 @@ PENDING: dict[str, dict[str, str]] = {
                    "decoders (qwen2, qwen3)",
         "vllm": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); the vLLM engine is not built",
         "sglang": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); SGLang is not built",
-        "train_backend": "the actor is replicated on every rank (data parallel); FSDP sharding of the RL actor "
-                         "is not built",
+        "train_backend": "FSDP2 sharding is built for the text decoders (qwen2, qwen3); Qwen2.5-VL actors are "
+                         "not built",
     },
     "mindspeed-rl": {
-        "methods": "backends.rl does not read the MindSpeed-RL dialect yet (VeRL's ppo_trainer tree only)",
         "vllm": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); the vLLM engine is not built",
         "megatron_backend": "the actor is replicated on every rank (data parallel); Megatron TP / PP actors are "
                             "not built",
@@ -56,7 +71,10 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
         ({"rl.reward.type": "model"}, "reward models are not built; use a rule (gsm8k, math) or a function"),
     ],
     "mindspeed-rl": [
-        ({"framework": "mindspeed-rl"}, "backends.rl does not read the MindSpeed-RL dialect yet; use framework: verl"),
+        ({"rl.rollout.engine": "vllm"}, "rollout runs the in-repo generator; vLLM is not built (use engine: hf)"),
+        ({"rl.reward.type": "model"}, "reward models are not built; use a rule verifier (gsm8k, math)"),
+        ({"stage": "dapo"}, "the MindSpeed-RL dialect runs GRPO (stage ray_grpo); DAPO runs with framework: verl"),
+        ({"stage": "ppo"}, "the MindSpeed-RL dialect runs GRPO (stage ray_grpo); PPO runs with framework: verl"),
     ],
 }
 

@@ -166,12 +166,10 @@ def _read_yaml(path: str | Path, what: str) -> dict:
     return tree
 
 
-def load(path: str | Path, overrides: list[str] | None = None, engine: Mapping | str | Path | None = None) -> RLConfig:
-    """`python -m backends.rl <file>.yaml [key=value ...]`: a VeRL ppo_trainer tree or a MindSpeed-RL
-    file (told apart by its top-level keys), merged with dotted overrides, plus the sidecar."""
+def apply_overrides(tree: dict, overrides: list[str] | None, parse_value: Callable[[str], Any] | None = None) -> dict:
+    """Dotted `key=value` overrides merged into a tree in place (values read as YAML)."""
     import yaml
 
-    tree = _read_yaml(path, "RL config")
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -182,15 +180,24 @@ def load(path: str | Path, overrides: list[str] | None = None, engine: Mapping |
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise RLConfigError(f"override {key}: {part} is not a mapping")
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = (parse_value or yaml.safe_load)(value)
+    return tree
+
+
+def load(path: str | Path, overrides: list[str] | None = None, engine: Mapping | str | Path | None = None) -> RLConfig:
+    """`python -m backends.rl <file>.yaml [key=value ...]`: a VeRL ppo_trainer tree or a MindSpeed-RL
+    file (told apart by its top-level keys: megatron_training / rl_config / actor_config), merged with
+    dotted overrides, plus the sidecar."""
+    from . import mindspeed_rl
+
+    tree = _read_yaml(path, "RL config")
     try:
         side, _ = ef.read_engine_file(ENGINE_KEYS, engine)
     except ef.EngineFileError as err:
         raise RLConfigError(str(err)) from None
-    if "megatron_training" in tree or "rl_config" in tree or "actor_config" in tree:
-        raise RLConfigError(f"{path}: a MindSpeed-RL file; this build of backends.rl reads VeRL's ppo_trainer "
-                            "tree only (the MindSpeed-RL dialect is not built yet)")
-    return parse_verl(tree, side, source=str(path))
+    if mindspeed_rl.is_mindspeed_rl(tree):
+        return mindspeed_rl.load(path, overrides, side)
+    return parse_verl(apply_overrides(tree, overrides), side, source=str(path))
 
 
 # ---------------------------------------------------------------------- VeRL 0.9.1

@@ -1,7 +1,8 @@
-"""The bundled RL examples learn: examples/verl/{grpo,dapo,ppo}.yaml run through `ascendfactory run`
-on the CPU (the three at once) on the SFT-warm-started tiny policy (examples/make_tiny_policy.py)
-with the bundled single-digit sums, scored by the GSM8K verifier, and the mean reward of the last 5
-steps is clearly above that of the first 5. The same runs show each algorithm doing its part."""
+"""The bundled RL examples learn: examples/verl/{grpo,dapo,ppo}.yaml and examples/mindspeed-rl/grpo.yaml
+run through `ascendfactory run` on the CPU (the four at once) on the SFT-warm-started tiny policy
+(examples/make_tiny_policy.py) with the bundled single-digit sums, scored by the GSM8K verifier, and the
+mean reward of the last 5 steps is clearly above that of the first 5. The same runs show each algorithm
+doing its part, and the MindSpeed-RL file rolling out the VeRL job's first step."""
 
 import json
 import os
@@ -12,16 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("grpo", "dapo", "ppo")
+NAMES = ("grpo", "dapo", "ppo")                                       # examples/verl/<name>.yaml
+EXAMPLES = {**{name: f"examples/verl/{name}.yaml" for name in NAMES},
+            "mindspeed-rl-grpo": "examples/mindspeed-rl/grpo.yaml"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl-examples")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = {name: subprocess.Popen([sys.executable, "-m", "ascendfactory", "run", f"examples/verl/{name}.yaml",
-                                     f"output_dir={tmp / name}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True) for name in NAMES}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "ascendfactory", "run", path, f"output_dir={tmp / name}"],
+                                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name, path in EXAMPLES.items()}
     out = {}
     for name, proc in procs.items():
         text, _ = proc.communicate(timeout=900)
@@ -34,7 +37,7 @@ def steps(folder: Path) -> list[dict]:
     return [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in r]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_reward_rises(runs, name):
     rewards = [r["reward_mean"] for r in steps(runs[name])]
     assert len(rewards) == 15
@@ -52,6 +55,19 @@ def test_examples_do_their_algorithm(runs):
     for name in NAMES:
         cfg = (runs[name] / "verl_config.yaml").read_text()
         assert "tiny-qwen3-arith" in cfg and (runs[name] / "hf" / "model.safetensors").is_file()
+
+
+def test_mindspeed_rl_example_is_the_verl_grpo_job(runs):
+    """The MindSpeed-RL file of the GRPO job trains it as the VeRL file does: its own files (the model
+    file its defaults names, prompts.jsonl), the KL loss in the metrics, the exported actor, and the
+    same first step (same prompts, seeds, sampling and policy: the same responses and rewards)."""
+    folder = runs["mindspeed-rl-grpo"]
+    assert (folder / "mindspeed_rl.yaml").is_file() and (folder / "model" / "qwen25_7b.yaml").is_file()
+    assert (folder / "prompts.jsonl").is_file() and (folder / "hf" / "model.safetensors").is_file()
+    ms, ve = steps(folder), steps(runs["grpo"])
+    assert all("actor/kl_loss" in r for r in ms)
+    assert ms[0]["reward_mean"] == ve[0]["reward_mean"]
+    assert ms[0]["response_length_mean"] == ve[0]["response_length_mean"]
 
 
 def test_prompt_file_is_the_script_s():
