@@ -68,6 +68,9 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> tuple[str | None, dict[str, Any]
         partial = 0.5  # ChatGLM rotates kv_channels // 2 dims; transformers' GLM configs default to 0.5
     if partial is not None:
         arch["rotary_fraction"] = float(partial)
+    eps = _first(text, "rms_norm_eps", "layernorm_epsilon", "layer_norm_epsilon")
+    if eps is not None:  # rendered where the dialect names it (MindSpeed-RL's norm_epsilon)
+        arch["rms_norm_eps"] = float(eps)
     return FAMILY_OF_MODEL_TYPE.get(model_type), arch
 
 
