@@ -4,10 +4,11 @@
              eos_token_id=None, seed=0, stop=None, decode=None, prompt_ids=None) -> list[list[int]]
 
 `model` is a native decoder (backends.llm.models.from_pretrained) or anything with the same
-`forward(input_ids, position_ids, return_hidden=True)`, `output_weight()` and `parts()`. Prompts of
-different lengths are batched: one right-padded prefill (causal attention never looks right, so the
-padding is invisible to the real tokens), then one token per step for every unfinished sample, each
-row writing its keys behind its own last token (backends.kernels.cache_attention). The cache hooks
+`forward(input_ids, position_ids, cu_seqlens, return_hidden=True)`, `output_weight()` and `parts()`.
+Prompts of different lengths are batched: one packed prefill of each distinct prompt (no padding
+computed; its cache row then copied to its n samples, so a prompt is read once, not n times), then
+one token per step for every unfinished sample, each row writing its keys behind its own last token
+(backends.kernels.cache_attention). The cache hooks
 into the attention modules' `core_attention` from outside, as context parallel does, and is removed
 afterwards: the model code knows nothing of generation. Finished rows leave the batch.
 
@@ -52,6 +53,18 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self._max = 0  # max(lengths) on the host: the attended width needs no device sync
         self._rows = torch.arange(batch, device=device)[:, None]
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, column) of each packed token
+
+    def pack(self, lengths: torch.Tensor | None) -> None:
+        """The next forward is one packed [1, sum(lengths)] prefill of row b's first lengths[b] tokens
+        (cu_seqlens from these lengths): no padding is computed, each token lands in its own row.
+        None: packed input is refused again."""
+        if lengths is None:
+            self._packed = None
+            return
+        rows = torch.repeat_interleave(torch.arange(self.batch, device=lengths.device), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        self._packed = (rows, torch.arange(rows.numel(), device=lengths.device) - starts[rows])
 
     def set_lengths(self, lengths: torch.Tensor) -> None:
         self.lengths = lengths.to(device=self.lengths.device, dtype=torch.long).clone()
@@ -62,13 +75,26 @@ class KVCache:
         self._max += n
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Keep only these batch rows (in this order): finished samples leave the batch."""
+        """Keep these batch rows, in this order: finished samples leave the batch; a prompt's row repeated
+        n times gives each of its samples the prompt's keys."""
         rows = rows.to(self.lengths.device)
         self.keys = [None if k is None else k[rows] for k in self.keys]
         self.values = [None if v is None else v[rows] for v in self.values]
         self.batch = int(rows.numel())
         self._rows = torch.arange(self.batch, device=self.lengths.device)[:, None]
         self.set_lengths(self.lengths[rows])
+
+    def attend_packed(self, index: int, q, k, v, cu_seqlens, scale) -> torch.Tensor:
+        """The packed prefill (see pack): every prompt's keys into its row, attention within each prompt."""
+        if self._packed is None or q.shape[0] != 1:
+            raise ValueError("generation with a KV cache takes packed input only as its prefill (KVCache.pack)")
+        if self.keys[index] is None:
+            self.keys[index] = k.new_zeros(self.batch, self.capacity, *k.shape[2:])
+            self.values[index] = v.new_zeros(self.batch, self.capacity, *v.shape[2:])
+        rows, cols = self._packed
+        self.keys[index][rows, cols] = k[0]
+        self.values[index][rows, cols] = v[0]
+        return kernels.attention(q[0], k[0], v[0], causal=True, cu_seqlens=cu_seqlens, scale=scale).unsqueeze(0)
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> torch.Tensor:
         s = q.shape[1]
@@ -93,7 +119,7 @@ class _CachedCore:
 
     def __call__(self, q, k, v, cu_seqlens, scale):
         if cu_seqlens is not None:
-            raise ValueError("generation with a KV cache takes batched [B,S] input, not packed sequences")
+            return self.cache.attend_packed(self.index, q, k, v, cu_seqlens, scale)
         return self.cache.attend(self.index, q, k, v, scale)
 
 
@@ -176,13 +202,11 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
         return []
     weight = model.output_weight()
     device = weight.device
-    rows = [list(p) for p in prompts for _ in range(n)]
-    batch = len(rows)
-    lengths = torch.tensor([len(r) for r in rows], device=device)
+    batch = len(prompts) * n
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
-    ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)[None]
+    cu_seqlens = F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
     greedy = temperature == 0
     streams = None if greedy else [
         torch.Generator(device=device).manual_seed(_stream_seed(seed, int(pid), j)) for pid in prompt_ids
@@ -191,15 +215,20 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     longest_stop = max((len(s) for s in stop), default=0) if stop else 0
     out: list[list[int]] = [[] for _ in range(batch)]
     alive = list(range(batch))  # sample index of each cache row
-    cache = KVCache(len(model.parts().block_list()), batch, width + max_new_tokens, device)
+    # the prefill runs once per prompt, packed (no padding); its cache rows are then copied to the n samples
+    cache = KVCache(len(model.parts().block_list()), len(prompts), width + max_new_tokens, device)
     was_training = model.training
     model.eval()
     try:
         with attached(model, cache):
-            positions = torch.arange(width, device=device)[None, :].expand(batch, -1)
-            hidden = model(ids, positions, return_hidden=True)
-            last = hidden[torch.arange(batch, device=device), lengths - 1]
+            cache.pack(lengths)
+            hidden = model(ids, cu_seqlens=cu_seqlens, return_hidden=True)
+            cache.pack(None)
+            last = hidden[0, cu_seqlens[1:].long() - 1]
             cache.set_lengths(lengths)
+            if n > 1:
+                cache.keep(torch.arange(len(prompts), device=device).repeat_interleave(n))
+                last = last.repeat_interleave(n, dim=0)
             for step in range(max_new_tokens):
                 logits = F.linear(last, weight).float()
                 if greedy:

@@ -64,6 +64,22 @@ def test_greedy_matches_transformers_token_for_token(pair, prompts):
     assert len(stopped[0]) <= 6
 
 
+def test_prefill_reads_each_prompt_once(pair, prompts):
+    """One packed prefill of the distinct prompts (no padding, not n copies), then one [rows, 1] decode
+    per step; each prompt's n greedy samples all continue its own prefill."""
+    model = pair[0]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(args[0].shape)),
+                                           with_kwargs=True)
+    try:
+        four = generate(model, prompts, max_new_tokens=3, temperature=0, n=4)
+    finally:
+        hook.remove()
+    assert shapes == [(1, sum(map(len, prompts)))] + [(4 * len(prompts), 1)] * 2
+    one = generate(model, prompts, max_new_tokens=3, temperature=0)
+    assert four == [x for x in one for _ in range(4)]
+
+
 def test_generation_leaves_the_model_as_it_was(pair, prompts):
     model = pair[0]
     ids = torch.tensor([prompts[2]])
