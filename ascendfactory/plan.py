@@ -224,7 +224,8 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
     warnings += more
     if problems:
         n = len(problems)
-        layout_only = all(pr.where.startswith(("parallel", "resources", "rl.")) for pr in problems)
+        layout_only = all(pr.where.startswith(("parallel", "resources")) or
+                          (pr.where.startswith("rl.") and ".parallel" in pr.where) for pr in problems)
         what = "The parallel layout does not work" if layout_only else "The job cannot be planned"
         raise JobError(f"{what} ({n} problem{'s' if n != 1 else ''})", problems)
     if job.stage in RL_STAGES:

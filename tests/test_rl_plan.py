@@ -90,6 +90,7 @@ def test_planner_refuses_each_broken_combination(job, field, words):
         return
     err = refusal(rl_job(**job))
     assert [p.where for p in err.problems] == [field], err.render()
+    assert err.title.startswith("The job cannot be planned")  # a batch, not the parallel layout
     assert all(w in err.render() for w in words), err.render()
 
 
