@@ -51,6 +51,8 @@ class RLConfig:
     gradient_checkpointing: bool = False       # full recompute of the actor's (and critic's) blocks
     fsdp: bool = False                         # FSDP2: actor, critic and reference sharded over the ranks
     reshard_after_forward: bool = True         # FSDP2 blocks free their gathered weights after forward
+    tp: int = 1                                # Megatron tensor parallel: actor and reference on a (dp, tp) mesh
+    ref_tp: int | None = None                  # the reference's tp: the actor's (None) or 1 (replicated)
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float = 3.0

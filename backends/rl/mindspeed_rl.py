@@ -36,8 +36,9 @@ refused by name with a did-you-mean. A key the engine maps is read with MindSpee
 
 A key the engine does not implement is accepted only at MindSpeed-RL's default (or where it does not
 change what a step computes: kernels, fusions, logging, Ray and vLLM plumbing; NO_EFFECT), else it
-is refused by name. The actor and the reference are data parallel only: tensor / pipeline / context
-/ expert parallel sizes above 1 are refused. GRPO only (stage ray_grpo, adv_estimator group_norm):
+is refused by name. The actor and the reference run data x tensor parallel (tensor_model_parallel_size:
+the LLM engine's Megatron TP plan on a dp x tp mesh, log-probs vocab-parallel; the reference on the
+actor's tp); pipeline / context / expert parallel sizes above 1 are refused. GRPO only (stage ray_grpo, adv_estimator group_norm):
 DAPO and PPO run in the VeRL dialect. Errors name the key and the file; the engine exits 2 on them.
 """
 
@@ -589,11 +590,15 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
                          ("critic_config", "a critic (PPO) is not built in the MindSpeed-RL dialect")):
         if section in tree:
             problems.append(f"{section}: {why}")
-    for key in PARALLEL:
+    tp = actor.get("tensor_model_parallel_size")
+    if not pos(tp):
+        problems.append(f"{actor.name('tensor_model_parallel_size')}: {tp!r}: must be a positive integer")
+        tp = 1
+    for key in PARALLEL[1:]:  # TP is built (the LLM engine's plan on a dp x tp mesh); PP / CP / EP are not
         value = actor.get(key)
         if value != 1:
-            problems.append(f"{actor.name(key)}: {value!r}: the engine's actor is data parallel only in this build "
-                            "(Megatron tensor / pipeline / context / expert parallel RL actors are pending); set 1")
+            problems.append(f"{actor.name(key)}: {value!r}: the engine's actor is data x tensor parallel only in "
+                            "this build (Megatron pipeline / context / expert parallel RL actors are pending); set 1")
     integrated = rl("use_integrated_worker")
     want(integrated, "rl_config.use_integrated_worker", lambda v: isinstance(v, bool), "true or false")
 
@@ -710,6 +715,9 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
             world = want(resource.get("num_npus"), "rl_config.actor_resource.num_npus",
                          lambda v: v is None or pos(v), "a positive integer")
 
+    if pos(world) and world % tp:
+        problems.append(f"rl_config.actor_resource.num_npus: {world} is not a multiple of "
+                        f"{actor.name('tensor_model_parallel_size')} {tp} (dp x tp ranks)")
     # ---- data
     records = _records(actor, max_prompt, problems)
 
@@ -728,7 +736,9 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
         entropy_coeff=rl("entropy_coeff"), use_kl_loss=True, kl_loss_coef=kl_coef, kl_loss_type=kl,
         norm_adv_by_std=True, gamma=rl("gamma"), lam=rl("lam"), use_kl_in_reward=False, kl_penalty=kl,
         verifier=verifier, reward_function=function,
-        total_steps=actor.get("train_iters"), expected_world=world, seed=seed,
+        total_steps=actor.get("train_iters"), expected_world=world, seed=seed, tp=tp,
+        ref_tp=_Role(tree, "ref_config", model_files, source).get("tensor_model_parallel_size")
+        if integrated is False and "ref_config" in tree else None,
         save_dir=actor.get("save"), save_interval=save_interval if pos(save_interval) else None,
     )
     for key, check, what in (("epochs", pos, "a positive integer"), ("entropy_coeff", _is_num, "a number"),
@@ -845,9 +855,12 @@ def _check_architecture(actor: _Role, model_dir: Path, problems: list[str]) -> N
 def _check_reference(tree, actor: _Role, model_files, source, problems: list[str]) -> None:
     ref = _Role(tree, "ref_config", model_files, source)
     for key in PARALLEL:
-        if ref.get(key) != 1:
-            problems.append(f"{ref.name(key)}: {ref.get(key)!r}: the engine's reference is data parallel only in this "
-                            "build (Megatron tensor / pipeline / context / expert parallel roles are pending); set 1")
+        allowed = (1, actor.get(key)) if key == "tensor_model_parallel_size" else (1,)
+        if ref.get(key) not in allowed:
+            problems.append(f"{ref.name(key)}: {ref.get(key)!r}: the engine's reference is replicated or on the "
+                            f"actor's tensor parallel layout ({actor.get('tensor_model_parallel_size')!r}); "
+                            "pipeline / context / expert parallel roles are pending; set "
+                            + " or ".join(str(v) for v in sorted(set(allowed))))
     for key, value in (tree.get("ref_config") or {}).items():
         if key in PARALLEL or key in NO_EFFECT["megatron"] or key in ("micro_batch_size", "model"):
             continue

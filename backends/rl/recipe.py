@@ -71,8 +71,16 @@ class Rollouts:
     extra: dict[str, list[float]]
 
 
-def _average_grads(model: nn.Module, world: int):
-    """The data-parallel gradient all-reduce (mean), for replicated models without a wrapper."""
+def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
+    """The LLM engine's Megatron TP plan (no SP: rollout decodes one token per row)."""
+    from backends.llm.tp_plan import apply_tensor_parallel
+
+    apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
+
+
+def _average_grads(model: nn.Module, world: int, group=None):
+    """The data-parallel gradient all-reduce (mean over `group`), for models without a wrapper; under TP the
+    local shards (each tp rank's DTensor gradients already hold its own shard's full gradient)."""
     if world == 1:
         return None
 
@@ -81,13 +89,14 @@ def _average_grads(model: nn.Module, world: int):
         for p in params:
             if p.grad is None:  # a rank with no micro-batch in this mini-batch adds nothing
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
         flat /= world
         offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     return hook
 
@@ -134,9 +143,10 @@ class RLRecipe(Recipe):
         if c.rollout_engine == "vllm":
             raise ValueError("rollout engine vllm: this engine rolls out with its in-repo generator only so far; "
                              "set rl.rollout.engine: hf")
-        if c.train_batch_size % rt.world or c.mini_batch_size % rt.world:
+        self._layout(rt)
+        if c.train_batch_size % self.dp or c.mini_batch_size % self.dp:
             raise ValueError(f"train_batch_size {c.train_batch_size} and the mini-batch size {c.mini_batch_size} "
-                             f"(prompts) must be multiples of the {rt.world} data-parallel ranks")
+                             f"(prompts) must be multiples of the {self.dp} data-parallel ranks")
         if c.expected_world is not None and c.expected_world != rt.world:
             raise ValueError(f"trainer.nnodes x n_gpus_per_node is {c.expected_world}, but {rt.world} processes run")
         if c.kernel_backend or c.kernel_overrides:
@@ -177,8 +187,12 @@ class RLRecipe(Recipe):
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
+            if self.tp_mesh is not None and c.ref_tp != 1:
+                _tensor_parallel(self.reference, self.tp_mesh)
             if par is not None:
                 sharding.shard(self.reference, self.reference.parts(), par)
+        if self.tp_mesh is not None:
+            _tensor_parallel(actor, self.tp_mesh)
         if c.gradient_checkpointing:
             apply_recompute(actor.parts(), "full", fsdp=par is not None)
         if par is not None:
@@ -195,15 +209,35 @@ class RLRecipe(Recipe):
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
                         resume=c.resume, metrics_file=c.metrics_file)
 
+    def _layout(self, rt: Runtime) -> None:
+        """dp x tp ranks (tp innermost, as the LLM engine's mesh): the tp ranks of one dp rank hold the same
+        samples, so batches, counts and gradient averages go over the dp group only."""
+        c = self.cfg
+        self.tp_mesh, self.dp_group, self.tp = None, None, c.tp
+        if c.ref_tp not in (None, 1, c.tp):
+            raise ValueError(f"the reference's tensor parallel size {c.ref_tp} must be 1 or the actor's {c.tp}")
+        if c.tp < 1 or rt.world % c.tp:
+            raise ValueError(f"tensor parallel size {c.tp} does not divide the {rt.world} ranks")
+        self.dp, self.dp_rank = rt.world // c.tp, rt.rank // c.tp
+        if c.tp == 1:
+            return
+        if c.fsdp or c.algorithm == "ppo":
+            raise ValueError("tensor parallel RL actors (the MindSpeed-RL dialect's Megatron backend) train GRPO / "
+                             "DAPO without FSDP; PPO's critic and FSDP are data parallel only")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(rt.device.type, (self.dp, c.tp), mesh_dim_names=("dp", "tp"))
+        self.tp_mesh, self.dp_group = mesh["tp"], mesh["dp"].get_group()
+
     def _part(self, model: nn.Module, lr: float) -> Part:
         c = self.cfg
         opt = build_optimizer(model, lr=lr, weight_decay=c.weight_decay, betas=tuple(c.betas))
         sched = build_scheduler(opt, lr=lr, min_lr=lr, warmup=c.warmup_steps, total=max(c.total_steps, 1),
                                 style="constant")
         # FSDP2 reduce-scatters (averages) the gradients in each backward itself
-        average = None if sharding.is_sharded(model) else _average_grads(model, self.rt.world)
-        return Part(model, opt, sched, grad_world=self.rt.world, precision=c.precision, grad_clip=c.grad_clip,
-                    after_backward=average)
+        average = None if sharding.is_sharded(model) else _average_grads(model, self.dp, self.dp_group)
+        return Part(model, opt, sched, grad_group=self.dp_group, grad_world=self.dp, precision=c.precision,
+                    grad_clip=c.grad_clip, after_backward=average)
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor}
@@ -240,8 +274,8 @@ class RLRecipe(Recipe):
         """One generation round over the next train_batch_size prompts: this rank rolls out its contiguous
         share, then every rank gathers everyone's (token ids and scores only) in global prompt order."""
         c, rt = self.cfg, self.rt
-        share = c.train_batch_size // rt.world
-        first = self.cursor + rt.rank * share
+        share = c.train_batch_size // self.dp
+        first = self.cursor + self.dp_rank * share
         rows = [self._prompt_index(first + i) for i in range(share)]
         prompts = [c.records[r]["prompt_ids"] for r in rows]
         actor = self.parts["actor"].model
@@ -262,6 +296,7 @@ class RLRecipe(Recipe):
             return mine
         everyone = [None] * rt.world
         dist.all_gather_object(everyone, mine)
+        everyone = everyone[::self.tp]  # one copy per dp rank (its tp ranks generated the same tokens)
         return Rollouts([x for r in everyone for x in r.prompts], [x for r in everyone for x in r.responses],
                         [x for r in everyone for x in r.scores], [x for r in everyone for x in r.groups],
                         {k: [x for r in everyone for x in r.extra[k]] for k in mine.extra})
@@ -300,7 +335,7 @@ class RLRecipe(Recipe):
     def _mini_batches(self, r: Rollouts) -> list[list[int]]:
         """Rows (responses) of each mini-batch of mini_batch_size groups, in global order; a last mini-batch
         with fewer responses than ranks joins the one before it."""
-        c, world = self.cfg, self.rt.world
+        c, world = self.cfg, self.dp
         n_groups = max(r.groups, default=-1) + 1
         out = [[i for i, g in enumerate(r.groups) if first <= g < first + c.mini_batch_size]
                for first in range(0, n_groups, c.mini_batch_size)]
@@ -310,7 +345,7 @@ class RLRecipe(Recipe):
 
     def _my_share(self, rows: list[int]) -> list[int]:
         """This rank's contiguous slice of a mini-batch's rows (near-equal slices, rank order)."""
-        world, rank = self.rt.world, self.rt.rank
+        world, rank = self.dp, self.dp_rank
         base, extra = divmod(len(rows), world)
         start = rank * base + min(rank, extra)
         return rows[start:start + base + (rank < extra)]
@@ -352,9 +387,15 @@ class RLRecipe(Recipe):
     def _logprobs(self, model, mb: dict, entropy: bool = False):
         hidden = model(mb["input_ids"], return_hidden=True)
         mask = mb["mask"]
+        weight, t = model.output_weight(), self.cfg.temperature or 1.0
+        if hasattr(hidden, "to_local"):  # TP: replicated hidden states, the head sharded by vocabulary rows
+            hidden = hidden.to_local()
         picked = hidden.gather(1, mb["pred"][..., None].expand(-1, -1, hidden.shape[-1]))[mask]
-        logp, ent = kernels.linear_logprobs(picked, model.output_weight(), mb["responses"][mask],
-                                            temperature=self.cfg.temperature or 1.0)
+        if hasattr(weight, "device_mesh"):  # a TP model (a reference at ref_tp 1 is a plain replica)
+            logp, ent = kernels.vocab_parallel_logprobs(picked, weight, mb["responses"][mask],
+                                                        self.tp_mesh.get_group(), temperature=t)
+        else:
+            logp, ent = kernels.linear_logprobs(picked, weight, mb["responses"][mask], temperature=t)
         full = torch.zeros(mask.shape, dtype=logp.dtype, device=logp.device).masked_scatter(mask, logp)
         if not entropy:
             return full, None
@@ -415,7 +456,7 @@ class RLRecipe(Recipe):
             totals = torch.zeros(len(r.scores), dtype=torch.float64, device=dev)
             for row in rows:
                 totals[row["index"]] = float(self._token_rewards(r, row).double().sum())
-            totals = all_reduce_sum(totals).float().cpu()
+            totals = all_reduce_sum(totals, self.dp_group).float().cpu()
             adv, _ = algos.grpo_advantages(totals[:, None], torch.ones(len(totals), 1), r.groups,
                                            norm_by_std=c.norm_adv_by_std)
             for row in rows:
@@ -429,7 +470,7 @@ class RLRecipe(Recipe):
             row["advantages"], row["returns"] = adv[0], ret[0]
             stats += torch.tensor([adv.numel(), float(adv.double().sum()), float((adv.double() ** 2).sum())],
                                   dtype=torch.float64)
-        n, total, squares = all_reduce_sum(stats.to(dev)).tolist()
+        n, total, squares = all_reduce_sum(stats.to(dev), self.dp_group).tolist()
         if n < 2:
             raise ValueError("PPO whitens the advantages over the batch: it needs at least two response tokens")
         mean = total / n
@@ -447,12 +488,12 @@ class RLRecipe(Recipe):
                     micro = sharding.lockstep(micro, rt.device)
                 counts = torch.tensor([sum(m["n_tokens"] for m in micro), float(len(mine))], dtype=torch.float64,
                                       device=rt.device)
-                tokens, seqs = all_reduce_sum(counts).tolist()
+                tokens, seqs = all_reduce_sum(counts, self.dp_group).tolist()
                 for m in micro:
                     m["global_tokens"], m["global_seqs"] = tokens, seqs
                     # the trainer logs the mean of a metric over micro-batches and ranks: scaled so, the log
                     # shows its token-weighted mean over the whole mini-batch, whatever the layout
-                    m["metric_scale"] = m["n_tokens"] / tokens * len(micro) * rt.world
+                    m["metric_scale"] = m["n_tokens"] / tokens * len(micro) * self.dp
                 if "critic" in self.parts:
                     critic_results.append(trainer.optimize(self.parts["critic"], micro, self._critic_loss))
                 if "critic" not in self.parts or step >= c.critic_warmup:

@@ -222,15 +222,20 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     try:
         with attached(model, cache):
             cache.pack(lengths)
-            hidden = model(ids, cu_seqlens=cu_seqlens, return_hidden=True)
+            hidden = _local(model(ids, cu_seqlens=cu_seqlens, return_hidden=True))
             cache.pack(None)
             last = hidden[0, cu_seqlens[1:].long() - 1]
             cache.set_lengths(lengths)
             if n > 1:
                 cache.keep(torch.arange(len(prompts), device=device).repeat_interleave(n))
                 last = last.repeat_interleave(n, dim=0)
+            if hasattr(weight, "full_tensor"):  # keep the last hidden replicated for the vocab-sharded head
+                last = _replicated(last, weight)
             for step in range(max_new_tokens):
-                logits = F.linear(last, weight).float()
+                logits = F.linear(last, weight)
+                if hasattr(logits, "full_tensor"):  # TP: vocab-sharded; every tp rank samples the same full row
+                    logits = logits.full_tensor()
+                logits = logits.float()
                 if greedy:
                     tokens = logits.argmax(dim=-1).tolist()
                 else:
@@ -253,12 +258,25 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
                     cache.keep(rows_kept)
                     alive = [alive[r] for r in keep]
                 next_ids = torch.tensor([[out[s][-1]] for s in alive], dtype=torch.long, device=device)
-                hidden = model(next_ids, cache.lengths[:, None], return_hidden=True)
+                hidden = _local(model(next_ids, cache.lengths[:, None], return_hidden=True))
                 cache.advance(1)
                 last = hidden[:, -1]
+                if hasattr(weight, "full_tensor"):
+                    last = _replicated(last, weight)
     finally:
         model.train(was_training)
     return out
+
+
+def _local(hidden):
+    """A TP decoder's hidden states are a replicated DTensor (no sequence parallel in rollout): the local copy."""
+    return hidden.to_local() if hasattr(hidden, "to_local") else hidden
+
+
+def _replicated(x: torch.Tensor, weight) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
 
 
 def check_engine(name: str) -> str:

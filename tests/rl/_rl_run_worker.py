@@ -1,7 +1,8 @@
 """Run the RL recipe on the tiny model for a few steps, once per case, under torchrun (or alone):
 argv[1] = JSON list of {"name", "algorithm", **RLConfig overrides}, argv[2] = output folder. Each case
 writes <name>.jsonl (metrics) and, from rank 0, <name>.params (the sum and the sum of squares of the
-actor's parameters after the run). A case with "fsdp": true shards the actor, critic and reference."""
+actor's parameters after the run). A case with "fsdp": true shards the actor, critic and reference; a
+case with "file" (and "overrides") loads that job file instead (backends.rl.config.load)."""
 
 import json
 import sys
@@ -39,7 +40,14 @@ def main():
     for case in cases:
         case = dict(case)
         name = case.pop("name")
-        cfg = RLConfig(model_path=str(MODEL), records=data, metrics_file=str(out / f"{name}.jsonl"), **case)
+        if "file" in case:  # a rendered job file (e.g. MindSpeed-RL's YAML) with dotted overrides, its sidecar beside it
+            from backends.rl.config import load
+
+            path = Path(case["file"])
+            cfg = load(path, case.get("overrides", []), engine=path.parent / "engine.yaml")
+            cfg.metrics_file = str(out / f"{name}.jsonl")
+        else:
+            cfg = RLConfig(model_path=str(MODEL), records=data, metrics_file=str(out / f"{name}.jsonl"), **case)
         recipe = RLRecipe(cfg)
         Trainer(recipe, rt).run()
         # whole tensors on every rank (an FSDP-sharded actor gathers each DTensor, collectively)

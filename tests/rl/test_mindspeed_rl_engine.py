@@ -2,8 +2,8 @@
 MindSpeed-RL's (../shared/upstream/mindspeed-rl-config-keys.tsv); the file rendered from
 examples/mindspeed-rl/grpo.yaml parses to the RLConfig of the same job rendered for VeRL where the two
 overlap (the same prompt ids too); an unknown key is refused with a did-you-mean, an unimplemented key
-away from MindSpeed-RL's default by name, TP / PP / CP > 1 as data-parallel-only; the published
-upstream example is refused by name for what a local CPU run cannot have (TP 2 / PP 2, Megatron
+away from MindSpeed-RL's default by name, PP / CP > 1 as pending (TP parses, with num_npus a multiple); the published
+upstream example is refused by name for what a local CPU run cannot have (PP 2, Megatron
 checkpoint and dataset paths) and parses once those point at local files; the templates and verifiers
 on hand-worked cases; a bad file ends `python -m backends.rl` with one message and exit 2."""
 
@@ -217,24 +217,30 @@ def test_unimplemented_key_is_refused_unless_at_mindspeed_rl_s_default(msrl_dir)
     assert "actor_config.lr_decay_style (MindSpeed-RL's default): 'linear' is not built in this engine" in text
 
 
-def test_tensor_pipeline_context_parallel_are_refused(msrl_dir):
-    text = refused(msrl_dir, lambda t: t["actor_config"].update(tensor_model_parallel_size=2))
-    assert "actor_config.tensor_model_parallel_size: 2: the engine's actor is data parallel only" in text
+def test_tensor_parallel_parses_pipeline_context_parallel_are_refused(msrl_dir):
+    def actor_tp(tp, npus=2):
+        return lambda t: (t["actor_config"].update(tensor_model_parallel_size=tp),
+                          t["rl_config"]["actor_resource"].update(num_npus=npus))
+    assert parse(msrl_dir, actor_tp(2)).tp == 2 and parse(msrl_dir).tp == 1
+    assert "num_npus: 3 is not a multiple of actor_config.tensor_model_parallel_size 2" in \
+        refused(msrl_dir, actor_tp(2, 3))
     text = refused(msrl_dir, lambda t: (t["actor_config"].pop("context_parallel_size"),
                                         t["megatron_training"].update(context_parallel_size=2)))
-    assert "megatron_training.context_parallel_size: 2: the engine's actor is data parallel only" in text
+    assert "megatron_training.context_parallel_size: 2: the engine's actor is data x tensor parallel only" in text
     text = refused(msrl_dir, lambda t: t["actor_config"].update(pipeline_model_parallel_size=4))
     assert "actor_config.pipeline_model_parallel_size: 4" in text
 
-    def reference(tp):
+    def reference(tp, actor=1):
         def edit(tree):
+            actor_tp(actor)(tree)
             tree["rl_config"]["use_integrated_worker"] = False
             tree["ref_config"] = {"tensor_model_parallel_size": tp, "micro_batch_size": 4,
                                   "load": tree["actor_config"]["load"]}
         return edit
-    parse(msrl_dir, reference(1))
-    assert "ref_config.tensor_model_parallel_size: 2: the engine's reference is data parallel only" in \
-        refused(msrl_dir, reference(2))
+    assert parse(msrl_dir, reference(1)).ref_tp == 1
+    assert parse(msrl_dir, reference(2, actor=2)).ref_tp == 2 and parse(msrl_dir, reference(1, actor=2)).ref_tp == 1
+    assert "ref_config.tensor_model_parallel_size: 2: the engine's reference is replicated or on the actor's " \
+        "tensor parallel layout (1)" in refused(msrl_dir, reference(2))
 
 
 def test_model_file_must_describe_the_checkpoint(msrl_dir):
@@ -261,7 +267,7 @@ def published(tmp_path):
 
 def test_published_example_is_refused_by_name_for_what_a_cpu_run_lacks(published):
     """Every key of the published files is MindSpeed-RL's and every value but these is one the engine
-    runs: TP 2 x PP 2 (data parallel only here), the Megatron checkpoint ./ckpt (not a Hugging Face
+    runs: PP 2 (TP 2 is built, pipeline parallel is not), the Megatron checkpoint ./ckpt (not a Hugging Face
     directory), a tokenizer directory other than it, and the preprocessed Megatron dataset prefix."""
     with pytest.raises(RLConfigError) as info:
         msrl.parse_mindspeed_rl(msrl.read_yaml(published), source=str(published))
@@ -270,8 +276,7 @@ def test_published_example_is_refused_by_name_for_what_a_cpu_run_lacks(published
     named = sorted(p.split(":")[0] for p in text[len(str(published)) + 2:].split("; ") if p[:1].isalpha()
                    and ": " in p)
     assert named == ["actor_config.load", "actor_config.pipeline_model_parallel_size",
-                     "actor_config.tensor_model_parallel_size", "megatron_training.data_path",
-                     "megatron_training.tokenizer_name_or_path"], text
+                     "megatron_training.data_path", "megatron_training.tokenizer_name_or_path"], text
 
 
 def test_published_example_parses_with_local_paths_and_tp1(published, tmp_path):
@@ -394,7 +399,7 @@ def test_bad_file_is_one_message_exit_2(msrl_dir, tmp_path):
 def test_run_refuses_what_the_dialect_does_not_build_before_launch():
     from backends.rl.capabilities import IMPLEMENTS, PENDING, unbuilt
 
-    assert IMPLEMENTS["mindspeed-rl"] == {"methods:grpo": ["qwen2", "qwen3"]}
+    assert IMPLEMENTS["mindspeed-rl"] == {"methods:grpo": ["qwen2", "qwen3"], "megatron_backend": ["qwen2", "qwen3"]}
     assert "methods" not in PENDING["mindspeed-rl"]
     assert unbuilt("mindspeed-rl", {"stage": "grpo", "rl.rollout.engine": "hf", "rl.reward.type": "gsm8k"}) == []
     assert any("DAPO runs with framework: verl" in w for w in unbuilt("mindspeed-rl", {"stage": "dapo"}))
