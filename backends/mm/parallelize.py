@@ -58,22 +58,15 @@ def _text_block_plan(layer, mesh, sp: bool) -> dict:
 def _vision_block_plan(block, mesh, sp: bool) -> dict:
     """A VisionBlock's styles, MindSpeed-MM's (its ViT layers are Megatron's ColumnParallelLinear linear_qkv,
     RowParallelLinear linear_proj and MLP): attention by heads, proj row parallel; gate/up column, down row.
-    The fused qkv weight ([q | k | v] rows, the checkpoint's layout) stays whole on every rank, which computes
-    only its heads' rows of it: sharding it by heads would need a permuted layout that the optimizer states
-    and checkpoints of other layouts would not share. The blocks work on [T, hidden] patches; their TP regions
-    see them as [1, T, hidden], the sequence dim the shared region boundaries split under SP."""
-    from torch.distributed.tensor import Replicate
+    The fused qkv is column parallel like linear_qkv: the model stores its rows per head ([H, 3, D], see
+    VisionAttention), so a contiguous row shard is the q, k and v of this rank's heads. The blocks work on
+    [T, hidden] patches; their TP regions see them as [1, T, hidden], the sequence dim the shared region
+    boundaries split under SP."""
+    from backends.common.parallel.tensor_parallel import RegionEntry, colwise, replicated, rowwise
 
-    from backends.common.parallel.tensor_parallel import (REPLICATE_PARTIAL, LocalParallel, RegionEntry, _Param,
-                                                          colwise, replicated, rowwise)
-
-    tp, rank, attn = mesh.size(), mesh.get_local_rank(), block.attn
-    per = attn.num_heads // tp * attn.head_dim
-    own_heads = lambda t: t.view(3, tp, per, *t.shape[1:])[:, rank].reshape(3 * per, *t.shape[1:])  # noqa: E731
-    qkv = LocalParallel({"weight": _Param(Replicate(), REPLICATE_PARTIAL, own_heads),
-                         "bias": _Param(Replicate(), REPLICATE_PARTIAL, own_heads)})
+    tp, attn = mesh.size(), block.attn
     return {"norm1": replicated(partial_grad=sp), "norm2": replicated(partial_grad=sp),
-            "attn.qkv": qkv, "attn.proj": rowwise(mesh, sp),
+            "attn.qkv": colwise(), "attn.proj": rowwise(mesh, sp),
             "attn": RegionEntry(sp, attrs={"num_heads": attn.num_heads // tp}, post=_drop_batch_dim),
             "mlp.gate_proj": colwise(), "mlp.up_proj": colwise(), "mlp.down_proj": rowwise(mesh, sp),
             "mlp": RegionEntry(sp, post=_drop_batch_dim)}

@@ -170,6 +170,21 @@ def test_export_round_trip(pair, tmp_path):
         assert n == m and torch.equal(a, b)
 
 
+def test_vision_qkv_is_stored_per_head(pair):
+    """The fused vision qkv holds its rows head by head (q, k, v of head 0, then of head 1: Megatron's linear_qkv,
+    which tensor parallel shards by rows), permuted from HF's [q | k | v] on load and back on export."""
+    hf, _, ours = pair
+    theirs = hf.model.visual.blocks[0].attn.qkv
+    mine = ours.visual.blocks[0].attn.qkv
+    heads, d = ours.config.vision.num_heads, ours.config.vision.head_dim
+    for name in ("weight", "bias"):
+        want = getattr(theirs, name).view(3, heads, d, -1)  # [q | k | v], each head by head
+        got = getattr(mine, name).view(heads, 3, d, -1)
+        for h in range(heads):
+            for j in range(3):
+                assert torch.equal(got[h, j], want[j, h]), (name, h, j)
+
+
 def test_wrong_image_token_count_is_refused(pair):
     _, _, ours = pair
     ids = torch.tensor([[1, START] + [IMAGE] * 5 + [END]])

@@ -2,7 +2,8 @@
 
     from_pretrained(hf_dir, dtype)     a transformers Qwen2_5_VLForConditionalGeneration directory
     build_model(cfg)                   random init like HF (normal(0, initializer_range), biases 0, norms 1)
-    hf_state_dict(model)               our parameters under their on-disk names (they are the same names)
+    hf_state_dict(model)               our parameters under their on-disk names (they are the same names), in the
+                                       model's layout (the vision qkv per head; save_pretrained writes HF's order)
     save_pretrained(model, out_dir)    config.json + safetensors that transformers loads back
 """
 
@@ -18,11 +19,11 @@ from torch import nn
 from backends.common.layers import RMSNorm
 
 from .config import ConfigError, TextConfig, VisionConfig, VLConfig
-from .model import Qwen2_5_VL, TextDecoder, TextLayer, VisionBlock, VisionTower
+from .model import Qwen2_5_VL, TextDecoder, TextLayer, VisionBlock, VisionTower, qkv_from_hf, qkv_to_hf
 
 __all__ = ["ConfigError", "Qwen2_5_VL", "TextConfig", "TextDecoder", "TextLayer", "VLConfig", "VisionBlock",
            "VisionConfig", "VisionTower", "build_model", "from_pretrained", "hf_state_dict", "init_weights",
-           "load_hf_state_dict", "save_pretrained"]
+           "load_hf_state_dict", "save_pretrained", "to_hf_layout"]
 
 
 def init_weights(model: nn.Module, std: float = 0.02) -> None:
@@ -43,6 +44,16 @@ def build_model(cfg: VLConfig) -> Qwen2_5_VL:
     return model
 
 
+def _is_vision_qkv(name: str) -> bool:
+    return name.startswith("visual.") and name.endswith((".attn.qkv.weight", ".attn.qkv.bias"))
+
+
+def to_hf_layout(model: Qwen2_5_VL, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors in the model's layout -> HF's (the vision qkv rows back to [q | k | v])."""
+    heads = model.config.vision.num_heads
+    return {n: qkv_to_hf(t, heads) if _is_vision_qkv(n) else t for n, t in tensors.items()}
+
+
 def load_hf_state_dict(model: Qwen2_5_VL, tensors) -> None:
     """Copy an on-disk state dict in; every parameter must be there, and nothing unknown may be left
     (a tied model ignores a stored lm_head.weight, as transformers does)."""
@@ -59,6 +70,8 @@ def load_hf_state_dict(model: Qwen2_5_VL, tensors) -> None:
             t = tensors[name]
             if tuple(t.shape) != tuple(p.shape):
                 raise ConfigError(f"{name}: checkpoint shape {tuple(t.shape)}, model shape {tuple(p.shape)}")
+            if _is_vision_qkv(name):
+                t = qkv_from_hf(t, model.config.vision.num_heads)
             p.copy_(t.to(p.dtype))
 
 
@@ -81,12 +94,14 @@ def hf_state_dict(model: Qwen2_5_VL) -> dict[str, torch.Tensor]:
 def save_pretrained(model: Qwen2_5_VL, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
                     dtype: torch.dtype | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a transformers-loadable directory (atomic; the tokenizer / processor files copied along).
-    tensors: the whole tensors to write (a sharded model's, gathered), default hf_state_dict(model)."""
+    tensors: the whole tensors to write in the model's layout (a sharded model's, gathered), default
+    hf_state_dict(model)."""
     import shutil
 
     from backends.common.checkpoint.hf_io import write_hf_dir
 
-    out = write_hf_dir(out_dir, tensors if tensors is not None else hf_state_dict(model), model.config.to_hf(),
+    tensors = to_hf_layout(model, tensors if tensors is not None else hf_state_dict(model))
+    out = write_hf_dir(out_dir, tensors, model.config.to_hf(),
                        tokenizer_dir=tokenizer_dir, dtype=dtype)
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "preprocessor_config.json").is_file():
         shutil.copy2(Path(tokenizer_dir) / "preprocessor_config.json", out / "preprocessor_config.json")

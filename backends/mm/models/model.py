@@ -58,6 +58,8 @@ class VisionAttention(nn.Module):
     def __init__(self, v: VisionConfig):
         super().__init__()
         self.num_heads, self.head_dim = v.num_heads, v.head_dim
+        # rows per head [H, 3, D] (Megatron's linear_qkv), not HF's [3, H, D]: a contiguous row shard is whole
+        # heads, so tensor parallel shards it column-wise; checkpoint I/O permutes (qkv_from_hf / qkv_to_hf)
         self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size, bias=True)
         self.proj = nn.Linear(v.hidden_size, v.hidden_size, bias=True)
         self.scale = self.head_dim ** -0.5
@@ -66,11 +68,20 @@ class VisionAttention(nn.Module):
     def forward(self, x, cos, sin, cu_seqlens):
         """x [T, hidden] (or [1, T, hidden], as tensor parallel's sequence-parallel regions hand it)."""
         lead = x.shape[:-1]
-        q, k, v = self.qkv(x).view(lead.numel(), 3, -1, self.head_dim).unbind(1)
+        q, k, v = self.qkv(x).view(lead.numel(), -1, 3, self.head_dim).unbind(2)
         q = kernels.apply_rotary(q, cos, sin)
         k = kernels.apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, cu_seqlens, self.scale)
         return self.proj(out.reshape(*lead, -1))
+
+
+def qkv_from_hf(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A fused qkv weight / bias in HF's row order [3, H, D] -> the model's per-head [H, 3, D]."""
+    return t.reshape(3, num_heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def qkv_to_hf(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return t.reshape(num_heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
 class VisionBlock(nn.Module):
