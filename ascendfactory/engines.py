@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
+from ascendfactory.spec import ROLE_INHERITS
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,30 @@ def _field(job, dotted: str):
 
 
 def over_limits(info: EngineInfo, job) -> list[tuple[str, object, object]]:
-    """(field, job value, limit) for every job setting beyond what the engine in this build runs."""
-    return [(dotted, _field(job, dotted), limit) for dotted, limit in info.limits.items()
-            if _field(job, dotted) > limit]
+    """(field, job value, limit) for every job setting beyond what the engine in this build runs.
+
+    A `parallel.*` limit holds for every layout the job runs: the job's parallel block and each RL
+    role's (rl.actor.parallel, rl.reference.parallel, rl.critic.parallel, rl.rollout.parallel,
+    rl.reward.parallel). A role's value is named by the role's field where the role sets it; a value
+    a role only inherits is reported once, at the field it comes from."""
+    out = []
+    layouts = job.role_layouts() if hasattr(job, "role_layouts") else {}
+    for dotted, limit in info.limits.items():
+        value = _field(job, dotted)
+        if value > limit:
+            out.append((dotted, value, limit))
+        if not dotted.startswith("parallel.") or "." in dotted[len("parallel."):]:
+            continue
+        key = dotted[len("parallel."):]
+        for role, layout in layouts.items():
+            if layout is None or not hasattr(layout, key):
+                continue
+            role_value = getattr(layout, key)
+            parent = layouts.get(ROLE_INHERITS.get(role, ""))
+            inherited = getattr(parent, key, None) if parent is not None else value
+            if role_value > limit and role_value != inherited:
+                out.append((f"rl.{role}.parallel.{key}", role_value, limit))
+    return out
 
 
 def unbuilt_combinations(info: EngineInfo, job) -> list[str]:

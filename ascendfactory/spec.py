@@ -553,6 +553,9 @@ class JobSpec(_Block):
         return out
 
 
+# the role whose layout an RL role inherits what it leaves out (a role not named here: the job's parallel block)
+ROLE_INHERITS: dict[str, str] = {}
+
 # a role key that changes what these depend on does not inherit them from the job's parallel block
 _DEPENDS = {"pp_layers": ("pp",), "vpp": ("pp",), "ulysses_degree": ("cp", "cp_algo"), "sp": ("tp",)}
 

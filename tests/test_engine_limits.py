@@ -1,0 +1,68 @@
+"""The engine's LIMITS (backends/<engine>/capabilities.py) hold for every layout a job runs: the job's
+parallel block and each RL role's own layout (rl.actor / rl.reference / rl.critic / rl.rollout
+parallel), refused by `run` before launch with the role's field named."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ascendfactory.cli import app
+from ascendfactory.engines import engine_info, over_limits
+from ascendfactory.spec import parse_job
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def rl_spec(tmp_path, framework="mindspeed-rl", stage="grpo", devices=2, **rl):
+    return {"model": "qwen2.5-7b" if framework == "mindspeed-rl" else "qwen3-14b",
+            "model_path": str(ROOT / "examples" / "tiny-qwen3-arith"), "framework": framework, "stage": stage,
+            "data": {"path": str(ROOT / "examples" / "data" / "easy_arithmetic_prompts.jsonl"), "format": "prompt",
+                     "seq_len": 32, "answer_key": "answer"},
+            "train": {"lr": 1e-4, "global_batch": 8, "micro_batch": 4, "steps": 1, "precision": "fp32"},
+            "rl": {"rollout": {"engine": "hf", "n": 4, "max_new_tokens": 4}, "reward": {"type": "gsm8k"}, **rl},
+            "resources": {"device": "cpu", "devices_per_node": devices},
+            "launcher": "torchrun" if devices > 1 else "local", "output_dir": str(tmp_path / "run")}
+
+
+def limits_of(spec):
+    job = parse_job(yaml.safe_dump(spec))
+    return [(field, value) for field, value, _ in over_limits(engine_info(job.framework), job)]
+
+
+@pytest.mark.parametrize("rl,expected", [
+    ({"actor": {"parallel": {"tp": 16}}}, [("rl.actor.parallel.tp", 16)]),
+    ({"actor": {"parallel": {"tp": 8}}}, []),                       # at the limit: runs
+    ({"reference": {"parallel": {"cp": 2}}}, [("rl.reference.parallel.cp", 2)]),
+    ({"actor": {"parallel": {"pp": 2}}, "reference": {"parallel": {"pp": 1}}}, [("rl.actor.parallel.pp", 2)]),
+    ({"rollout": {"engine": "hf", "n": 4, "max_new_tokens": 4, "parallel": {"tp": 16}}},
+     [("rl.rollout.parallel.tp", 16)]),
+])
+def test_each_role_layout_is_held_to_the_limits(tmp_path, rl, expected):
+    assert engine_info("mindspeed-rl").limits["parallel.tp"] == 8
+    assert limits_of(rl_spec(tmp_path, **rl)) == expected
+
+
+def test_a_critic_layout_is_held_to_the_limits(tmp_path):
+    spec = rl_spec(tmp_path, framework="verl", stage="ppo", critic={"parallel": {"cp": 2}})
+    assert limits_of(spec) == [("rl.critic.parallel.cp", 2)]
+
+
+def test_an_inherited_value_is_named_once_where_it_is_set(tmp_path):
+    spec = {**rl_spec(tmp_path), "parallel": {"cp": 2}}
+    assert limits_of(spec) == [("parallel.cp", 2)]
+
+
+@pytest.mark.parametrize("override,field", [("rl.actor.parallel.cp=2", "rl.actor.parallel.cp"),
+                                            ("rl.reference.parallel.pp=2", "rl.reference.parallel.pp")])
+def test_run_refuses_a_role_layout_beyond_the_limits_before_launch(tmp_path, override, field):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(rl_spec(tmp_path)))
+    dry = runner.invoke(app, ["run", str(job), override, "--dry-run"])
+    assert dry.exit_code == 0, dry.output                      # render and dry runs still work
+    res = runner.invoke(app, ["run", str(job), override])
+    assert res.exit_code == 2, res.output
+    assert f"{field}: backends.rl in this build runs {field} up to 1, the job asks for 2" in " ".join(res.output.split())
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
