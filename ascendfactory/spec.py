@@ -290,7 +290,8 @@ class RLSpec(_Block):
     overlong_buffer: Optional[Tokens] = Field(None, description="DAPO soft overlong punishment buffer")
     max_gen_rounds: Count = Field(3, description="DAPO dynamic sampling: generation rounds at most")
     actor: TrainedRoleSpec = Field(default_factory=TrainedRoleSpec, description="the policy that trains")
-    reference: RoleSpec = Field(default_factory=RoleSpec, description="the frozen policy the KL term compares to")
+    reference: RoleSpec = Field(default_factory=RoleSpec, description="the frozen policy the KL term compares to; "
+                                "keys its parallel block leaves out: the actor's layout")
     critic: Optional[TrainedRoleSpec] = Field(None, description="the value model (ppo only)")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="generation of the responses")
     reward: RewardSpec = Field(default_factory=RewardSpec, description="how responses are scored")
@@ -526,11 +527,13 @@ class JobSpec(_Block):
         if rl.critic is None and self.stage == "ppo":
             rl.critic = TrainedRoleSpec()
         job_layout = self.parallel.model_dump(include=set(LayoutSpec.model_fields))
-        for role in ("actor", "reference", "critic", "reward"):
+        for role in ("actor", "reference", "critic", "reward"):  # the actor before the roles that follow it
             spec = getattr(rl, role)
             if spec is None or (role == "reward" and spec.type != "model"):
                 continue
-            spec.parallel = LayoutSpec(**_inherit(job_layout, spec.parallel))
+            parent = ROLE_INHERITS.get(role)
+            base = getattr(rl, parent).parallel.model_dump() if parent else job_layout
+            spec.parallel = LayoutSpec(**_inherit(base, spec.parallel))
         rollout_base = {k: job_layout[k] for k in RolloutLayoutSpec.model_fields}
         rl.rollout.parallel = RolloutLayoutSpec(**_inherit(rollout_base, rl.rollout.parallel))
         for role in TRAINED_ROLES:
@@ -553,8 +556,10 @@ class JobSpec(_Block):
         return out
 
 
-# the role whose layout an RL role inherits what it leaves out (a role not named here: the job's parallel block)
-ROLE_INHERITS: dict[str, str] = {}
+# the role whose layout an RL role inherits what it leaves out (a role not named here: the job's parallel
+# block): the reference follows the actor, as MindSpeed-RL's integrated worker and VeRL's ref
+# (ulysses_sequence_parallel_size, megatron tensor_model_parallel_size: ${...actor...}) do
+ROLE_INHERITS: dict[str, str] = {"reference": "actor"}
 
 # a role key that changes what these depend on does not inherit them from the job's parallel block
 _DEPENDS = {"pp_layers": ("pp",), "vpp": ("pp",), "ulysses_degree": ("cp", "cp_algo"), "sp": ("tp",)}

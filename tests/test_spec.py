@@ -157,7 +157,9 @@ def test_roles_inherit_the_job_layout_and_learning_rate(job_text):
                            stage="ppo"))
     rl = job.rl
     assert (rl.actor.parallel.cp, rl.actor.parallel.cp_algo, rl.actor.lr) == (2, "ulysses", 3e-6)
-    assert rl.reference.parallel.cp == 1 and rl.critic.lr == job.train.lr  # ppo: a critic by default
+    # the reference follows the actor's layout; the critic (ppo: one by default) takes the job's
+    assert (rl.reference.parallel.cp, rl.reference.parallel.cp_algo) == (2, "ulysses")
+    assert rl.critic.parallel.cp == 1 and rl.critic.lr == job.train.lr
     assert rl.rollout.parallel.tp == 1 and rl.reward.parallel is None      # a rule reward runs no model
     assert set(job.role_layouts()) == {"actor", "reference", "critic", "rollout"}
     # a role that changes pp does not inherit the job's per-stage list (nor sp when it changes tp)
