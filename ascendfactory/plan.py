@@ -14,7 +14,7 @@ from ascendfactory.frameworks import adapter
 from ascendfactory.layout import Layout, rl_batches
 from ascendfactory.layout import solve as solve_layout
 from ascendfactory.matrix import CapabilityReport, require_supported
-from ascendfactory.spec import RL_STAGES, TRAINED_ROLES, JobSpec
+from ascendfactory.spec import RL_STAGES, ROLE_INHERITS, TRAINED_ROLES, JobSpec
 
 DEFAULT_DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}
 
@@ -176,6 +176,9 @@ def _role_layouts(job: JobSpec, arch: dict[str, Any]) -> tuple[dict[str, Layout]
                 problems += _rl_batch_problems(job, role, solved.dp, seen)
         if role != "reward" and _same_layout(lay, job.parallel):
             continue  # the job's own layout, on the same model: its problems are reported once, above
+        parent = ROLE_INHERITS.get(role)
+        if parent and _same_layout(lay, job.role_layouts()[parent]):
+            continue  # the layout of the role it follows (the reference: the actor's), reported there
         problems += [Problem(f"rl.{role}.{b.field}" if b.field.startswith("parallel") else b.field,
                              f"the {role}'s layout: {b.message}", hint=b.hint) for b in broken]
     return roles, problems

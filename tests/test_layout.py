@@ -315,9 +315,12 @@ def test_each_rl_role_layout_is_checked_on_the_same_devices(plan_of):
     assert (roles["actor"].tp, roles["actor"].dp) == (4, 2) and (roles["critic"].tp, roles["critic"].pp) == (2, 2)
     assert roles["rollout"].tp == 2 and roles["reference"].mesh_shape == roles["actor"].mesh_shape == (1, 2, 1, 4)
     assert plan.effective_config()["resolved"]["role_layouts"]["critic"]["dp"] == 2
-    text = refusal(plan_of, **base, rl={"actor": {"parallel": {"tp": 3}}, "reference": {"parallel": {"cp": 2}}})
+    text = refusal(plan_of, **base, rl={"actor": {"parallel": {"tp": 3}}, "reference": {"parallel": {"cp": 2, "tp": 4}}})
     assert "rl.actor.parallel.tp: the actor's layout: 28 attention heads do not split over tp=3" in text
     assert "data.seq_len" not in text and "rl.reference" not in text  # ring cp 2: 1024 splits; 28 heads / tp 4
+    # a reference without a layout of its own follows the actor's: its problems are the actor's, said once
+    text = refusal(plan_of, **base, rl={"actor": {"parallel": {"tp": 3}}})
+    assert "rl.actor.parallel.tp" in text and "rl.reference" not in text
     # a role that keeps the job's layout reports its problems once, as the job's
     text = refusal(plan_of, **{**base, "parallel": {"tp": 3}})
     assert text.count("28 attention heads do not split over tp=3") == 1
