@@ -104,11 +104,11 @@ def test_critic_with_its_own_layout_is_checked_on_its_own_dp():
 
 
 def test_micro_batches_count_responses_not_prompts():
-    """The SFT rule (global batch a multiple of micro x dp) is not an RL rule: 8 prompts x 4 responses
-    in micro-batches of 3 responses plan, and the layout says the update's numbers."""
-    plan = make_plan(rl_job(global_batch=8, mini_batch=4, micro_batch=3, n=4), check_memory=False)
+    """The SFT rule (global batch a multiple of micro x dp) is not an RL rule: 6 prompts x 2 responses
+    in micro-batches of 4 responses plan, and the layout says the update's numbers."""
+    plan = make_plan(rl_job(global_batch=6, mini_batch=6, micro_batch=4, n=2), check_memory=False)
     lay = plan.layout
-    assert (lay.micro_batch, lay.global_batch, lay.grad_accum) == (3, 16, 6)  # 16 responses, ceil(16 / 3)
+    assert (lay.micro_batch, lay.global_batch, lay.grad_accum) == (4, 12, 3)  # 12 responses, 12 / 4
 
 
 @pytest.mark.parametrize("path", RL_EXAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -163,15 +163,91 @@ def _engine_accepts(files: dict, dp: int, monkeypatch) -> bool:
 
 @pytest.mark.parametrize("numbers", AGREEMENT, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_planner_and_engine_agree(numbers, tmp_path, monkeypatch):
+    """backends.rl's own batch checks equal the framework-neutral rule (a job that plans also starts);
+    VeRL's own rules (rl_batches framework="verl") only ever refuse more: never a job the engine refuses
+    passes the planner."""
     monkeypatch.chdir(ROOT)
-    job = rl_job(**numbers)
-    try:
-        make_plan(job, check_memory=False)
-        planned = True
-    except JobError as err:
-        assert all(p.where in ("train.global_batch", "rl.mini_batch", "rl.rollout.n") for p in err.problems)
-        planned = False
+    rule = planner.rl_batches
+
+    def verdict(framework_rules: bool) -> bool:
+        with monkeypatch.context() as m:
+            if not framework_rules:
+                m.setattr(planner, "rl_batches", lambda **kw: rule(**{**kw, "framework": None}))
+            try:
+                make_plan(rl_job(**numbers), check_memory=False)
+                return True
+            except JobError as err:
+                assert all(p.where in ("train.global_batch", "rl.mini_batch", "rl.rollout.n", "train.micro_batch")
+                           for p in err.problems), err.render()
+                return False
+
+    planned, planned_verl = verdict(False), verdict(True)
+    assert planned or not planned_verl
     # the same job rendered without the planner's batch rule: the engine must judge it the same way
     monkeypatch.setattr(planner, "rl_batches", lambda **numbers: [])
     files = render(make_plan(rl_job(**numbers), check_memory=False), tmp_path).files
     assert _engine_accepts(files, numbers.get("dp", 1), monkeypatch) == planned
+
+
+# ---------------------------------------------------------------------- the frameworks' own rules
+
+
+@pytest.mark.parametrize("numbers,field,words", [
+    # VeRL: each rank's share of a mini-batch (4 prompts x 4 / 1 = 16 responses) in whole micro-batches
+    (dict(framework="verl", mini_batch=4, micro_batch=3, n=4), "train.micro_batch",
+     ["16 responses", "not a multiple of train.micro_batch 3", "one of 1, 2, 4, 8, 16"]),
+    (dict(framework="verl", prompts=8, mini_batch=8, micro_batch=5, n=2, dp=2), "train.micro_batch",
+     ["8 responses", "micro_batch 5"]),
+    # VeRL: prompts x n over every device (dp 1 x Ulysses 2 = world 2): 3 x 3 = 9 does not split
+    (dict(framework="verl", prompts=3, mini_batch=3, micro_batch=1, n=3, world=2), "train.global_batch",
+     ["3 x n=3 = 9", "all 2 devices", "batch of 4 prompts"]),
+    # MindSpeed-RL: each rank's rollout share (8 / 2 x 3 = 12 responses) in whole micro-batches
+    (dict(framework="mindspeed-rl", prompts=8, mini_batch=4, micro_batch=5, n=3, dp=2), "train.micro_batch",
+     ["12 responses", "micro_batch 5", "one of 1, 2, 3, 4, 6, 12"]),
+    # MindSpeed-RL: the prompts over the generation's data-parallel ranks
+    (dict(framework="mindspeed-rl", prompts=6, mini_batch=6, micro_batch=2, n=2, rollout_dp=4),
+     "train.global_batch", ["6", "generation's 4 data-parallel ranks", "batch of 8 prompts"]),
+])
+def test_framework_rules_name_the_field_and_the_fix(numbers, field, words):
+    base = dict(algorithm="grpo", prompts=8, mini_batch=4, micro_batch=2, n=4, dp=1)
+    problems = rl_batches(**{**base, **numbers})
+    assert [p.field for p in problems] == [field], problems
+    text = problems[0].message + " " + problems[0].hint
+    assert all(w in text for w in words), text
+    # the framework-neutral rule (the engine's) lets these through
+    assert rl_batches(**{**base, **numbers, "framework": None}) == []
+
+
+def test_framework_rules_speak_the_dialect_s_keys():
+    fields = {"micro_batch": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+              "mini_batch": "actor_rollout_ref.actor.ppo_mini_batch_size"}
+    (problem,) = rl_batches(algorithm="grpo", prompts=8, mini_batch=4, micro_batch=3, n=4, dp=1, fields=fields,
+                            framework="verl")
+    assert problem.field == fields["micro_batch"] and "ppo_mini_batch_size 4" in problem.message
+
+
+@pytest.mark.parametrize("job,field,words", [
+    (dict(global_batch=8, mini_batch=4, micro_batch=3, n=4), "train.micro_batch",
+     ["VeRL", "16 responses", "train.micro_batch 3"]),
+    (dict(stage="ppo", global_batch=4, mini_batch=4, micro_batch=3, n=1, dp=2), "train.micro_batch",
+     ["VeRL", "2 responses", "train.micro_batch 3"]),  # ppo: the actor's and the critic's share, said once
+    (dict(framework="mindspeed-rl", global_batch=8, micro_batch=3, n=2, dp=2), "train.micro_batch",
+     ["MindSpeed-RL", "8 responses", "train.micro_batch 3"]),
+])
+def test_planner_applies_the_framework_rules(job, field, words, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    err = refusal(rl_job(**job))
+    assert [p.where for p in err.problems] == [field], err.render()
+    assert all(w in err.render() for w in words), err.render()
+
+
+def test_planner_checks_verl_responses_over_every_device(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    # Ulysses cp 2 over 2 ranks: dp 1, so 3 prompts split over dp, but 3 x 3 responses not over 2 devices
+    job = rl_job(global_batch=3, mini_batch=3, micro_batch=1, n=3, dp=2,
+                 parallel={"fsdp": True, "cp": 2, "cp_algo": "ulysses"})
+    err = refusal(job)
+    assert [p.where for p in err.problems] == ["train.global_batch"], err.render()
+    assert "all 2 devices" in err.render()
+    make_plan(rl_job(global_batch=4, mini_batch=4, micro_batch=1, n=3, dp=2,
+                     parallel={"fsdp": True, "cp": 2, "cp_algo": "ulysses"}), check_memory=False)
