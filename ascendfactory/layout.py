@@ -355,8 +355,9 @@ GROUP_ALGORITHMS = ("grpo", "dapo")  # advantages normalised within each prompt'
 
 
 def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: int, n: int, dp: int,
-               ppo_epochs: int = 1, fields: dict[str, str] | None = None, framework: str | None = None,
-               world: int | None = None, rollout_dp: int | None = None) -> list[LayoutProblem]:
+               ppo_epochs: int = 1, fields: dict[str, str] | None = None, who: str = "the framework",
+               micro_share: str | None = None, world: int | None = None,
+               rollout_dp: int | None = None) -> list[LayoutProblem]:
     """The batch arithmetic of one RL step that backends.rl refuses at start, every broken rule at once.
 
     A step rolls out `prompts` prompts x `n` responses, split over `dp` ranks by prompt; the update
@@ -364,16 +365,16 @@ def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: in
     prompt too), in micro-batches of `micro_batch` responses per rank. The planner and the engine
     both call this, so a job that plans also starts.
 
-    With `framework`, that framework's own start-up rules as well (the rendered files must start on
-    the real framework too):
-      verl          (0.9.1, FSDP without dynamic batch sizes) each rank's share of a mini-batch,
-                    mini_batch x n / dp responses, is a whole number of micro-batches (the engine's
-                    prepare_micro_batches asserts it; log-prob passes split the rank's whole batch the
-                    same way, which follows); prompts x n is a multiple of the `world` size (validate_config:
-                    real_train_batch_size % n_gpus).
-      mindspeed-rl  each rank's rollout share, prompts / dp x n responses, is a whole number of
-                    micro-batches, and the prompts split over the generation's data-parallel size
-                    `rollout_dp` (validate_rl_args: _validate_data_parallel for Actor and Generation)."""
+    A framework's own start-up rules as well, where its adapter asks for them (rl_batch_rules; the
+    rendered files must start on the real framework too), `who` naming it in the messages:
+      micro_share="mini_batch"  each rank's share of a mini-batch, mini_batch x n / dp responses, is a
+                    whole number of micro-batches (VeRL 0.9.1's prepare_micro_batches asserts it;
+                    log-prob passes split the rank's whole batch the same way, which follows)
+      micro_share="rollout"     each rank's rollout share, prompts / dp x n responses, is a whole
+                    number of micro-batches (MindSpeed-RL's validate_rl_args)
+      world         prompts x n is a multiple of every device (VeRL's real_train_batch_size % n_gpus)
+      rollout_dp    the prompts split over the generation's data-parallel size (MindSpeed-RL's
+                    _validate_data_parallel for Generation)."""
     names = {**RL_BATCH_FIELDS, **(fields or {})}
     problems: list[LayoutProblem] = []
 
@@ -409,29 +410,29 @@ def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: in
         bad("mini_batch", f"the mini-batch of {mini_batch} prompts does not split over the {dp} data-parallel ranks "
                           f"(each updates on mini_batch / dp prompts x n={n} responses)",
             f"set {names['mini_batch']} to {choice}")
-    if framework == "verl" and not mini_batch % dp and not prompts % mini_batch and micro_batch >= 1:
+    if micro_share == "mini_batch" and not mini_batch % dp and not prompts % mini_batch and micro_batch >= 1:
         share = mini_batch * n // dp
         if share % micro_batch:
             sizes = ", ".join(map(str, divisors(share, upto=MAX_BATCH)[:8]))
-            bad("micro_batch", f"VeRL splits each rank's share of a mini-batch ({names['mini_batch']} {mini_batch} "
+            bad("micro_batch", f"{who} splits each rank's share of a mini-batch ({names['mini_batch']} {mini_batch} "
                                f"prompts x n={n} / {dp} data-parallel ranks = {share} responses) into whole "
                                f"micro-batches: {share} is not a multiple of {names['micro_batch']} {micro_batch}",
                 f"set {names['micro_batch']} to one of {sizes}, or change {names['mini_batch']} / "
                 f"{names['n']} so the share divides")
-    if framework == "verl" and world and not prompts % dp and prompts * n % world:
-        bad("prompts", f"VeRL needs the step's responses ({names['prompts']} {prompts} x n={n} = {prompts * n}) "
+    if world and not prompts % dp and prompts * n % world:
+        bad("prompts", f"{who} needs the step's responses ({names['prompts']} {prompts} x n={n} = {prompts * n}) "
                        f"to split over all {world} devices (real_train_batch_size % n_gpus)",
             f"use a batch of {round_up(prompts, math.lcm(dp, world // math.gcd(world, n)))} prompts, or change "
             f"{names['n']}")
-    if framework == "mindspeed-rl" and not prompts % dp and micro_batch >= 1:
+    if micro_share == "rollout" and not prompts % dp and micro_batch >= 1:
         share = prompts // dp * n
         if share % micro_batch:
             sizes = ", ".join(map(str, divisors(share, upto=MAX_BATCH)[:8]))
-            bad("micro_batch", f"MindSpeed-RL splits each rank's rollout share ({names['prompts']} {prompts} prompts "
+            bad("micro_batch", f"{who} splits each rank's rollout share ({names['prompts']} {prompts} prompts "
                                f"/ {dp} data-parallel ranks x n={n} = {share} responses) into whole "
                                f"micro-batches: {share} is not a multiple of {names['micro_batch']} {micro_batch}",
                 f"set {names['micro_batch']} to one of {sizes}")
-    if framework == "mindspeed-rl" and rollout_dp and prompts % rollout_dp:
+    if rollout_dp and prompts % rollout_dp:
         bad("prompts", f"{names['prompts']} {prompts} (prompts) does not split over the generation's {rollout_dp} "
                        f"data-parallel ranks (devices / (rl.rollout.parallel tp x pp))",
             f"use a batch of {round_up(prompts, rollout_dp)} prompts, or change rl.rollout.parallel.tp")

@@ -189,11 +189,9 @@ def _rl_batch_problems(job: JobSpec, role: str, dp: int, seen: set[tuple[str, st
     role's data-parallel size; what the actor's already broke is not said again for the critic."""
     rl, t = job.rl, job.train
     world = job.resources.nnodes * job.resources.devices_per_node
-    gen = rl.rollout.parallel
     broken = rl_batches(algorithm=job.stage, prompts=t.global_batch, mini_batch=rl.mini_batch or t.global_batch,
                         micro_batch=t.micro_batch, n=rl.rollout.n, dp=dp, ppo_epochs=rl.ppo_epochs,
-                        framework=job.framework, world=world,
-                        rollout_dp=world // (gen.tp * gen.pp) if gen is not None and gen.tp * gen.pp else None)
+                        **adapter(job.framework).rl_batch_rules(job, world))
     out = []
     for b in broken:
         if (b.field, b.message) not in seen:

@@ -164,7 +164,7 @@ def _engine_accepts(files: dict, dp: int, monkeypatch) -> bool:
 @pytest.mark.parametrize("numbers", AGREEMENT, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_planner_and_engine_agree(numbers, tmp_path, monkeypatch):
     """backends.rl's own batch checks equal the framework-neutral rule (a job that plans also starts);
-    VeRL's own rules (rl_batches framework="verl") only ever refuse more: never a job the engine refuses
+    VeRL's own rules (its adapter's rl_batch_rules) only ever refuse more: never a job the engine refuses
     passes the planner."""
     monkeypatch.chdir(ROOT)
     rule = planner.rl_batches
@@ -172,7 +172,8 @@ def test_planner_and_engine_agree(numbers, tmp_path, monkeypatch):
     def verdict(framework_rules: bool) -> bool:
         with monkeypatch.context() as m:
             if not framework_rules:
-                m.setattr(planner, "rl_batches", lambda **kw: rule(**{**kw, "framework": None}))
+                m.setattr(planner, "rl_batches", lambda **kw: rule(**{k: v for k, v in kw.items()
+                                                                       if k not in ("micro_share", "world")}))
             try:
                 make_plan(rl_job(**numbers), check_memory=False)
                 return True
@@ -194,18 +195,18 @@ def test_planner_and_engine_agree(numbers, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("numbers,field,words", [
     # VeRL: each rank's share of a mini-batch (4 prompts x 4 / 1 = 16 responses) in whole micro-batches
-    (dict(framework="verl", mini_batch=4, micro_batch=3, n=4), "train.micro_batch",
+    (dict(who="VeRL", micro_share="mini_batch", mini_batch=4, micro_batch=3, n=4), "train.micro_batch",
      ["16 responses", "not a multiple of train.micro_batch 3", "one of 1, 2, 4, 8, 16"]),
-    (dict(framework="verl", prompts=8, mini_batch=8, micro_batch=5, n=2, dp=2), "train.micro_batch",
+    (dict(who="VeRL", micro_share="mini_batch", prompts=8, mini_batch=8, micro_batch=5, n=2, dp=2), "train.micro_batch",
      ["8 responses", "micro_batch 5"]),
     # VeRL: prompts x n over every device (dp 1 x Ulysses 2 = world 2): 3 x 3 = 9 does not split
-    (dict(framework="verl", prompts=3, mini_batch=3, micro_batch=1, n=3, world=2), "train.global_batch",
+    (dict(who="VeRL", prompts=3, mini_batch=3, micro_batch=1, n=3, world=2), "train.global_batch",
      ["3 x n=3 = 9", "all 2 devices", "batch of 4 prompts"]),
     # MindSpeed-RL: each rank's rollout share (8 / 2 x 3 = 12 responses) in whole micro-batches
-    (dict(framework="mindspeed-rl", prompts=8, mini_batch=4, micro_batch=5, n=3, dp=2), "train.micro_batch",
+    (dict(who="MindSpeed-RL", micro_share="rollout", prompts=8, mini_batch=4, micro_batch=5, n=3, dp=2), "train.micro_batch",
      ["12 responses", "micro_batch 5", "one of 1, 2, 3, 4, 6, 12"]),
     # MindSpeed-RL: the prompts over the generation's data-parallel ranks
-    (dict(framework="mindspeed-rl", prompts=6, mini_batch=6, micro_batch=2, n=2, rollout_dp=4),
+    (dict(who="MindSpeed-RL", micro_share="rollout", prompts=6, mini_batch=6, micro_batch=2, n=2, rollout_dp=4),
      "train.global_batch", ["6", "generation's 4 data-parallel ranks", "batch of 8 prompts"]),
 ])
 def test_framework_rules_name_the_field_and_the_fix(numbers, field, words):
@@ -215,14 +216,15 @@ def test_framework_rules_name_the_field_and_the_fix(numbers, field, words):
     text = problems[0].message + " " + problems[0].hint
     assert all(w in text for w in words), text
     # the framework-neutral rule (the engine's) lets these through
-    assert rl_batches(**{**base, **numbers, "framework": None}) == []
+    neutral = {k: v for k, v in numbers.items() if k not in ("who", "micro_share", "world", "rollout_dp")}
+    assert rl_batches(**{**base, **neutral}) == []
 
 
 def test_framework_rules_speak_the_dialect_s_keys():
     fields = {"micro_batch": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
               "mini_batch": "actor_rollout_ref.actor.ppo_mini_batch_size"}
     (problem,) = rl_batches(algorithm="grpo", prompts=8, mini_batch=4, micro_batch=3, n=4, dp=1, fields=fields,
-                            framework="verl")
+                            who="VeRL", micro_share="mini_batch")
     assert problem.field == fields["micro_batch"] and "ppo_mini_batch_size 4" in problem.message
 
 

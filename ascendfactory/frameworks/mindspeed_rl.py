@@ -61,6 +61,14 @@ class MindSpeedRL(RLAdapter):
 
     # ------------------------------------------------------------------ rendering
 
+    def rl_batch_rules(self, job, world):
+        """MindSpeed-RL's validate_rl_args: each rank's rollout share (global_batch_size / dp x
+        n_samples_per_prompt) in whole micro_batch_size micro-batches; the prompts over the
+        generation's data-parallel size (devices / (infer tp x pp))."""
+        gen = job.rl.rollout.parallel
+        return {"who": "MindSpeed-RL", "micro_share": "rollout",
+                "rollout_dp": world // (gen.tp * gen.pp) if gen is not None else None}
+
     def _facts(self, context: dict[str, Any], job) -> dict[str, Any]:
         rl, t = job.rl, job.train
         roles = job.role_layouts()

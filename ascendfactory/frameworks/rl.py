@@ -4,6 +4,8 @@ engine and a reward; their layouts are in the job's `rl.<role>.parallel` blocks.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ascendfactory.frameworks.base import Adapter, FeatureUse
 
 RL_STAGES = ("grpo", "dapo", "ppo")
@@ -33,6 +35,11 @@ class RLAdapter(Adapter):
 
     def serves(self, row, stage):
         return stage in (row["methods"] if isinstance(row.get("methods"), list) else [])
+
+    def rl_batch_rules(self, job, world: int) -> dict[str, Any]:
+        """This framework's own batch rules for ascendfactory.layout.rl_batches (who, micro_share, world,
+        rollout_dp); none beyond the engine's by default."""
+        return {}
 
     def probe(self, job, row, feature, stage):
         job["stage"] = stage or row["methods"][0]

@@ -63,6 +63,11 @@ class Verl(RLAdapter):
     def features_used(self, job, distributed):
         return self.role_features(job) + [FeatureUse("train_backend", "the actor trains with FSDP")]
 
+    def rl_batch_rules(self, job, world):
+        """VeRL 0.9.1 (FSDP, no dynamic batch sizes): each rank's mini-batch share in whole
+        ppo_micro_batch_size_per_gpu micro-batches; prompts x n over every device."""
+        return {"who": "VeRL", "micro_share": "mini_batch", "world": world}
+
     def states(self, job, on_device, trainable, layer_only, c, dp):
         return fsdp_states(job, on_device, trainable, layer_only, c, dp)
 
