@@ -35,7 +35,8 @@ def limits_of(spec):
 @pytest.mark.parametrize("rl,expected", [
     ({"actor": {"parallel": {"tp": 16}}}, [("rl.actor.parallel.tp", 16)]),
     ({"actor": {"parallel": {"tp": 8}}}, []),                       # at the limit: runs
-    ({"reference": {"parallel": {"cp": 2}}}, [("rl.reference.parallel.cp", 2)]),
+    ({"reference": {"parallel": {"cp": 16}}}, [("rl.reference.parallel.cp", 16)]),
+    ({"actor": {"parallel": {"cp": 8}}}, []),                       # context parallel actors are built
     ({"actor": {"parallel": {"pp": 2}}, "reference": {"parallel": {"pp": 1}}}, [("rl.actor.parallel.pp", 2)]),
     ({"rollout": {"engine": "hf", "n": 4, "max_new_tokens": 4, "parallel": {"tp": 16}}},
      [("rl.rollout.parallel.tp", 16)]),
@@ -51,11 +52,11 @@ def test_a_critic_layout_is_held_to_the_limits(tmp_path):
 
 
 def test_an_inherited_value_is_named_once_where_it_is_set(tmp_path):
-    spec = {**rl_spec(tmp_path), "parallel": {"cp": 2}}
-    assert limits_of(spec) == [("parallel.cp", 2)]
+    spec = {**rl_spec(tmp_path), "parallel": {"pp": 2}}
+    assert limits_of(spec) == [("parallel.pp", 2)]
 
 
-@pytest.mark.parametrize("override,field", [("rl.actor.parallel.cp=2", "rl.actor.parallel.cp"),
+@pytest.mark.parametrize("override,field", [("rl.actor.parallel.pp=2", "rl.actor.parallel.pp"),
                                             ("rl.reference.parallel.pp=2", "rl.reference.parallel.pp")])
 def test_run_refuses_a_role_layout_beyond_the_limits_before_launch(tmp_path, override, field):
     job = tmp_path / "job.yaml"

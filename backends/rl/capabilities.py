@@ -5,7 +5,8 @@ The engine trains the native text decoders of backends.llm (families below) with
 KV-cache generator as the rollout, losses global over micro-batches and ranks. In the VeRL dialect
 the actor, critic and reference are sharded with FSDP2 over the data-parallel ranks (strategy fsdp /
 fsdp2; fsdp_size 1 replicates); in the MindSpeed-RL dialect the actor and reference run the LLM engine's
-Megatron TP plan on a dp x tp mesh (tensor_model_parallel_size; replicated over dp). It reads two dialects: VeRL's ppo_trainer tree (backends/rl/config.py)
+Megatron TP plan and context parallel on a dp x cp x tp mesh (tensor_model_parallel_size,
+context_parallel_size; replicated over dp). It reads two dialects: VeRL's ppo_trainer tree (backends/rl/config.py)
 and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feature (tests/rl/):
 
 - verl methods:grpo / methods:dapo / methods:ppo: the algorithms on hand-worked cases and against
@@ -24,11 +25,18 @@ and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feat
   in the shared runs of test_rl_examples.py; the GRPO loop itself is the one the verl cells prove.
 - mindspeed-rl megatron_backend (tensor parallel): the example job at actor tp 2 on 2 processes and at
   tp 2 x dp 2 on 4 equals the 1-process run over 3 steps (losses, rewards, weights within 1e-5), the tp
-  ranks hold half of the model state (test_rl_tensor_parallel.py); PP / CP / EP > 1 refused by name
+  ranks hold half of the model state (test_rl_tensor_parallel.py); PP / EP > 1 refused by name
   (test_mindspeed_rl_engine.py).
+- mindspeed-rl long_seq (context parallel): the example job at actor cp 2 on 2 processes, ring
+  (megatron_cp_algo) and Ulysses (ulysses_cp_algo), and at cp 2 x tp 2 on 4 equals the 1-process run over
+  3 steps (losses, rewards, KL / clip / entropy metrics, weights within 1e-5; fails without the cp
+  gradient sum or the cp shard's positions) (test_rl_context_parallel.py); a job with parallel.cp 2
+  renders context_parallel_size 2 and its algorithm and the engine reads them back, hybrid_cp_algo,
+  unknown algorithms, num_npus not a multiple of tp x cp, Ulysses heads not dividing and a reference off
+  the actor's cp are refused by name (test_rl_context_parallel.py).
 
-Not built: Qwen2.5-VL, vLLM / SGLang rollout, Megatron PP / CP actors (MindSpeed-RL's
-long_seq column; megatron_backend is TP only), reward models, and DAPO / PPO in the MindSpeed-RL dialect:
+Not built: Qwen2.5-VL, vLLM / SGLang rollout, Megatron PP actors (megatron_backend is TP and CP),
+reward models, and DAPO / PPO in the MindSpeed-RL dialect:
 PENDING below, and `run` refuses such jobs before launch (UNBUILT / LIMITS).
 """
 
@@ -44,6 +52,7 @@ IMPLEMENTS = {
     "mindspeed-rl": {
         "methods:grpo": TEXT_FAMILIES,
         "megatron_backend": TEXT_FAMILIES,
+        "long_seq": TEXT_FAMILIES,
     },
 }
 
@@ -60,13 +69,12 @@ PENDING: dict[str, dict[str, str]] = {
         "vllm": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); the vLLM engine is not built",
         "megatron_backend": "Megatron tensor parallel actors are built (dp x tp); pipeline parallel RL actors "
                             "are not",
-        "long_seq": "context parallel (ring / Ulysses) RL actors are not built",
     },
 }
 
 LIMITS: dict[str, dict[str, int]] = {
     "verl": {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1},
-    "mindspeed-rl": {"parallel.tp": 8, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1},
+    "mindspeed-rl": {"parallel.tp": 8, "parallel.pp": 1, "parallel.cp": 8, "parallel.ep": 1},
 }
 
 # settings `run` refuses before launch (the engine refuses them again at start)

@@ -53,6 +53,8 @@ class RLConfig:
     reshard_after_forward: bool = True         # FSDP2 blocks free their gathered weights after forward
     tp: int = 1                                # Megatron tensor parallel: actor and reference on a (dp, tp) mesh
     ref_tp: int | None = None                  # the reference's tp: the actor's (None) or 1 (replicated)
+    cp: int = 1                                # context parallel (actor and reference): a (dp, cp, tp) mesh
+    cp_algo: str = "ring"                      # ring (megatron_cp_algo) or ulysses (ulysses_cp_algo)
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float = 3.0

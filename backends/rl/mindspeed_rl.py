@@ -36,9 +36,13 @@ refused by name with a did-you-mean. A key the engine maps is read with MindSpee
 
 A key the engine does not implement is accepted only at MindSpeed-RL's default (or where it does not
 change what a step computes: kernels, fusions, logging, Ray and vLLM plumbing; NO_EFFECT), else it
-is refused by name. The actor and the reference run data x tensor parallel (tensor_model_parallel_size:
-the LLM engine's Megatron TP plan on a dp x tp mesh, log-probs vocab-parallel; the reference on the
-actor's tp); pipeline / context / expert parallel sizes above 1 are refused. GRPO only (stage ray_grpo, adv_estimator group_norm):
+is refused by name. The actor and the reference run data x context x tensor parallel
+(tensor_model_parallel_size: the LLM engine's Megatron TP plan, log-probs vocab-parallel;
+context_parallel_size with context_parallel_algo megatron_cp_algo (ring) or ulysses_cp_algo: the
+sequences of the log-prob passes and updates sharded over the cp ranks, backends/rl/context_parallel.py;
+the reference on the actor's tp or 1, on the actor's cp); hybrid_cp_algo is refused (MindSpeed-RL's
+MegatronConfig has no ulysses_degree_in_cp key to set its Ulysses degree with), and pipeline / expert
+parallel sizes above 1 are refused. GRPO only (stage ray_grpo, adv_estimator group_norm):
 DAPO and PPO run in the VeRL dialect. Errors name the key and the file; the engine exits 2 on them.
 """
 
@@ -184,7 +188,7 @@ NO_EFFECT: dict[str, set[str]] = {
         "recompute_method", "recompute_num_layers", "recompute_activation_function", "swap_attention",
         "swap_optimizer", "npu_deterministic", "use_ascend_coc", "coc_mode", "coc_parallel_num", "coc_fused_kernel",
         "no_check_for_nan_in_loss_and_grad", "initial_loss_scale", "pad_to_multiple_of", "use_tp_pp_dp_mapping",
-        "use_cp_send_recv_overlap", "use_fused_ring_attention_update", "context_parallel_algo", "dataloader_type",
+        "use_cp_send_recv_overlap", "use_fused_ring_attention_update", "dataloader_type",
         "variable_seq_lengths", "no_pad_to_seq_lengths", "transformer_impl", "use_kv_cache", "do_sample",
         "enable_high_availability", "finetune", "init_method_std", "seq_length", "make_vocab_size_divisible_by",
         "tokenizer_not_use_fast", "tokenizer_padding_side", "min_lr", "moe_grouped_gemm",
@@ -216,6 +220,8 @@ NO_EFFECT: dict[str, set[str]] = {
     },
 }
 SAMPLING_NO_EFFECT = {"logprobs", "detokenize"}
+# MindSpeed-RL's context_parallel_algo -> the engine's (hybrid_cp_algo is refused: no Ulysses degree key)
+CP_ALGOS = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses"}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
             "expert_model_parallel_size")
 
@@ -594,11 +600,23 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     if not pos(tp):
         problems.append(f"{actor.name('tensor_model_parallel_size')}: {tp!r}: must be a positive integer")
         tp = 1
-    for key in PARALLEL[1:]:  # TP is built (the LLM engine's plan on a dp x tp mesh); PP / CP / EP are not
+    cp = actor.get("context_parallel_size")
+    if not pos(cp):
+        problems.append(f"{actor.name('context_parallel_size')}: {cp!r}: must be a positive integer")
+        cp = 1
+    cp_algo = actor.get("context_parallel_algo")
+    if cp_algo == "hybrid_cp_algo" and cp > 1:
+        problems.append(f"{actor.name('context_parallel_algo')}: hybrid_cp_algo needs a Ulysses degree, and "
+                        "MindSpeed-RL's MegatronConfig has no ulysses_degree_in_cp key to give it; use "
+                        "megatron_cp_algo (ring) or ulysses_cp_algo")
+    elif cp_algo not in CP_ALGOS and cp_algo != "hybrid_cp_algo":
+        problems.append(f"{actor.name('context_parallel_algo')}: {cp_algo!r}: not a context-parallel algorithm "
+                        f"this engine runs; use {' or '.join(CP_ALGOS)}")
+    for key in ("pipeline_model_parallel_size", "expert_model_parallel_size"):  # TP and CP are built; PP / EP not
         value = actor.get(key)
         if value != 1:
-            problems.append(f"{actor.name(key)}: {value!r}: the engine's actor is data x tensor parallel only in "
-                            "this build (Megatron pipeline / context / expert parallel RL actors are pending); set 1")
+            problems.append(f"{actor.name(key)}: {value!r}: the engine's actor is data x context x tensor parallel "
+                            "only in this build (Megatron pipeline / expert parallel RL actors are pending); set 1")
     integrated = rl("use_integrated_worker")
     want(integrated, "rl_config.use_integrated_worker", lambda v: isinstance(v, bool), "true or false")
 
@@ -715,9 +733,15 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
             world = want(resource.get("num_npus"), "rl_config.actor_resource.num_npus",
                          lambda v: v is None or pos(v), "a positive integer")
 
-    if pos(world) and world % tp:
+    if pos(world) and world % (tp * cp):
         problems.append(f"rl_config.actor_resource.num_npus: {world} is not a multiple of "
-                        f"{actor.name('tensor_model_parallel_size')} {tp} (dp x tp ranks)")
+                        f"{actor.name('tensor_model_parallel_size')} {tp} x {actor.name('context_parallel_size')} "
+                        f"{cp} (dp x cp x tp ranks)")
+    heads = actor.get("num_attention_heads")
+    if cp > 1 and cp_algo == "ulysses_cp_algo" and _is_int(heads) and heads % (tp * cp):
+        problems.append(f"{actor.name('context_parallel_algo')}: ulysses_cp_algo splits each tensor parallel "
+                        f"rank's attention heads ({heads} / tp {tp}) over the {cp} context parallel ranks: "
+                        f"num_attention_heads must be a multiple of tp x cp = {tp * cp}; use megatron_cp_algo")
     # ---- data
     records = _records(actor, max_prompt, problems)
 
@@ -737,6 +761,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
         norm_adv_by_std=True, gamma=rl("gamma"), lam=rl("lam"), use_kl_in_reward=False, kl_penalty=kl,
         verifier=verifier, reward_function=function,
         total_steps=actor.get("train_iters"), expected_world=world, seed=seed, tp=tp,
+        cp=cp, cp_algo=CP_ALGOS.get(cp_algo, "ring"),
         ref_tp=_Role(tree, "ref_config", model_files, source).get("tensor_model_parallel_size")
         if integrated is False and "ref_config" in tree else None,
         save_dir=actor.get("save"), save_interval=save_interval if pos(save_interval) else None,
@@ -855,11 +880,20 @@ def _check_architecture(actor: _Role, model_dir: Path, problems: list[str]) -> N
 def _check_reference(tree, actor: _Role, model_files, source, problems: list[str]) -> None:
     ref = _Role(tree, "ref_config", model_files, source)
     for key in PARALLEL:
+        if key == "context_parallel_size":  # the log-prob passes shard the sequences as the actor's do
+            if ref.get(key) != actor.get(key):
+                problems.append(f"{ref.name(key)}: {ref.get(key)!r}: the engine's reference runs on the actor's "
+                                f"context parallel layout; set {actor.get(key)!r}")
+            elif actor.get(key) != 1 and ref.get("context_parallel_algo") != actor.get("context_parallel_algo"):
+                problems.append(f"{ref.name('context_parallel_algo')}: {ref.get('context_parallel_algo')!r}: the "
+                                "engine's reference runs the actor's context parallel algorithm; set "
+                                f"{actor.get('context_parallel_algo')!r}")
+            continue
         allowed = (1, actor.get(key)) if key == "tensor_model_parallel_size" else (1,)
         if ref.get(key) not in allowed:
             problems.append(f"{ref.name(key)}: {ref.get(key)!r}: the engine's reference is replicated or on the "
                             f"actor's tensor parallel layout ({actor.get('tensor_model_parallel_size')!r}); "
-                            "pipeline / context / expert parallel roles are pending; set "
+                            "pipeline / expert parallel roles are pending; set "
                             + " or ".join(str(v) for v in sorted(set(allowed))))
     for key, value in (tree.get("ref_config") or {}).items():
         if key in PARALLEL or key in NO_EFFECT["megatron"] or key in ("micro_batch_size", "model"):

@@ -23,7 +23,9 @@ Layouts: replicated (every rank holds the actor; gradients averaged over the ran
 backward pass) or, with cfg.fsdp (VeRL's strategy fsdp / fsdp2), FSDP2 over the ranks (sharding.py:
 actor, critic and reference sharded; rollout and the forward-only passes run on the gathered model;
 updates in lockstep). Either way the trainer multiplies the local loss by the world size, so the
-average of the gradients becomes the global sum.
+average of the gradients becomes the global sum. The MindSpeed-RL dialect's Megatron actors add tensor
+parallel (a dp x tp mesh) and context parallel (a dp x cp x tp mesh, the sequences of the forward passes and
+updates sharded over the cp ranks, the gradient summed over them: context_parallel.py).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from backends.common.distributed import Runtime, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 
-from . import algos, rollout, sharding
+from . import algos, context_parallel, rollout, sharding
 from .config import RLConfig
 from .rewards import Scorer, load_function
 
@@ -78,10 +80,12 @@ def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
 
 
-def _average_grads(model: nn.Module, world: int, group=None):
-    """The data-parallel gradient all-reduce (mean over `group`), for models without a wrapper; under TP the
-    local shards (each tp rank's DTensor gradients already hold its own shard's full gradient)."""
-    if world == 1:
+def _average_grads(model: nn.Module, world: int, group=None, members: int | None = None):
+    """The data-parallel gradient all-reduce (the sum over `group` divided by world), for models without a
+    wrapper; under TP the local shards (each tp rank's DTensor gradients already hold its own shard's full
+    gradient). Under CP `group` is dp x cp (`members` ranks) and world is dp: the cp ranks' partial
+    gradients summed, averaged over dp (context_parallel.py)."""
+    if (members or world) == 1:
         return None
 
     def hook():
@@ -187,10 +191,14 @@ class RLRecipe(Recipe):
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
+            if self.cp is not None:
+                context_parallel.apply(self.reference, self.cp)
             if self.tp_mesh is not None and c.ref_tp != 1:
                 _tensor_parallel(self.reference, self.tp_mesh)
             if par is not None:
                 sharding.shard(self.reference, self.reference.parts(), par)
+        if self.cp is not None:
+            context_parallel.apply(actor, self.cp)
         if self.tp_mesh is not None:
             _tensor_parallel(actor, self.tp_mesh)
         if c.gradient_checkpointing:
@@ -210,24 +218,35 @@ class RLRecipe(Recipe):
                         resume=c.resume, metrics_file=c.metrics_file)
 
     def _layout(self, rt: Runtime) -> None:
-        """dp x tp ranks (tp innermost, as the LLM engine's mesh): the tp ranks of one dp rank hold the same
-        samples, so batches, counts and gradient averages go over the dp group only."""
+        """dp x cp x tp ranks (tp innermost, as the LLM engine's mesh): the cp x tp ranks of one dp rank hold the
+        same samples, so batches, counts and loss scaling go over the dp group only; the gradient all-reduce
+        over dp, or under CP over dp x cp (the cp ranks' partial gradients summed)."""
         c = self.cfg
-        self.tp_mesh, self.dp_group, self.tp = None, None, c.tp
+        self.tp_mesh, self.dp_group, self.tp, self.cp = None, None, c.tp, None
+        self.grad_group = None  # the gradient all-reduce's group: dp, or dp x cp under CP
         if c.ref_tp not in (None, 1, c.tp):
             raise ValueError(f"the reference's tensor parallel size {c.ref_tp} must be 1 or the actor's {c.tp}")
-        if c.tp < 1 or rt.world % c.tp:
-            raise ValueError(f"tensor parallel size {c.tp} does not divide the {rt.world} ranks")
-        self.dp, self.dp_rank = rt.world // c.tp, rt.rank // c.tp
-        if c.tp == 1:
+        if c.tp < 1 or c.cp < 1 or rt.world % (c.tp * c.cp):
+            raise ValueError(f"tensor x context parallel size {c.tp} x {c.cp} does not divide the {rt.world} ranks")
+        self.dp, self.dp_rank = rt.world // (c.tp * c.cp), rt.rank // (c.tp * c.cp)
+        if c.tp == 1 and c.cp == 1:
             return
         if c.fsdp or c.algorithm == "ppo":
-            raise ValueError("tensor parallel RL actors (the MindSpeed-RL dialect's Megatron backend) train GRPO / "
-                             "DAPO without FSDP; PPO's critic and FSDP are data parallel only")
+            raise ValueError("tensor / context parallel RL actors (the MindSpeed-RL dialect's Megatron backend) train "
+                             "GRPO / DAPO without FSDP; PPO's critic and FSDP are data parallel only")
+        if c.cp > 1:  # (dp, cp, tp): the cp x tp ranks of a dp rank hold its samples (context_parallel.py)
+            from backends.llm.models.config import ModelConfig
+            from backends.common.checkpoint.hf_io import read_config
+
+            heads = ModelConfig.from_hf(read_config(c.model_path)).num_attention_heads
+            self.cp = context_parallel.setup(rt.device.type, rt.world, self.dp, c.cp, c.tp, c.cp_algo, heads)
+            self.tp_mesh, self.dp_group, self.grad_group = self.cp.tp_mesh, self.cp.dp_group, self.cp.grad_group
+            return
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(rt.device.type, (self.dp, c.tp), mesh_dim_names=("dp", "tp"))
         self.tp_mesh, self.dp_group = mesh["tp"], mesh["dp"].get_group()
+        self.grad_group = self.dp_group
 
     def _part(self, model: nn.Module, lr: float) -> Part:
         c = self.cfg
@@ -235,7 +254,8 @@ class RLRecipe(Recipe):
         sched = build_scheduler(opt, lr=lr, min_lr=lr, warmup=c.warmup_steps, total=max(c.total_steps, 1),
                                 style="constant")
         # FSDP2 reduce-scatters (averages) the gradients in each backward itself
-        average = None if sharding.is_sharded(model) else _average_grads(model, self.dp, self.dp_group)
+        members = self.dp * (self.cp.size if self.cp is not None else 1)
+        average = None if sharding.is_sharded(model) else _average_grads(model, self.dp, self.grad_group, members)
         return Part(model, opt, sched, grad_group=self.dp_group, grad_world=self.dp, precision=c.precision,
                     grad_clip=c.grad_clip, after_backward=average)
 
@@ -296,7 +316,7 @@ class RLRecipe(Recipe):
             return mine
         everyone = [None] * rt.world
         dist.all_gather_object(everyone, mine)
-        everyone = everyone[::self.tp]  # one copy per dp rank (its tp ranks generated the same tokens)
+        everyone = everyone[::rt.world // self.dp]  # one copy per dp rank (its cp x tp ranks generated the same)
         return Rollouts([x for r in everyone for x in r.prompts], [x for r in everyone for x in r.responses],
                         [x for r in everyone for x in r.scores], [x for r in everyone for x in r.groups],
                         {k: [x for r in everyone for x in r.extra[k]] for k in mine.extra})
@@ -385,6 +405,9 @@ class RLRecipe(Recipe):
         return [self._stack(rows[s:s + size]) for s in range(0, len(rows), size)]
 
     def _logprobs(self, model, mb: dict, entropy: bool = False):
+        if self.cp is not None:  # the sequences sharded over the cp ranks
+            return context_parallel.logprobs(model, mb, self.cp, temperature=self.cfg.temperature or 1.0,
+                                             entropy=entropy)
         hidden = model(mb["input_ids"], return_hidden=True)
         mask = mb["mask"]
         weight, t = model.output_weight(), self.cfg.temperature or 1.0

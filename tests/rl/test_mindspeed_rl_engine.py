@@ -2,7 +2,7 @@
 MindSpeed-RL's (../shared/upstream/mindspeed-rl-config-keys.tsv); the file rendered from
 examples/mindspeed-rl/grpo.yaml parses to the RLConfig of the same job rendered for VeRL where the two
 overlap (the same prompt ids too); an unknown key is refused with a did-you-mean, an unimplemented key
-away from MindSpeed-RL's default by name, PP / CP > 1 as pending (TP parses, with num_npus a multiple); the published
+away from MindSpeed-RL's default by name, PP > 1 as pending (TP and CP parse, with num_npus a multiple); the published
 upstream example is refused by name for what a local CPU run cannot have (PP 2, Megatron
 checkpoint and dataset paths) and parses once those point at local files; the templates and verifiers
 on hand-worked cases; a bad file ends `python -m backends.rl` with one message and exit 2."""
@@ -217,16 +217,19 @@ def test_unimplemented_key_is_refused_unless_at_mindspeed_rl_s_default(msrl_dir)
     assert "actor_config.lr_decay_style (MindSpeed-RL's default): 'linear' is not built in this engine" in text
 
 
-def test_tensor_parallel_parses_pipeline_context_parallel_are_refused(msrl_dir):
+def test_tensor_and_context_parallel_parse_pipeline_is_refused(msrl_dir):
     def actor_tp(tp, npus=2):
         return lambda t: (t["actor_config"].update(tensor_model_parallel_size=tp),
                           t["rl_config"]["actor_resource"].update(num_npus=npus))
     assert parse(msrl_dir, actor_tp(2)).tp == 2 and parse(msrl_dir).tp == 1
     assert "num_npus: 3 is not a multiple of actor_config.tensor_model_parallel_size 2" in \
         refused(msrl_dir, actor_tp(2, 3))
-    text = refused(msrl_dir, lambda t: (t["actor_config"].pop("context_parallel_size"),
-                                        t["megatron_training"].update(context_parallel_size=2)))
-    assert "megatron_training.context_parallel_size: 2: the engine's actor is data x tensor parallel only" in text
+    # CP parses (tests/rl/test_rl_context_parallel.py: its refusals), read through megatron_training too
+    cfg = parse(msrl_dir, lambda t: (t["actor_config"].pop("context_parallel_size"),
+                                     t["megatron_training"].update(context_parallel_size=2,
+                                                                   context_parallel_algo="megatron_cp_algo"),
+                                     t["rl_config"]["actor_resource"].update(num_npus=2)))
+    assert (cfg.cp, cfg.cp_algo) == (2, "ring")
     text = refused(msrl_dir, lambda t: t["actor_config"].update(pipeline_model_parallel_size=4))
     assert "actor_config.pipeline_model_parallel_size: 4" in text
 
@@ -399,7 +402,8 @@ def test_bad_file_is_one_message_exit_2(msrl_dir, tmp_path):
 def test_run_refuses_what_the_dialect_does_not_build_before_launch():
     from backends.rl.capabilities import IMPLEMENTS, PENDING, unbuilt
 
-    assert IMPLEMENTS["mindspeed-rl"] == {"methods:grpo": ["qwen2", "qwen3"], "megatron_backend": ["qwen2", "qwen3"]}
+    assert IMPLEMENTS["mindspeed-rl"] == {"methods:grpo": ["qwen2", "qwen3"], "megatron_backend": ["qwen2", "qwen3"],
+                                          "long_seq": ["qwen2", "qwen3"]}
     assert "methods" not in PENDING["mindspeed-rl"]
     assert unbuilt("mindspeed-rl", {"stage": "grpo", "rl.rollout.engine": "hf", "rl.reward.type": "gsm8k"}) == []
     assert any("DAPO runs with framework: verl" in w for w in unbuilt("mindspeed-rl", {"stage": "dapo"}))
