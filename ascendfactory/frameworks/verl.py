@@ -50,6 +50,12 @@ class Verl(RLAdapter):
             if lay.cp > 1 and lay.cp_algo != "ulysses" and where != "parallel":
                 out.append(self.refuse(f"{where}.cp_algo", "has Ulysses sequence parallel only",
                                        f"set {where}.cp_algo: ulysses"))
+        p = job.parallel
+        if p.distributed_optimizer or p.zero == 1:
+            where = "parallel.distributed_optimizer" if p.distributed_optimizer else "parallel.zero"
+            out.append(self.refuse(where, "shards with FSDP (actor.strategy fsdp / fsdp2): it has no "
+                                   "optimizer-only sharding", "set parallel.fsdp: true (or zero: 2 / 3) to shard, "
+                                   "or leave sharding out to replicate"))
         if job.rl is not None:
             reward = job.rl.reward
             if reward.type in ("exact_match", "length"):
@@ -69,10 +75,11 @@ class Verl(RLAdapter):
         return {"who": "VeRL", "micro_share": "mini_batch", "world": world}
 
     def states(self, job, on_device, trainable, layer_only, c, dp):
-        return fsdp_states(job, on_device, trainable, layer_only, c, dp)
+        # replicated (fsdp_size 1): FSDP over groups of one rank, the whole states on every rank
+        return fsdp_states(job, on_device, trainable, layer_only, c, dp if sharded(job) else 1)
 
     def shards_frozen_copies(self, job):
-        return True
+        return sharded(job)
 
     def probe(self, job, row, feature, stage):
         super().probe(job, row, feature, stage)
@@ -100,7 +107,8 @@ class Verl(RLAdapter):
             "total_epochs": epochs, "total_training_steps": steps,
             "clip_high": rl.clip_eps_high if rl.clip_eps_high is not None else
             (0.28 if job.stage == "dapo" else rl.clip_eps_low),
-            "function_path": str(Path(path).resolve()) if function else None, "function_name": name or None})
+            "function_path": str(Path(path).resolve()) if function else None, "function_name": name or None,
+            **fsdp_layout(job)})
         return super().render_config(shell, yml, context, job, run_dir)
 
     def extra_files(self, context: dict[str, Any], job) -> dict[str, Any]:
@@ -109,6 +117,21 @@ class Verl(RLAdapter):
         data = parquet_bytes(prompt_rows(job))
         # no validation split in the job: VeRL's val_files holds the same prompts (no validation runs)
         return {TRAIN_FILE: data, VAL_FILE: data}
+
+
+def sharded(job) -> bool:
+    """Whether the job shards the RL models' states over data parallel (parallel.fsdp, or ZeRO 2 / 3)."""
+    return bool(job.parallel.fsdp or job.parallel.zero >= 2)
+
+
+def fsdp_layout(job) -> dict[str, Any]:
+    """What VeRL's FSDP keys mean for the job's parallel block, for the actor, the reference and the
+    critic alike: strategy fsdp2 (parallel.fsdp is FSDP2) with fsdp_config.fsdp_size -1 (shard over
+    every rank) when the job shards; fsdp_size 1 (VeRL's hybrid shard with groups of one rank, i.e.
+    replicated data parallel) when it does not; ZeRO-2 is FSDP that keeps the parameters gathered
+    between forward and backward (reshard_after_forward false)."""
+    return {"strategy": "fsdp2", "fsdp_size": -1 if sharded(job) else 1,
+            "reshard_after_forward": not (job.parallel.zero == 2 and not job.parallel.fsdp)}
 
 
 def converts(job) -> bool:
