@@ -1,6 +1,6 @@
 """Context-parallel RL actors (the MindSpeed-RL dialect's long-sequence column): the example job
 examples/mindspeed-rl/grpo.yaml, rendered, with actor_config.context_parallel_size 2 on 2 processes, ring
-(megatron_cp_algo) and Ulysses (ulysses_cp_algo), and cp 2 x tp 2 on 4 (ring), equals the 1-process run
+(megatron_cp_algo) and Ulysses (ulysses_cp_algo), and cp 2 x tp 2 (ring) and cp 2 x dp 2 (Ulysses) on 4, equals the 1-process run
 over 3 steps: losses, rewards, grad norms, KL / clip / entropy metrics and the trained weights within 1e-5.
 Rollout runs the whole sequence on every cp rank; the old / reference / current log-probs run the
 sequences sharded over the cp ranks (head / tail chunks, global positions), attention through ring or
@@ -17,7 +17,7 @@ from tests.rl.test_rl_tensor_parallel import KEYS, ROOT, _run
 
 # processes: [(case, actor tp, actor cp, context_parallel_algo)]; one launch per world
 LAUNCHES = {1: [("cp1", 1, 1, None)], 2: [("cp2_ring", 1, 2, "megatron_cp_algo"), ("cp2_ulysses", 1, 2, "ulysses_cp_algo")],
-            4: [("cp2tp2", 2, 2, "megatron_cp_algo")]}
+            4: [("cp2tp2", 2, 2, "megatron_cp_algo"), ("cp2dp2", 1, 2, "ulysses_cp_algo")]}
 
 
 def _job(run_dir: Path, name: str, tp: int, cp: int, algo: str | None, world: int) -> Path:
@@ -58,7 +58,7 @@ def _steps(folder: Path, name: str) -> list[dict]:
     return [r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines()) if "reward_mean" in r]
 
 
-@pytest.mark.parametrize("name", ["cp2_ring", "cp2_ulysses", "cp2tp2"])
+@pytest.mark.parametrize("name", ["cp2_ring", "cp2_ulysses", "cp2tp2", "cp2dp2"])
 def test_context_parallel_matches_one_process(runs, name):
     one, cp = _steps(runs["cp1"], "cp1"), _steps(runs[name], name)
     assert [r["step"] for r in one] == [r["step"] for r in cp] == [1, 2, 3]
