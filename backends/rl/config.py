@@ -24,6 +24,8 @@ class RLConfig:
     data_seed: int | None = None               # the shuffle's seed (None: the run's seed)
     train_files: list[str] = field(default_factory=list)  # parquet files read into records at build
     prompt_key: str = "prompt"                 # chat-message lists (or a string) in each row
+    image_key: str = "images"                  # a VL model's prompt images (file paths or {"image": path})
+    freeze_vision_tower: bool = False          # a VL actor's vision encoder takes no updates
     reward_fn_key: str = "data_source"         # the column that routes each row to its verifier
     filter_overlong_prompts: bool = False      # drop prompts over max_prompt_length (else an error)
     max_samples: int = -1                      # -1: every row
@@ -383,6 +385,9 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         model_path=model_path, algorithm=algorithm,
         train_files=files,
         prompt_key=want("data.prompt_key", lambda v: isinstance(v, str), "a column name"),
+        image_key=want("data.image_key", lambda v: isinstance(v, str), "a column name"),
+        freeze_vision_tower=want("actor_rollout_ref.actor.freeze_vision_tower", lambda v: isinstance(v, bool),
+                                 "true or false"),
         reward_fn_key=want("data.reward_fn_key", lambda v: isinstance(v, str), "a column name"),
         max_prompt_length=want("data.max_prompt_length", pos, "a positive integer"),
         filter_overlong_prompts=want("data.filter_overlong_prompts", lambda v: isinstance(v, bool), "true or false"),

@@ -43,7 +43,7 @@ from backends.common.distributed import Runtime, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 
-from . import algos, context_parallel, rollout, sharding
+from . import algos, context_parallel, multimodal, rollout, sharding
 from .config import RLConfig
 from .rewards import Scorer, load_function
 
@@ -135,6 +135,7 @@ class RLRecipe(Recipe):
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
         self.cursor = 0  # prompts consumed (the data position, resumable)
+        self.vision = None  # a Qwen2.5-VL model's images and positions (multimodal.Vision)
 
     # ------------------------------------------------------------------ build
 
@@ -160,10 +161,11 @@ class RLRecipe(Recipe):
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(c.model_path)
         if not c.eos_token_id:
             c.eos_token_id = stop_ids(c.model_path, self.tokenizer)
+        vl = multimodal.is_vl(c.model_path)  # Qwen2.5-VL: image prompts (multimodal.py)
         if c.train_files and not c.records:
             from .data import load_records
 
-            c.records = load_records(c, self.tokenizer)
+            c.records = (multimodal.load_records if vl else load_records)(c, self.tokenizer)
         if not c.records:
             raise ValueError("the RL dataset has no prompts")
         if c.total_steps is None:  # VeRL: batches per epoch (the last partial one dropped) x total_epochs
@@ -185,7 +187,12 @@ class RLRecipe(Recipe):
                              max_response_length=c.overlong_max_length or c.max_new_tokens)
         from backends.common.parallel.recompute import apply_recompute
 
+        if vl:
+            from_pretrained = multimodal.from_pretrained
         actor = from_pretrained(c.model_path, device=rt.device)
+        self.vision = multimodal.Vision(actor.config, c.records) if vl else None
+        if vl and c.freeze_vision_tower:
+            multimodal.freeze_vision(actor)
         actor.train()
         par = sharding.data_parallel_layout(rt, actor) if c.fsdp and rt.world > 1 else None
         self.reference = None
@@ -208,7 +215,7 @@ class RLRecipe(Recipe):
         self.parts = {"actor": self._part(actor, c.lr)}
         if c.algorithm == "ppo":
             lm = from_pretrained(c.model_path, device=rt.device)
-            critic = Critic(lm).to(rt.device)
+            critic = (multimodal.VLCritic if vl else Critic)(lm).to(rt.device)
             if c.gradient_checkpointing:
                 apply_recompute(lm.parts(), "full", fsdp=par is not None)
             if par is not None:
@@ -271,6 +278,8 @@ class RLRecipe(Recipe):
             return
         from backends.llm import loading
 
+        if self.vision is not None:
+            return multimodal.export(self.parts["actor"].model, self.cfg.export_hf, self.cfg.model_path, self.rt.rank)
         loading.export_hf(self.parts["actor"].model, None, self.cfg.export_hf, tokenizer_dir=self.cfg.model_path,
                           base_model=self.cfg.model_path)
 
@@ -304,11 +313,14 @@ class RLRecipe(Recipe):
                                    top_p=c.top_p, top_k=c.top_k, n=c.n, eos_token_id=c.eos_token_id or None,
                                    seed=c.seed * 7919 + step * 131 + round_, stop=c.stop or None,
                                    decode=self.tokenizer.decode if c.stop else None,
-                                   prompt_ids=[first + i for i in range(share)])
+                                   prompt_ids=[first + i for i in range(share)],
+                                   vision=self.vision.prompts(rows) if self.vision else None)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out]
         truths = [c.records[r].get("ground_truth") for r in rows for _ in range(c.n)]
         sources = [c.records[r].get("data_source", "") for r in rows for _ in range(c.n)]
         scores, extra = self.scorer(texts, truths, [len(r) for r in out], sources)
+        if self.vision is not None:  # each response's record (its images)
+            extra["record"] = [r for r in rows for _ in range(c.n)]
         mine = Rollouts([p for p in prompts for _ in range(c.n)], out, scores,
                         [first + i for i in range(share) for _ in range(c.n)], extra)
         self.cursor += c.train_batch_size
@@ -326,7 +338,8 @@ class RLRecipe(Recipe):
         train_batch_size of them in global order) -> (the global batch, the same on every rank, with
         group indices 0.., metrics)."""
         c = self.cfg
-        kept = Rollouts([], [], [], [], {"score": [], "format": [], "overlong": []})
+        kept = Rollouts([], [], [], [], {"score": [], "format": [], "overlong": [],
+                                         **({"record": []} if self.vision is not None else {})})
         rounds, all_scores, groups = 0, [], 0
         while True:
             r = self._round(step, rounds)
@@ -382,10 +395,13 @@ class RLRecipe(Recipe):
             mask[i, :len(r["responses"])] = True
         mb["mask"] = mask.to(dev)
         for key in rows[0]:
-            if key in ("input_ids", "index"):
+            if key in ("input_ids", "index", "record"):
                 continue
             mb[key] = torch.stack([torch.nn.functional.pad(torch.as_tensor(r[key]), (0, width - len(r[key])))
                                    for r in rows]).to(dev)
+        if self.vision is not None:  # images, their placeholders and M-RoPE positions
+            mb["vision"] = self.vision.batch([r["record"] for r in rows], mb["input_ids"],
+                                             [len(r["input_ids"]) - len(r["responses"]) for r in rows])
         mb["n_tokens"] = int(mask.sum())
         mb["n_positions"] = int(sum(len(r["input_ids"]) for r in rows))
         return mb
@@ -398,6 +414,8 @@ class RLRecipe(Recipe):
             out.append({"index": i, "input_ids": prompt + response,
                         "responses": torch.tensor(response, dtype=torch.long),
                         "pred": torch.arange(len(response), dtype=torch.long) + len(prompt) - 1})
+            if "record" in r.extra:
+                out[-1]["record"] = r.extra["record"][i]
         return out
 
     def _micro(self, rows: list[dict]) -> list[dict]:
@@ -408,7 +426,7 @@ class RLRecipe(Recipe):
         if self.cp is not None:  # the sequences sharded over the cp ranks
             return context_parallel.logprobs(model, mb, self.cp, temperature=self.cfg.temperature or 1.0,
                                              entropy=entropy)
-        hidden = model(mb["input_ids"], return_hidden=True)
+        hidden = model(mb["input_ids"], return_hidden=True, **mb.get("vision", {}))
         mask = mb["mask"]
         weight, t = model.output_weight(), self.cfg.temperature or 1.0
         if hasattr(hidden, "to_local"):  # TP: replicated hidden states, the head sharded by vocabulary rows
@@ -425,7 +443,7 @@ class RLRecipe(Recipe):
         return full, torch.zeros(mask.shape, dtype=ent.dtype, device=ent.device).masked_scatter(mask, ent)
 
     def _values(self, critic, mb: dict) -> torch.Tensor:
-        return critic(mb["input_ids"]).gather(1, mb["pred"]) * mb["mask"]
+        return critic(mb["input_ids"], **mb.get("vision", {})).gather(1, mb["pred"]) * mb["mask"]
 
     # ------------------------------------------------------------------ the step
 
@@ -526,7 +544,8 @@ class RLRecipe(Recipe):
     def _actor_loss(self, model, mb: dict) -> Loss:
         c = self.cfg
         if mb.get("padding"):
-            return Loss(sum=sharding.zero_touch(model(mb["input_ids"], return_hidden=True), model.output_weight()))
+            hidden = model(mb["input_ids"], return_hidden=True, **mb.get("vision", {}))
+            return Loss(sum=sharding.zero_touch(hidden, model.output_weight()))
         mask = mb["mask"].float()
         agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
         logp, ent = self._logprobs(model, mb, entropy=True)
@@ -547,7 +566,7 @@ class RLRecipe(Recipe):
     def _critic_loss(self, model, mb: dict) -> Loss:
         c = self.cfg
         if mb.get("padding"):
-            return Loss(sum=sharding.zero_touch(model(mb["input_ids"])))
+            return Loss(sum=sharding.zero_touch(model(mb["input_ids"], **mb.get("vision", {}))))
         agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
         vpreds = self._values(model, mb)
         loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mb["mask"].float(), c.cliprange_value,

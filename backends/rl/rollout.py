@@ -181,8 +181,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, n: int = 1,
              eos_token_id: int | Sequence[int] | None = None, seed: int = 0,
              stop: Sequence[str] | None = None, decode: Callable[[list[int]], str] | None = None,
-             prompt_ids: Sequence[int] | None = None) -> list[list[int]]:
-    """The new tokens of n samples per prompt (prompt 0's samples first, then prompt 1's, ...)."""
+             prompt_ids: Sequence[int] | None = None, vision=None) -> list[list[int]]:
+    """The new tokens of n samples per prompt (prompt 0's samples first, then prompt 1's, ...).
+    vision: a VL model's prompt images (multimodal.PromptVision): its prefill(model, ids, cu_seqlens) and
+    decode(model, ids, cache lengths, each row's prompt) run the forwards with images and M-RoPE positions."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if n < 1:
@@ -222,7 +224,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
     try:
         with attached(model, cache):
             cache.pack(lengths)
-            hidden = _local(model(ids, cu_seqlens=cu_seqlens, return_hidden=True))
+            if vision is None:
+                hidden = _local(model(ids, cu_seqlens=cu_seqlens, return_hidden=True))
+            else:
+                hidden = vision.prefill(model, ids, cu_seqlens)
             cache.pack(None)
             last = hidden[0, cu_seqlens[1:].long() - 1]
             cache.set_lengths(lengths)
@@ -258,7 +263,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
                     cache.keep(rows_kept)
                     alive = [alive[r] for r in keep]
                 next_ids = torch.tensor([[out[s][-1]] for s in alive], dtype=torch.long, device=device)
-                hidden = _local(model(next_ids, cache.lengths[:, None], return_hidden=True))
+                if vision is None:
+                    hidden = _local(model(next_ids, cache.lengths[:, None], return_hidden=True))
+                else:
+                    hidden = vision.decode(model, next_ids, cache.lengths, [s // n for s in alive])
                 cache.advance(1)
                 last = hidden[:, -1]
                 if hasattr(weight, "full_tensor"):

@@ -34,7 +34,7 @@ def data_parallel_layout(rt, model) -> data_parallel.Parallel:
     from ascendfactory.layout import check
     from backends.common.parallel.mesh import build_mesh
 
-    c = model.config
+    c = getattr(model.config, "text", model.config)  # a VL model: its text decoder's shape
     layout = check(world=rt.world, heads=c.num_attention_heads, kv_heads=c.num_kv_heads, layers=c.num_layers)
     return data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=True)
 
@@ -44,8 +44,10 @@ def shard(model: nn.Module, parts: ModelParts, par: data_parallel.Parallel,
     """`model` sharded in place (parts: where its blocks are; the root is `model` itself).
     reshard_after_forward False keeps each block gathered from its forward to its backward
     (VeRL's fsdp_config.reshard_after_forward); the root always stays gathered (FSDP2's default)."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    for block in getattr(model, "vision_blocks", list)():  # a VL model's vision blocks: units of their own
+        fully_shard(block, mesh=par.grad_mesh)
     model = data_parallel.fully_shard_blocks(model, parts, par)
     units = []
     for module in model.modules():
