@@ -41,6 +41,9 @@ class MindSpeedRL(RLAdapter):
     sidecar_template = "engines/verl.engine.yaml.j2"   # backends.rl's sidecar, the same for both dialects
     config_name = "mindspeed_rl.yaml"
     rollout_engines = ("vllm", "hf")
+    # context_parallel_algo megatron_cp_algo / ulysses_cp_algo: hybrid_cp_algo needs a Ulysses degree that
+    # MindSpeed-RL's MegatronConfig has no key for (backends.rl refuses it too)
+    cp_algos = ("ring", "ulysses")
 
     def features_used(self, job, distributed):
         uses = self.role_features(job)
@@ -52,6 +55,14 @@ class MindSpeedRL(RLAdapter):
 
     def limits(self, job):
         out = []
+        p = job.parallel
+        if not (p.cp > 1 and p.cp_algo not in self.cp_algos):  # else common_limits names parallel.cp_algo
+            for role, lay in job.role_layouts().items():  # once, at the first role (the others inherit it)
+                if getattr(lay, "cp", 1) > 1 and lay.cp_algo not in self.cp_algos:
+                    out.append(self.refuse(f"rl.{role}.parallel.cp_algo", "offers ring / ulysses context parallel "
+                                           "only (MindSpeed-RL has no key for hybrid_cp_algo's Ulysses degree)",
+                                           f"set rl.{role}.parallel.cp_algo: ring or ulysses"))
+                    break
         if job.rl is not None:
             reward = job.rl.reward
             if reward.type in ("exact_match", "length", "function"):

@@ -96,6 +96,8 @@ def logprobs(model: nn.Module, mb: dict, cpl: CPLayout, *, temperature: float, e
 
     mb: input_ids [b, S] right-padded, responses / pred / mask [b, R] (pred: the global position whose
     hidden state predicts each response token)."""
+    if mb.get("vision"):
+        raise ValueError("context-parallel RL actors train the text decoders; a vision-language actor runs cp 1")
     ids = mb["input_ids"]
     b, width = ids.shape
     chunks = 2 * cpl.size

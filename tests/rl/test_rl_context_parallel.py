@@ -146,3 +146,28 @@ def test_context_parallel_refusals_by_name(tmp_path, monkeypatch):
         "layout; set 2" in refused(tmp_path, reference(1))
     assert "ref_config.context_parallel_algo: 'ulysses_cp_algo': the engine's reference runs the actor's context " \
         "parallel algorithm" in refused(tmp_path, reference(2, "ulysses_cp_algo"))
+
+
+@pytest.mark.parametrize("where", ["parallel", "rl.actor.parallel"])
+def test_run_refuses_hybrid_cp_before_launch(tmp_path, where):
+    """hybrid_cp_algo has no Ulysses-degree key in MindSpeed-RL's config: `run` refuses it by field, exit 2,
+    before anything starts (the engine refuses the rendered file again)."""
+    from typer.testing import CliRunner
+
+    from ascendfactory.cli import app
+
+    spec = yaml.safe_load((ROOT / "examples" / "mindspeed-rl" / "grpo.yaml").read_text())
+    spec.update(model_path=str(ROOT / spec["model_path"]), launcher="torchrun", output_dir=str(tmp_path / "run"),
+                resources={"device": "cpu", "devices_per_node": 4})
+    spec["data"]["path"] = str(ROOT / spec["data"]["path"])
+    layout = {"cp": 4, "cp_algo": "hybrid", "ulysses_degree": 2}
+    if where == "parallel":
+        spec["parallel"] = layout
+    else:
+        spec["rl"]["actor"] = {"parallel": layout}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    res = CliRunner().invoke(app, ["run", str(job)])
+    assert res.exit_code == 2, res.output
+    assert f"{where}.cp_algo: mindspeed-rl offers ring / ulysses context parallel only" in " ".join(res.output.split())
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
