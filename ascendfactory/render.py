@@ -282,8 +282,10 @@ def _slurm_context(job, paths: dict[str, str]) -> dict[str, Any]:
         "cpus_per_task": job.slurm.cpus_per_task or job.resources.devices_per_node,
         # Slurm creates no directory for its output file: the run directory exists once rendered
         "output": Raw(_sbatch_word(paths["run_dir"].replace("%", "%%") + "/slurm-%j.out")),
-        # a port per job (10000-29999, below Linux's ephemeral range) unless resources.master_port is given
-        "port": Raw(str(job.resources.master_port) if fixed else "$((10000 + SLURM_JOB_ID % 20000))"),
+        # resources.master_port when given; else the script asks the batch host's kernel for a free port
+        # when the job starts (a port derived from the job id collides with every job whose id differs
+        # by the range, and with whatever else listens there)
+        "port": Raw(str(job.resources.master_port)) if fixed else None,
         "fixed_port": fixed,
     }
 

@@ -33,10 +33,35 @@ def test_script_cpus_interpreter_port_and_output(tmp_path):
     assert "#SBATCH --cpus-per-task=2" in s and "--cpus-per-task=2 --kill-on-bad-exit=1" in s
     assert f"#SBATCH --output={(tmp_path / 'run').resolve()}/slurm-%j.out" in s
     assert f" {sys.executable} -m torch.distributed.run" in s  # absolute: the job's PATH may lack the venv
-    assert "RDZV_PORT=$((10000 + SLURM_JOB_ID % 20000))" in s and '--rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in s
+    assert "RDZV_PORT=\"$(" in s and "SLURM_JOB_ID %" not in s and '--rdzv-endpoint "$HEAD_ADDR:$RDZV_PORT"' in s
+    assert s.index("export MASTER_ADDR=\"$HEAD_ADDR\" MASTER_PORT=\"$RDZV_PORT\"") < s.index("\nsrun ")
     fixed = _script(tmp_path, resources={"master_port": 29411}, slurm={"cpus_per_task": 6})
     assert "RDZV_PORT=29411" in fixed and "#SBATCH --cpus-per-task=6" in fixed
     subprocess.run(["bash", "-n"], input=s, text=True, check=True)
+
+
+def test_the_port_is_free_on_the_first_node_when_the_job_starts(tmp_path):
+    """Two jobs on one first node whose ids differ by any amount (a port derived from the id modulo a
+    range gave 10005 to both job 5 and job 20005): each gets a port nothing listens on when it starts."""
+    import socket
+
+    s = _script(tmp_path)
+    pick = next(line for line in s.splitlines() if line.startswith("RDZV_PORT="))
+
+    def port_of(job_id: int) -> int:
+        out = subprocess.run(["bash", "-c", f"set -euo pipefail; {pick}; echo $RDZV_PORT"], text=True,
+                             capture_output=True, check=True, env={**os.environ, "SLURM_JOB_ID": str(job_id)})
+        return int(out.stdout)
+
+    first = port_of(5)
+    with socket.socket() as busy:  # the first job's rendezvous store, listening
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("", first))
+        busy.listen()
+        second = port_of(20005)
+        assert second != first
+        with socket.socket() as probe:
+            probe.bind(("", second))  # free when picked
 
 
 def test_setup_lines_run_before_a_plain_python(tmp_path):
