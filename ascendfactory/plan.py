@@ -50,6 +50,39 @@ class Plan:
         return out
 
 
+# launchers whose processes read the job's paths on another file system (the pods' volumes, ModelArts'
+# storage); local and torchrun run here, and Slurm runs from this machine's shared file system
+REMOTE_FS_LAUNCHERS = ("k8s", "modelarts")
+
+
+def _remote_path_problems(job: JobSpec, field: str, value: str) -> tuple[list[Problem], list[str]] | None:
+    """For a model directory the job's processes read on a remote file system and that this machine
+    does not have: (problems, warnings) from what can be checked here; None where the path is read on
+    this machine's file system, or this machine has it too (then its config.json is read as usual)."""
+    if job.launcher not in REMOTE_FS_LAUNCHERS or Path(value).expanduser().exists():
+        return None
+    unchecked = (f"{field} {value} is not on this machine: it is read where the job runs, so it is not checked "
+                 "here and the layout is planned on the model card's architecture (and model_overrides)")
+    if "://" in value:
+        return [Problem(field, f"{value} is a URL; the engine opens a directory path",
+                        hint="use the path the storage is mounted at in the job (ModelArts mounts OBS / SFS; "
+                             "Kubernetes: a k8s.volumes mount_path)")], []
+    if job.launcher == "k8s":
+        if not value.startswith("/"):
+            workdir = job.k8s.workdir or "the image's working directory"
+            return [], [f"{unchecked}; relative, it is found from {workdir} in the pods"]
+        mounts = [v.mount_path.rstrip("/") or "/" for v in job.k8s.volumes]
+        inside = [m for m in mounts if m == "/" or value == m or value.startswith(m + "/")]
+        if not inside:
+            listed = ", ".join(mounts) if mounts else "none"
+            return [Problem(field, f"{value} is not on this machine and lies under no k8s.volumes mount_path "
+                                   f"(mounted: {listed}), so the pods cannot read it either",
+                            hint="mount the storage that holds it (k8s.volumes: [{name, pvc or host_path, "
+                                 "mount_path}]) or point the path under a mount_path")], []
+        return [], [f"{unchecked} (on the volume mounted at {max(inside, key=len)})"]
+    return [], [unchecked]
+
+
 def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, list[Problem], list[str]]:
     """Architecture of the model that will train: config.json of model_path, else card + overrides."""
     from ascendfactory.hfconfig import read_model_dir
@@ -58,7 +91,11 @@ def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, li
     family = card["family"]
     arch = copy.deepcopy(card["arch"])
     source = "capability_matrix/models.yaml"
-    if job.model_path:
+    remote = _remote_path_problems(job, "model_path", job.model_path) if job.model_path else None
+    if remote is not None:
+        problems += remote[0]
+        warnings += remote[1]
+    elif job.model_path:
         path = Path(job.model_path).expanduser()
         if not (path / "config.json").is_file():
             what = "does not exist" if not path.exists() else "has no config.json"
@@ -158,6 +195,10 @@ def _role_layouts(job: JobSpec, arch: dict[str, Any]) -> tuple[dict[str, Layout]
         dims = arch
         if role == "reward":
             path = Path(job.rl.reward.model_path).expanduser()
+            remote = _remote_path_problems(job, "rl.reward.model_path", job.rl.reward.model_path)
+            if remote is not None:  # read where the job runs: its dimensions are not known here
+                problems += remote[0]
+                continue
             try:
                 dims = read_model_dir(path)[1]
             except (OSError, ValueError) as exc:
