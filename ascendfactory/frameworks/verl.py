@@ -163,10 +163,17 @@ def prompt_rows(job) -> list[dict]:
                                     "compares to)", hint="add it, or name the field with data.answer_key"))
             continue
         prompt = r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}]
-        rows.append({"data_source": r.get("data_source") or DATA_SOURCE.get(reward, reward), "prompt": prompt,
-                     "ability": r.get("ability", "math"),
-                     "reward_model": {"style": "rule", "ground_truth": str(r.get(key, ""))},
-                     "extra_info": {"index": i}})
+        row = {"data_source": r.get("data_source") or DATA_SOURCE.get(reward, reward), "prompt": prompt,
+               "ability": r.get("ability", "math"),
+               "reward_model": {"style": "rule", "ground_truth": str(r.get(key, ""))},
+               "extra_info": {"index": i}}
+        if "images" in r:  # a VL prompt's images (data.image_key): VeRL's {"image": path}, relative to the data file
+            files = r["images"] if isinstance(r["images"], list) else [r["images"]]
+            row["images"] = [{"image": str((path.parent / f).resolve()) if isinstance(f, str) else f} for f in files]
+        rows.append(row)
+    if any("images" in r for r in rows):  # one parquet schema: every row gets the column
+        for r in rows:
+            r.setdefault("images", [])
     if problems:
         raise JobError("The prompt data does not fit an RL job", problems[:5])
     if not rows:

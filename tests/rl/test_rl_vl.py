@@ -98,15 +98,53 @@ def test_greedy_rollout_matches_transformers(data):
     assert len({len(r["prompt_ids"]) for r in recs}) > 1
     model = multimodal.from_pretrained(str(MODEL))
     eos = stop_ids(str(MODEL), tok)
-    ours = rollout.generate(model, [r["prompt_ids"] for r in recs], max_new_tokens=12, temperature=0,
+    ours = rollout.generate(model, [r["prompt_ids"] for r in recs], max_new_tokens=32, temperature=0,
                             eos_token_id=eos, vision=multimodal.Vision(model.config, recs).prompts([0, 1, 2]))
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(MODEL, dtype=torch.float32).eval()
     for r, mine in zip(recs, ours):
         ids = torch.tensor([r["prompt_ids"]])
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=r["pixel_values"],
                           image_grid_thw=r["image_grid_thw"], mm_token_type_ids=_token_types(ids), do_sample=False,
-                          max_new_tokens=12, eos_token_id=eos)
+                          max_new_tokens=32, eos_token_id=eos)
         assert mine == out[0, ids.shape[1]:].tolist()
+
+
+def test_decode_positions_continue_after_the_images(data):
+    """Each decode step's logits (KV cache, position = cache length + the row's rope delta) equal transformers'
+    full forward at that token, for two prompts whose deltas differ."""
+    import torch.nn.functional as F
+    import transformers
+
+    from backends.rl import multimodal, rollout
+
+    recs, _ = _records([data])
+    recs = recs[:2]
+    model = multimodal.from_pretrained(str(MODEL)).eval()
+    vision = multimodal.Vision(model.config, recs).prompts([0, 1])
+    assert len(set(vision.deltas)) == 2
+    tails = [[11, 12, 13], [21, 22, 23]]
+    lengths = torch.tensor([len(r["prompt_ids"]) for r in recs])
+    ids = torch.tensor([t for r in recs for t in r["prompt_ids"]])[None]
+    cu = F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+    cache = rollout.KVCache(len(model.parts().block_list()), 2, int(lengths.max()) + 8, "cpu")
+    got = []
+    with torch.no_grad(), rollout.attached(model, cache):
+        cache.pack(lengths)
+        vision.prefill(model, ids, cu)
+        cache.pack(None)
+        cache.set_lengths(lengths)
+        for step in range(3):
+            hidden = vision.decode(model, torch.tensor([[t[step]] for t in tails]), cache.lengths, [0, 1])
+            cache.advance(1)
+            got.append(F.linear(hidden[:, -1], model.output_weight()))
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(MODEL, dtype=torch.float32).eval()
+    for row, (r, tail) in enumerate(zip(recs, tails)):
+        full = torch.tensor([r["prompt_ids"] + tail])
+        with torch.no_grad():
+            logits = hf(input_ids=full, pixel_values=r["pixel_values"], image_grid_thw=r["image_grid_thw"],
+                        mm_token_type_ids=_token_types(full)).logits[0]
+        for step in range(3):
+            torch.testing.assert_close(got[step][row], logits[len(r["prompt_ids"]) + step], atol=1e-5, rtol=0)
 
 
 def test_logprobs_match_transformers(data):
@@ -194,7 +232,8 @@ def runs(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("rl_vl")
     cases = [dict(c, train_files=[str(data)]) for c in CASES]
     fsdp = [dict(c, name=c["name"] + "_fsdp", fsdp=True) for c in cases]
-    return _run(tmp, 1, cases), _run(tmp, 2, fsdp)
+    frozen = dict(cases[0], name="grpo_frozen", freeze_vision_tower=True, total_steps=1, ppo_epochs=1)
+    return _run(tmp, 1, cases + [frozen]), _run(tmp, 2, fsdp)
 
 
 def _steps(folder: Path, name: str) -> list[dict]:
@@ -217,6 +256,8 @@ def test_fsdp_two_processes_match_one(runs, name):
 
 
 def test_fsdp_shards_the_vl_model(runs):
+    units = json.loads((runs[1] / "grpo_fsdp.units").read_text())
+    assert {"", "visual.blocks.0", "visual.blocks.1", "model.layers.0", "model.layers.1"} == set(units), units
     end = next(r for r in map(json.loads, (runs[1] / "grpo_fsdp.jsonl").read_text().splitlines())
                if r.get("event") == "end")
     whole = next(r for r in map(json.loads, (runs[0] / "grpo.jsonl").read_text().splitlines())
@@ -229,3 +270,63 @@ def test_each_algorithm_does_its_part(runs):
     assert all("actor/kl_loss" in r for r in grpo)
     assert any(r["gen_rounds"] > 1 for r in dapo)
     assert all(r["critic/vf_loss"] > 0 for r in ppo)
+
+
+# ---------------------------------------------------------------------- through the orchestrator
+
+
+def _job(tmp: Path, data: Path, steps: int) -> Path:
+    import yaml
+
+    job = yaml.safe_load((ROOT / "examples" / "verl" / "grpo-vl.yaml").read_text())
+    job.update(model_path=str(ROOT / job["model_path"]), output_dir=str(tmp / "run"))
+    job["data"]["path"] = str(data)
+    job["train"]["steps"] = steps
+    f = tmp / "job.yaml"
+    f.write_text(yaml.safe_dump(job))
+    return f
+
+
+def _cli(job: Path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "ascendfactory", "run", str(job)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_example_runs_through_ascendfactory(tmp_path):
+    """examples/verl/grpo-vl.yaml: the rows' images become VeRL's images column and the VL actor trains."""
+    import pyarrow.parquet as pq
+
+    proc = _cli(_job(tmp_path, ROOT / "examples" / "data" / "vl_count_prompts.jsonl", 2))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "run"
+    rows = pq.read_table(run / "train.parquet").to_pylist()
+    assert all(len(r["images"]) == 2 and Path(r["images"][0]["image"]).is_file() for r in rows)
+    assert "<image><image>" in rows[0]["prompt"][0]["content"]
+    logs = "".join(f.read_text() for f in (run / "logs").iterdir() if f.is_file())
+    assert "step 2/2" in logs
+
+
+def test_missing_image_is_exit_2(tmp_path):
+    rows = [json.loads(x) for x in (ROOT / "examples" / "data" / "vl_count_prompts.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["images"] = [str(ROOT / "examples" / "data" / f) for f in r["images"]]
+    rows[3]["images"][0] = "images/no_such.png"
+    data = tmp_path / "vl.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    proc = _cli(_job(tmp_path, data, 1))
+    logs = "".join(f.read_text() for f in (tmp_path / "run" / "logs").iterdir() if f.is_file())
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "row 3: 'images': image file" in logs and "no_such.png does not exist" in logs
+
+
+def test_freeze_vision_tower(runs):
+    """actor.freeze_vision_tower: the vision encoder keeps its checkpoint weights; by default it trains (VeRL's)."""
+    from backends.rl import multimodal
+
+    model = multimodal.from_pretrained(str(MODEL))
+    start = sum(float((p.detach().double() ** 2).sum()) for n, p in model.named_parameters() if n.startswith("visual."))
+    frozen, trained = (json.loads((runs[0] / f"{n}.vision").read_text()) for n in ("grpo_frozen", "grpo"))
+    assert frozen == pytest.approx(start, rel=1e-12, abs=0)
+    assert abs(trained - start) > 1e-6 * start
+    assert _steps(runs[0], "grpo_frozen")[0]["grad_norm"] > 0
