@@ -1,8 +1,9 @@
 """What backends.rl implements, by (framework, feature, family); read by `ascendfactory matrix check`
 and by `run` before launch. Imports nothing: the orchestrator reads it without torch.
 
-The engine trains the native text decoders of backends.llm (families below) with the in-repo
-KV-cache generator as the rollout, losses global over micro-batches and ranks. In the VeRL dialect
+The engine trains the native text decoders of backends.llm and, in the VeRL dialect, backends.mm's
+Qwen2.5-VL with image prompts (families below) with the in-repo KV-cache generator as the rollout,
+losses global over micro-batches and ranks. In the VeRL dialect
 the actor, critic and reference are sharded with FSDP2 over the data-parallel ranks (strategy fsdp /
 fsdp2; fsdp_size 1 replicates); in the MindSpeed-RL dialect the actor and reference run the LLM engine's
 Megatron TP plan and context parallel on a dp x cp x tp mesh (tensor_model_parallel_size,

@@ -41,7 +41,8 @@ def main():
             model = recipe.parts["actor"].model
             units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
             (out / f"{name}.units").write_text(json.dumps(units))
-            vision = [p.double() for n, p in zip((n for n, _ in model.named_parameters()), params) if n.startswith("visual.")]
+            names = [n for n, _ in model.named_parameters()]
+            vision = [p for n, p in zip(names, params) if n.startswith("visual.")]
             (out / f"{name}.vision").write_text(json.dumps(sum(float((p * p).sum()) for p in vision)))
             (out / f"{name}.params").write_text(json.dumps([sum(float(p.sum()) for p in params),
                                                             sum(float((p * p).sum()) for p in params)]))

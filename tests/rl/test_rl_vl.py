@@ -36,7 +36,8 @@ def _write_data(d: Path) -> Path:
         else:  # VeRL's {"image": path} entries, a path relative to the data file
             rows.append({"prompt": [{"role": "system", "content": "Count."},
                                     {"role": "user", "content": "Compare <image> and <image>"}],
-                         "images": [{"image": "small.png"}, str(d / "wide.png")], "reward_model": {"ground_truth": "2"}})
+                         "images": [{"image": "small.png"}, str(d / "wide.png")],
+                         "reward_model": {"ground_truth": "2"}})
     f = d / "train.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows))
     return f
