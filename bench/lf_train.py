@@ -190,7 +190,7 @@ def main() -> None:
     lines = [
         f"`python bench/lf_train.py --steps {args.steps}{' --write' if args.write else ''}` on {platform.machine()} "
         f"with {os.cpu_count()} cores, {datetime.date.today().isoformat()}. Model: Qwen3-shaped, hidden 512, 8 layers, "
-        "vocab 32000 (~58 M parameters), fp32, AdamW; both sides step in turn in one process (median step time "
+        "vocab 32000 (~58 M parameters), fp32, fused AdamW without weight decay on both sides; both sides step in turn in one process (median step time "
         "after a warm-up).",
         "",
         "| case | tokens/s | ratio |",
