@@ -70,6 +70,13 @@ def over_limits(info: EngineInfo, job) -> list[tuple[str, object, object]]:
     out = []
     layouts = job.role_layouts() if hasattr(job, "role_layouts") else {}
     for dotted, limit in info.limits.items():
+        if dotted.startswith("rl."):  # one role's own limit (rl.rollout.parallel.tp): its layout, inherited or set
+            role, _, key = dotted[len("rl."):].partition(".parallel.")
+            value = getattr(layouts.get(role), key, 1) if layouts.get(role) is not None else 1
+            general = info.limits.get(f"parallel.{key}")
+            if value > limit and not (general is not None and value > general):  # else named by the rule below
+                out.append((dotted, value, limit))
+            continue
         value = _field(job, dotted)
         if value > limit:
             out.append((dotted, value, limit))

@@ -251,9 +251,14 @@ class RolloutSpec(_Block):
     max_new_tokens: Tokens = Field(512, description="longest response")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="engine vllm: the share of device memory "
+                                          "vLLM may take for weights and KV cache (VeRL's and MindSpeed-RL's key)")
+    enforce_eager: bool = Field(True, description="engine vllm: no CUDA graphs / compiled model (quicker start, "
+                                                   "slower decode)")
 
 
-ROLLOUT_KEYS = tuple(k for k in RolloutSpec.model_fields if k != "parallel")
+# the keys an older job file may still write flat under rl: (moved into rl.rollout)
+ROLLOUT_KEYS = ("n", "engine", "max_new_tokens", "temperature", "top_p")
 
 
 class RewardSpec(RoleSpec):

@@ -67,3 +67,12 @@ def test_run_refuses_a_role_layout_beyond_the_limits_before_launch(tmp_path, ove
     assert res.exit_code == 2, res.output
     assert f"{field}: backends.rl in this build runs {field} up to 1, the job asks for 2" in " ".join(res.output.split())
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_rollout_runs_on_whole_weights(tmp_path):
+    """The rollout (in-repo generator or one vLLM engine per rank) has no tensor / pipeline parallel of its own:
+    a tp 2 actor's rollout, which inherits the job's tp, is refused at the rollout's field until it is set to 1."""
+    spec = {**rl_spec(tmp_path), "parallel": {"tp": 2}}
+    assert limits_of(spec) == [("rl.rollout.parallel.tp", 2)]
+    spec["rl"]["rollout"]["parallel"] = {"tp": 1}
+    assert limits_of(spec) == []

@@ -56,9 +56,11 @@ IMPLEMENTS = {
         "methods:dapo": TEXT_FAMILIES + VL_FAMILIES,
         "methods:ppo": TEXT_FAMILIES + VL_FAMILIES,
         "train_backend": TEXT_FAMILIES + VL_FAMILIES,
+        "vllm": TEXT_FAMILIES,
     },
     "mindspeed-rl": {
         "methods:grpo": TEXT_FAMILIES,
+        "vllm": TEXT_FAMILIES,
         "megatron_backend": TEXT_FAMILIES,
         "long_seq": TEXT_FAMILIES,
     },
@@ -66,30 +68,31 @@ IMPLEMENTS = {
 
 PENDING: dict[str, dict[str, str]] = {
     "verl": {
-        "vllm": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); the vLLM engine is not built",
+        "vllm": "vLLM rolls out text prompts; image prompts (Qwen2.5-VL) roll out with the in-repo generator "
+                "(rl.rollout.engine: hf)",
         "sglang": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); SGLang is not built",
     },
     "mindspeed-rl": {
-        "vllm": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); the vLLM engine is not built",
         "megatron_backend": "Megatron tensor parallel actors are built (dp x tp); pipeline parallel RL actors "
                             "are not",
     },
 }
 
 LIMITS: dict[str, dict[str, int]] = {
-    "verl": {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1},
-    "mindspeed-rl": {"parallel.tp": 8, "parallel.pp": 1, "parallel.cp": 8, "parallel.ep": 1},
+    # the rollout (in-repo generator or one vLLM engine per rank) runs on whole, replicated weights
+    "verl": {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
+             "rl.rollout.parallel.tp": 1, "rl.rollout.parallel.pp": 1},
+    "mindspeed-rl": {"parallel.tp": 8, "parallel.pp": 1, "parallel.cp": 8, "parallel.ep": 1,
+                     "rl.rollout.parallel.tp": 1, "rl.rollout.parallel.pp": 1},
 }
 
 # settings `run` refuses before launch (the engine refuses them again at start)
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
     "verl": [
-        ({"rl.rollout.engine": "vllm"}, "rollout runs the in-repo generator; vLLM is not built (use engine: hf)"),
         ({"rl.rollout.engine": "sglang"}, "rollout runs the in-repo generator; SGLang is not built (use engine: hf)"),
         ({"rl.reward.type": "model"}, "reward models are not built; use a rule (gsm8k, math) or a function"),
     ],
     "mindspeed-rl": [
-        ({"rl.rollout.engine": "vllm"}, "rollout runs the in-repo generator; vLLM is not built (use engine: hf)"),
         ({"rl.reward.type": "model"}, "reward models are not built; use a rule verifier (gsm8k, math)"),
         ({"stage": "dapo"}, "the MindSpeed-RL dialect runs GRPO (stage ray_grpo); DAPO runs with framework: verl"),
         ({"stage": "ppo"}, "the MindSpeed-RL dialect runs GRPO (stage ray_grpo); PPO runs with framework: verl"),

@@ -31,6 +31,8 @@ class RLConfig:
     max_samples: int = -1                      # -1: every row
     # rollout
     rollout_engine: str = "hf"
+    gpu_memory_utilization: float | None = None  # engine vllm: its share of device memory
+    enforce_eager: bool = True                  # engine vllm: no CUDA graphs / compiled model
     n: int = 4
     max_new_tokens: int = 32
     temperature: float = 1.0
@@ -139,6 +141,8 @@ ENGINE_KEYS: dict[str, ef.Check] = {
     "kernels.backend": ef.kernel_backend, "kernels.overrides": ef.kernel_overrides,
     "precision": lambda v: None if v in ("fp32", "bf16", "fp16") else "one of fp32, bf16, fp16",
     "export_hf": ef.text,
+    # the MindSpeed-RL dialect's rollout engine (MindSpeed-RL itself always generates with vLLM)
+    "rollout_engine": lambda v: None if v in ("hf", "vllm") else "hf or vllm",
 }
 
 
@@ -223,8 +227,7 @@ _NO_EFFECT_PREFIXES = (
     "data.return_raw_chat", "data.return_raw_input_ids", "data.return_full_prompt", "data.tokenizer",
     "data.trust_remote_code", "data.filter_overlong_prompts_workers", "data.validation_shuffle",
     "data.val_batch_size", "data.val_max_samples", "actor_rollout_ref.model.use_shm",
-    "actor_rollout_ref.model.trust_remote_code", "actor_rollout_ref.rollout.gpu_memory_utilization",
-    "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
+    "actor_rollout_ref.model.trust_remote_code", "actor_rollout_ref.rollout.free_cache_engine",
     "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.max_num_seqs",
     "actor_rollout_ref.rollout.enable_chunked_prefill", "actor_rollout_ref.rollout.enable_prefix_caching",
@@ -260,6 +263,9 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     given = flatten(tree)
     given.pop("defaults", None)
     problems: list[str] = []
+    if side.get("rollout_engine") is not None:
+        problems.append("engine.yaml: rollout_engine is the MindSpeed-RL dialect's; a VeRL file names its rollout "
+                        "engine in actor_rollout_ref.rollout.name")
     for key in given:
         if key not in known and not any(k.startswith(key + ".") for k in known):
             problems.append(f"{key}: not a VeRL 0.9.1 ppo_trainer key{did_you_mean(key, known)}")
@@ -395,6 +401,9 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         shuffle=want("data.shuffle", lambda v: isinstance(v, bool), "true or false"),
         data_seed=get("data.seed"),
         rollout_engine=get("actor_rollout_ref.rollout.name"),
+        gpu_memory_utilization=want("actor_rollout_ref.rollout.gpu_memory_utilization",
+                                    lambda v: is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
+        enforce_eager=want("actor_rollout_ref.rollout.enforce_eager", lambda v: isinstance(v, bool), "true or false"),
         n=want("actor_rollout_ref.rollout.n", pos, "a positive integer"),
         max_new_tokens=want("data.max_response_length", pos, "a positive integer"),
         temperature=want("actor_rollout_ref.rollout.temperature", lambda v: is_num(v) and v >= 0, "a number >= 0"),

@@ -213,9 +213,9 @@ NO_EFFECT: dict[str, set[str]] = {
     },
     "generate": {
         "data_parallel_size", "trust_remote_code", "eplb_token_collects", "eplb_token_save_path", "expert_map_path",
-        "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization", "offload_train_optimizer",
+        "max_num_seqs", "max_num_batched_tokens", "offload_train_optimizer",
         "offload_train_grad", "offload_train_param", "enable_prefix_caching", "num_scheduler_steps",
-        "enforce_eager", "torchair_graph", "enable_expert_parallel", "ascend_scheduler_config_enabled",
+        "torchair_graph", "enable_expert_parallel", "ascend_scheduler_config_enabled",
         "limit_mm_image_per_prompt", "limit_mm_video_per_prompt",
     },
 }
@@ -749,7 +749,12 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     values = dict(
         model_path=model_path, algorithm="grpo", records=records, max_prompt_length=max_prompt,
         shuffle=not actor.get("no_shuffle"), data_seed=seed,
-        rollout_engine="hf", n=n, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        rollout_engine=side.get("rollout_engine") or "hf", n=n,
+        gpu_memory_utilization=want(gen("gpu_memory_utilization"), "generate_config.gpu_memory_utilization",
+                                    lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
+        enforce_eager=want(gen("enforce_eager"), "generate_config.enforce_eager", lambda v: isinstance(v, bool),
+                           "true or false"),
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=0 if top_k in (-1, 0) else top_k,
         train_batch_size=train_batch, mini_batch_size=mini, micro_batch_size=micro, ppo_epochs=rl("epochs"),
         lr=lr, weight_decay=actor.get("weight_decay"), betas=(actor.get("adam_beta1"), actor.get("adam_beta2")),

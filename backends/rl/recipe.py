@@ -145,9 +145,6 @@ class RLRecipe(Recipe):
         c = self.cfg
         self.rt = rt
         rollout.check_engine(c.rollout_engine)
-        if c.rollout_engine == "vllm":
-            raise ValueError("rollout engine vllm: this engine rolls out with its in-repo generator only so far; "
-                             "set rl.rollout.engine: hf")
         self._layout(rt)
         if c.train_batch_size % self.dp or c.mini_batch_size % self.dp:
             raise ValueError(f"train_batch_size {c.train_batch_size} and the mini-batch size {c.mini_batch_size} "
@@ -221,8 +218,31 @@ class RLRecipe(Recipe):
             if par is not None:
                 sharding.shard(critic, lm.parts(), par, c.reshard_after_forward)
             self.parts["critic"] = self._part(critic, c.critic_lr)
+        self.vllm = self._vllm_engine(rt, actor, vl) if c.rollout_engine == "vllm" else None
+        self.vllm_stale = True  # the actor's weights are pushed before the first rollout (a resume changes them)
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
                         resume=c.resume, metrics_file=c.metrics_file)
+
+    def _vllm_engine(self, rt: Runtime, actor: nn.Module, vl: bool):
+        """rl.rollout.engine vllm: one vLLM engine per rank on its device, fed the actor's weights in memory."""
+        from .vllm_rollout import CPU_HEAD_SIZES, VllmRollout
+
+        c = self.cfg
+        if vl:
+            raise ValueError("rollout engine vllm: image prompts (Qwen2.5-VL) roll out with the in-repo generator "
+                             "only; set rl.rollout.engine: hf")
+        if rt.device.type != "cpu" and rt.world > 1:
+            raise ValueError("rollout engine vllm on several accelerator ranks needs vLLM's external launcher, which "
+                             "this engine does not drive yet (it is tested with vLLM's CPU build); set "
+                             "rl.rollout.engine: hf")
+        head_dim = actor.config.head_dim
+        if rt.device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+            raise ValueError(f"rollout engine vllm on the CPU: vLLM's CPU attention has no kernel for head_dim "
+                             f"{head_dim} (it has {', '.join(map(str, CPU_HEAD_SIZES))}); set rl.rollout.engine: hf")
+        dtype = str(next(actor.parameters()).dtype).removeprefix("torch.")
+        return VllmRollout(c.model_path, dtype=dtype, max_model_len=c.max_prompt_length + c.max_new_tokens,
+                           seed=c.seed, gpu_memory_utilization=c.gpu_memory_utilization,
+                           enforce_eager=c.enforce_eager)
 
     def _layout(self, rt: Runtime) -> None:
         """dp x cp x tp ranks (tp innermost, as the LLM engine's mesh): the cp x tp ranks of one dp rank hold the
@@ -308,19 +328,30 @@ class RLRecipe(Recipe):
         rows = [self._prompt_index(first + i) for i in range(share)]
         prompts = [c.records[r]["prompt_ids"] for r in rows]
         actor = self.parts["actor"].model
+        seed, ids = c.seed * 7919 + step * 131 + round_, [first + i for i in range(share)]
         with sharding.gathered(actor):  # ranks stop generating at different steps: no per-block gathers
-            out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                                   top_p=c.top_p, top_k=c.top_k, n=c.n, eos_token_id=c.eos_token_id or None,
-                                   seed=c.seed * 7919 + step * 131 + round_, stop=c.stop or None,
-                                   decode=self.tokenizer.decode if c.stop else None,
-                                   prompt_ids=[first + i for i in range(share)],
-                                   vision=self.vision.prompts(rows) if self.vision else None)
+            if self.vllm is not None:
+                if self.vllm_stale:  # every rank of the layout takes part (tensor parallel shards made whole)
+                    self.vllm.load(actor)
+                    self.vllm_stale = False
+                out, vllm_logp = self.vllm.generate(prompts, max_new_tokens=c.max_new_tokens,
+                                                    temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, n=c.n,
+                                                    eos_token_id=c.eos_token_id or None, seed=seed,
+                                                    stop=c.stop or None, prompt_ids=ids)
+            else:
+                out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                                       top_p=c.top_p, top_k=c.top_k, n=c.n, eos_token_id=c.eos_token_id or None,
+                                       seed=seed, stop=c.stop or None,
+                                       decode=self.tokenizer.decode if c.stop else None, prompt_ids=ids,
+                                       vision=self.vision.prompts(rows) if self.vision else None)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out]
         truths = [c.records[r].get("ground_truth") for r in rows for _ in range(c.n)]
         sources = [c.records[r].get("data_source", "") for r in rows for _ in range(c.n)]
         scores, extra = self.scorer(texts, truths, [len(r) for r in out], sources)
         if self.vision is not None:  # each response's record (its images)
             extra["record"] = [r for r in rows for _ in range(c.n)]
+        if self.vllm is not None:  # vLLM's log-probability of each sampled token, checked against the actor's
+            extra["rollout_logp"] = vllm_logp
         mine = Rollouts([p for p in prompts for _ in range(c.n)], out, scores,
                         [first + i for i in range(share) for _ in range(c.n)], extra)
         self.cursor += c.train_batch_size
@@ -339,7 +370,8 @@ class RLRecipe(Recipe):
         group indices 0.., metrics)."""
         c = self.cfg
         kept = Rollouts([], [], [], [], {"score": [], "format": [], "overlong": [],
-                                         **({"record": []} if self.vision is not None else {})})
+                                         **({"record": []} if self.vision is not None else {}),
+                                         **({"rollout_logp": []} if self.vllm is not None else {})})
         rounds, all_scores, groups = 0, [], 0
         while True:
             r = self._round(step, rounds)
@@ -472,14 +504,32 @@ class RLRecipe(Recipe):
                         for i, row in enumerate(chunk):
                             row[key] = value[i, :len(row["responses"])].cpu()
         t_ref = time.perf_counter() - t1
+        if self.vllm is not None:
+            metrics.update(self._rollout_probs_diff(r, rows))
         self._advantages(r, rows)
         t2 = time.perf_counter()
         result = self._update(trainer, minis, step)
+        self.vllm_stale = True
         t_update = time.perf_counter() - t2
         result.metrics.update(metrics)
         result.metrics.update({"time_rollout_s": t_rollout, "time_reference_s": t_ref, "time_update_s": t_update})
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _rollout_probs_diff(self, r: Rollouts, rows: list[dict]) -> dict:
+        """|p_vLLM - p_actor| of the sampled tokens over the batch (VeRL's training/rollout_probs_diff_*): the
+        rollout engine and the actor hold the same weights when it is at float noise."""
+        diffs = [(torch.tensor(r.extra["rollout_logp"][row["index"]]).exp() - row["old_logp"].float().exp()).abs()
+                 for row in rows]
+        flat = torch.cat(diffs) if diffs else torch.zeros(0)
+        dev = self.rt.device
+        stats = all_reduce_sum(torch.tensor([float(flat.sum()), float(flat.numel())], dtype=torch.float64,
+                                            device=dev), self.dp_group).tolist()
+        peak = torch.tensor([float(flat.max()) if flat.numel() else 0.0], device=dev)
+        if self.dp > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return {"training/rollout_probs_diff_max": float(peak), "training/rollout_probs_diff_mean":
+                stats[0] / max(stats[1], 1.0)}
 
     def _token_rewards(self, r: Rollouts, row: dict) -> torch.Tensor:
         """The score on the last response token (minus the KL penalty per token when it is in the reward)."""

