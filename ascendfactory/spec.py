@@ -245,7 +245,8 @@ class RolloutLayoutSpec(_Block):
 
 class RolloutSpec(_Block):
     parallel: Optional[RolloutLayoutSpec] = Field(None, description="the generation engine's layout; keys left "
-                                                                    "out: the job's parallel tp / pp / ep")
+                                                                    "out: the job's parallel tp / ep, and pp 1 (the "
+                                                                    "training's stages gathered for generation)")
     n: bounded(1, 1 << 16, "responses per prompt; lower it") = Field(8, description="responses sampled per prompt")
     engine: Literal["vllm", "sglang", "hf"] = "vllm"
     max_new_tokens: Tokens = Field(512, description="longest response")
@@ -539,7 +540,9 @@ class JobSpec(_Block):
             parent = ROLE_INHERITS.get(role)
             base = getattr(rl, parent).parallel.model_dump() if parent else job_layout
             spec.parallel = LayoutSpec(**_inherit(base, spec.parallel))
-        rollout_base = {k: job_layout[k] for k in RolloutLayoutSpec.model_fields}
+        # the generation engine runs the whole model per replica unless the rollout sets its own pp (VeRL's
+        # rollout pipeline_model_parallel_size and MindSpeed-RL's infer_pipeline_parallel_size default to 1)
+        rollout_base = {k: job_layout[k] for k in RolloutLayoutSpec.model_fields if k != "pp"}
         rl.rollout.parallel = RolloutLayoutSpec(**_inherit(rollout_base, rl.rollout.parallel))
         for role in TRAINED_ROLES:
             spec = getattr(rl, role)

@@ -63,5 +63,5 @@ def test_the_critic_still_takes_the_job_s_layout():
 def test_an_inherited_reference_value_is_not_reported_twice():
     from ascendfactory.engines import engine_info, over_limits
 
-    job = msrl_job(actor={"parallel": {"pp": 2}})
+    job = msrl_job(actor={"parallel": {"pp": 16}})
     assert [f for f, _, _ in over_limits(engine_info("mindspeed-rl"), job)] == ["rl.actor.parallel.pp"]

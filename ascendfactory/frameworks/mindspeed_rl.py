@@ -63,6 +63,14 @@ class MindSpeedRL(RLAdapter):
                                            "only (MindSpeed-RL has no key for hybrid_cp_algo's Ulysses degree)",
                                            f"set rl.{role}.parallel.cp_algo: ring or ulysses"))
                     break
+        # backends.rl's pipeline: pp equal stages, one per rank, no cp; named once, where the layout is set
+        for where, lay in [("parallel", job.parallel)] + [(f"rl.{role}.parallel", lay)
+                                                          for role, lay in job.role_layouts().items()]:
+            problem = _pipeline_problem(lay)
+            if problem:
+                key, message, hint = problem
+                out.append(self.refuse(f"{where}.{key}", message, hint))
+                break
         if job.rl is not None:
             reward = job.rl.reward
             if reward.type in ("exact_match", "length", "function"):
@@ -119,6 +127,19 @@ class MindSpeedRL(RLAdapter):
                             "labels": r["reward_model"]["ground_truth"]}, ensure_ascii=False) + "\n"
                 for r in prompt_rows(job))
         return files
+
+
+def _pipeline_problem(lay):
+    """(key, message, hint) where backends.rl cannot run a layout's pipeline, else None."""
+    if getattr(lay, "pp", 1) <= 1:
+        return None
+    for key, given in (("pp_layers", getattr(lay, "pp_layers", None)), ("vpp", (getattr(lay, "vpp", 1) or 1) > 1)):
+        if given:
+            return (key, "splits the layers evenly over the pipeline stages, one stage per rank (no "
+                    "num_layer_list or virtual stages)", f"leave {key} out")
+    if getattr(lay, "cp", 1) > 1:
+        return "pp", "has no pipeline x context parallel RL actors", "set pp or cp to 1"
+    return None
 
 
 ADAPTER = MindSpeedRL()

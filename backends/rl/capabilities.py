@@ -6,8 +6,9 @@ Qwen2.5-VL with image prompts (families below) with the in-repo KV-cache generat
 losses global over micro-batches and ranks. In the VeRL dialect
 the actor, critic and reference are sharded with FSDP2 over the data-parallel ranks (strategy fsdp /
 fsdp2; fsdp_size 1 replicates); in the MindSpeed-RL dialect the actor and reference run the LLM engine's
-Megatron TP plan and context parallel on a dp x cp x tp mesh (tensor_model_parallel_size,
-context_parallel_size; replicated over dp). It reads two dialects: VeRL's ppo_trainer tree (backends/rl/config.py)
+Megatron TP plan, context parallel and pipeline parallel on a pp x dp x cp x tp mesh
+(tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size; replicated over dp).
+It reads two dialects: VeRL's ppo_trainer tree (backends/rl/config.py)
 and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feature (tests/rl/):
 
 - verl methods:grpo / methods:dapo / methods:ppo: the algorithms on hand-worked cases and against
@@ -31,8 +32,15 @@ and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feat
   in the shared runs of test_rl_examples.py; the GRPO loop itself is the one the verl cells prove.
 - mindspeed-rl megatron_backend (tensor parallel): the example job at actor tp 2 on 2 processes and at
   tp 2 x dp 2 on 4 equals the 1-process run over 3 steps (losses, rewards, weights within 1e-5), the tp
-  ranks hold half of the model state (test_rl_tensor_parallel.py); PP / EP > 1 refused by name
-  (test_mindspeed_rl_engine.py).
+  ranks hold half of the model state (test_rl_tensor_parallel.py); pipeline parallel: the example at actor
+  pp 2 on 2 processes and at pp 2 x tp 2 and pp 2 x dp 2 on 4 equals the 1-process run over 3 steps
+  (losses, rewards, KL / clip / entropy metrics, clipped grad norms, weights within 1e-5), every pp rank
+  holds the one-process old / reference log-probs (fails without the stage-to-stage gradient, the
+  log-prob broadcast over pp, the norm over the stages or the rollout copy's refresh); a job with
+  parallel.pp 2 renders pipeline_model_parallel_size 2 (the rollout at infer pp 1) and the engine reads
+  it back; pp not dividing the layers, num_npus not a multiple of tp x cp x pp, pp x cp, an uneven or
+  interleaved split and a reference off the actor's pp are refused by name (test_rl_pipeline_parallel.py);
+  EP > 1 refused by name (test_mindspeed_rl_engine.py).
 - mindspeed-rl long_seq (context parallel): the example job at actor cp 2 on 2 processes, ring
   (megatron_cp_algo) and Ulysses (ulysses_cp_algo), and at cp 2 x tp 2 on 4 equals the 1-process run over
   3 steps (losses, rewards, KL / clip / entropy metrics, weights within 1e-5; fails without the cp
@@ -41,8 +49,8 @@ and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feat
   unknown algorithms, num_npus not a multiple of tp x cp, Ulysses heads not dividing and a reference off
   the actor's cp are refused by name (test_rl_context_parallel.py).
 
-Not built: vLLM / SGLang rollout, Megatron PP actors (megatron_backend is TP and CP),
-reward models, and DAPO / PPO in the MindSpeed-RL dialect:
+Not built: SGLang rollout (and vLLM for image prompts), Megatron EP actors and pipeline x context
+parallel (megatron_backend is TP and PP, long_seq CP), reward models, and DAPO / PPO in the MindSpeed-RL dialect:
 PENDING below, and `run` refuses such jobs before launch (UNBUILT / LIMITS).
 """
 
@@ -72,17 +80,14 @@ PENDING: dict[str, dict[str, str]] = {
                 "(rl.rollout.engine: hf)",
         "sglang": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); SGLang is not built",
     },
-    "mindspeed-rl": {
-        "megatron_backend": "Megatron tensor parallel actors are built (dp x tp); pipeline parallel RL actors "
-                            "are not",
-    },
+    "mindspeed-rl": {},
 }
 
 LIMITS: dict[str, dict[str, int]] = {
     # the rollout (in-repo generator or one vLLM engine per rank) runs on whole, replicated weights
     "verl": {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
              "rl.rollout.parallel.tp": 1, "rl.rollout.parallel.pp": 1},
-    "mindspeed-rl": {"parallel.tp": 8, "parallel.pp": 1, "parallel.cp": 8, "parallel.ep": 1,
+    "mindspeed-rl": {"parallel.tp": 8, "parallel.pp": 8, "parallel.cp": 8, "parallel.ep": 1,
                      "rl.rollout.parallel.tp": 1, "rl.rollout.parallel.pp": 1},
 }
 

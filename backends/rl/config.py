@@ -59,6 +59,7 @@ class RLConfig:
     ref_tp: int | None = None                  # the reference's tp: the actor's (None) or 1 (replicated)
     cp: int = 1                                # context parallel (actor and reference): a (dp, cp, tp) mesh
     cp_algo: str = "ring"                      # ring (megatron_cp_algo) or ulysses (ulysses_cp_algo)
+    pp: int = 1                                # pipeline parallel (actor and reference): a (pp, dp, tp) mesh
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float = 3.0

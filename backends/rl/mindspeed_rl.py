@@ -36,13 +36,16 @@ refused by name with a did-you-mean. A key the engine maps is read with MindSpee
 
 A key the engine does not implement is accepted only at MindSpeed-RL's default (or where it does not
 change what a step computes: kernels, fusions, logging, Ray and vLLM plumbing; NO_EFFECT), else it
-is refused by name. The actor and the reference run data x context x tensor parallel
+is refused by name. The actor and the reference run data x pipeline x context x tensor parallel
 (tensor_model_parallel_size: the LLM engine's Megatron TP plan, log-probs vocab-parallel;
 context_parallel_size with context_parallel_algo megatron_cp_algo (ring) or ulysses_cp_algo: the
 sequences of the log-prob passes and updates sharded over the cp ranks, backends/rl/context_parallel.py;
-the reference on the actor's tp or 1, on the actor's cp); hybrid_cp_algo is refused (MindSpeed-RL's
-MegatronConfig has no ulysses_degree_in_cp key to set its Ulysses degree with), and pipeline / expert
-parallel sizes above 1 are refused. GRPO only (stage ray_grpo, adv_estimator group_norm):
+pipeline_model_parallel_size: the layers split evenly over the stages, log-probs and updates through them,
+the rollout on the whole model gathered over the stages, backends/rl/pipeline_parallel.py; the reference
+on the actor's tp or 1, on the actor's cp and pp); hybrid_cp_algo is refused (MindSpeed-RL's
+MegatronConfig has no ulysses_degree_in_cp key to set its Ulysses degree with), and so are pp x cp,
+an uneven or interleaved pipeline split (num_layer_list, num_layers_per_virtual_pipeline_stage) and
+expert parallel sizes above 1. GRPO only (stage ray_grpo, adv_estimator group_norm):
 DAPO and PPO run in the VeRL dialect. Errors name the key and the file; the engine exits 2 on them.
 """
 
@@ -612,11 +615,27 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     elif cp_algo not in CP_ALGOS and cp_algo != "hybrid_cp_algo":
         problems.append(f"{actor.name('context_parallel_algo')}: {cp_algo!r}: not a context-parallel algorithm "
                         f"this engine runs; use {' or '.join(CP_ALGOS)}")
-    for key in ("pipeline_model_parallel_size", "expert_model_parallel_size"):  # TP and CP are built; PP / EP not
-        value = actor.get(key)
-        if value != 1:
-            problems.append(f"{actor.name(key)}: {value!r}: the engine's actor is data x context x tensor parallel "
-                            "only in this build (Megatron pipeline / expert parallel RL actors are pending); set 1")
+    pp = actor.get("pipeline_model_parallel_size")
+    if not pos(pp):
+        problems.append(f"{actor.name('pipeline_model_parallel_size')}: {pp!r}: must be a positive integer")
+        pp = 1
+    layers = actor.get("num_layers")
+    if pp > 1 and _is_int(layers) and layers % pp:
+        problems.append(f"{actor.name('pipeline_model_parallel_size')}: {pp} does not divide num_layers {layers}: "
+                        "Megatron splits the layers evenly over the stages (an uneven num_layer_list is not built); "
+                        "choose a pipeline size that divides them")
+    vpp = actor.get("num_layers_per_virtual_pipeline_stage")
+    if pp > 1 and vpp is not None:
+        problems.append(f"{actor.name('num_layers_per_virtual_pipeline_stage')}: {vpp!r}: the engine's pipeline runs "
+                        "one stage per pp rank (interleaved virtual stages are not built); leave it out")
+    if pp > 1 and cp > 1:
+        problems.append(f"{actor.name('pipeline_model_parallel_size')} {pp} with {actor.name('context_parallel_size')} "
+                        f"{cp}: pipeline x context parallel RL actors are not built; set one of them to 1")
+    value = actor.get("expert_model_parallel_size")  # TP, CP and PP are built; EP not
+    if value != 1:
+        problems.append(f"{actor.name('expert_model_parallel_size')}: {value!r}: the engine's actor is data x "
+                        "pipeline x context x tensor parallel only in this build (Megatron expert parallel RL actors "
+                        "are pending); set 1")
     integrated = rl("use_integrated_worker")
     want(integrated, "rl_config.use_integrated_worker", lambda v: isinstance(v, bool), "true or false")
 
@@ -733,10 +752,11 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
             world = want(resource.get("num_npus"), "rl_config.actor_resource.num_npus",
                          lambda v: v is None or pos(v), "a positive integer")
 
-    if pos(world) and world % (tp * cp):
+    if pos(world) and world % (tp * cp * pp):
         problems.append(f"rl_config.actor_resource.num_npus: {world} is not a multiple of "
                         f"{actor.name('tensor_model_parallel_size')} {tp} x {actor.name('context_parallel_size')} "
-                        f"{cp} (dp x cp x tp ranks)")
+                        f"{cp}" + (f" x {actor.name('pipeline_model_parallel_size')} {pp} (pp x dp x tp ranks)"
+                                   if pp > 1 else " (dp x cp x tp ranks)"))
     heads = actor.get("num_attention_heads")
     if cp > 1 and cp_algo == "ulysses_cp_algo" and _is_int(heads) and heads % (tp * cp):
         problems.append(f"{actor.name('context_parallel_algo')}: ulysses_cp_algo splits each tensor parallel "
@@ -766,7 +786,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
         norm_adv_by_std=True, gamma=rl("gamma"), lam=rl("lam"), use_kl_in_reward=False, kl_penalty=kl,
         verifier=verifier, reward_function=function,
         total_steps=actor.get("train_iters"), expected_world=world, seed=seed, tp=tp,
-        cp=cp, cp_algo=CP_ALGOS.get(cp_algo, "ring"),
+        cp=cp, cp_algo=CP_ALGOS.get(cp_algo, "ring"), pp=pp,
         ref_tp=_Role(tree, "ref_config", model_files, source).get("tensor_model_parallel_size")
         if integrated is False and "ref_config" in tree else None,
         save_dir=actor.get("save"), save_interval=save_interval if pos(save_interval) else None,
@@ -894,11 +914,16 @@ def _check_reference(tree, actor: _Role, model_files, source, problems: list[str
                                 "engine's reference runs the actor's context parallel algorithm; set "
                                 f"{actor.get('context_parallel_algo')!r}")
             continue
+        if key == "pipeline_model_parallel_size":  # the log-prob passes run through the actor's stages
+            if ref.get(key) != actor.get(key):
+                problems.append(f"{ref.name(key)}: {ref.get(key)!r}: the engine's reference runs on the actor's "
+                                f"pipeline parallel layout; set {actor.get(key)!r}")
+            continue
         allowed = (1, actor.get(key)) if key == "tensor_model_parallel_size" else (1,)
         if ref.get(key) not in allowed:
             problems.append(f"{ref.name(key)}: {ref.get(key)!r}: the engine's reference is replicated or on the "
                             f"actor's tensor parallel layout ({actor.get('tensor_model_parallel_size')!r}); "
-                            "pipeline / expert parallel roles are pending; set "
+                            "expert parallel roles are pending; set "
                             + " or ".join(str(v) for v in sorted(set(allowed))))
     for key, value in (tree.get("ref_config") or {}).items():
         if key in PARALLEL or key in NO_EFFECT["megatron"] or key in ("micro_batch_size", "model"):

@@ -43,7 +43,7 @@ from backends.common.distributed import Runtime, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 
-from . import algos, context_parallel, multimodal, rollout, sharding
+from . import algos, context_parallel, multimodal, pipeline_parallel, rollout, sharding
 from .config import RLConfig
 from .rewards import Scorer, load_function
 
@@ -201,10 +201,14 @@ class RLRecipe(Recipe):
                 _tensor_parallel(self.reference, self.tp_mesh)
             if par is not None:
                 sharding.shard(self.reference, self.reference.parts(), par)
+            if self.pp is not None:  # the frozen reference keeps its own stage only
+                pipeline_parallel.prune(self.reference, self.pp)
         if self.cp is not None:
             context_parallel.apply(actor, self.cp)
         if self.tp_mesh is not None:
             _tensor_parallel(actor, self.tp_mesh)
+        if self.pp is not None:  # this stage's parameters trained; the rest: the rollout's gathered copy
+            pipeline_parallel.own(actor, self.pp)
         if c.gradient_checkpointing:
             apply_recompute(actor.parts(), "full", fsdp=par is not None)
         if par is not None:
@@ -249,18 +253,37 @@ class RLRecipe(Recipe):
         same samples, so batches, counts and loss scaling go over the dp group only; the gradient all-reduce
         over dp, or under CP over dp x cp (the cp ranks' partial gradients summed)."""
         c = self.cfg
-        self.tp_mesh, self.dp_group, self.tp, self.cp = None, None, c.tp, None
+        self.tp_mesh, self.dp_group, self.tp, self.cp, self.pp = None, None, c.tp, None, None
         self.grad_group = None  # the gradient all-reduce's group: dp, or dp x cp under CP
         if c.ref_tp not in (None, 1, c.tp):
             raise ValueError(f"the reference's tensor parallel size {c.ref_tp} must be 1 or the actor's {c.tp}")
-        if c.tp < 1 or c.cp < 1 or rt.world % (c.tp * c.cp):
-            raise ValueError(f"tensor x context parallel size {c.tp} x {c.cp} does not divide the {rt.world} ranks")
-        self.dp, self.dp_rank = rt.world // (c.tp * c.cp), rt.rank // (c.tp * c.cp)
-        if c.tp == 1 and c.cp == 1:
+        if c.tp < 1 or c.cp < 1 or c.pp < 1 or rt.world % (c.tp * c.cp * c.pp):
+            raise ValueError(f"tensor x context x pipeline parallel size {c.tp} x {c.cp} x {c.pp} does not divide "
+                             f"the {rt.world} ranks")
+        # pp outermost (the LLM engine's mesh order): the dp rank is the middle coordinate
+        self.dp = rt.world // (c.tp * c.cp * c.pp)
+        self.dp_rank = (rt.rank // (c.tp * c.cp)) % self.dp
+        if c.tp == 1 and c.cp == 1 and c.pp == 1:
             return
         if c.fsdp or c.algorithm == "ppo":
-            raise ValueError("tensor / context parallel RL actors (the MindSpeed-RL dialect's Megatron backend) train "
-                             "GRPO / DAPO without FSDP; PPO's critic and FSDP are data parallel only")
+            raise ValueError("tensor / context / pipeline parallel RL actors (the MindSpeed-RL dialect's Megatron "
+                             "backend) train GRPO / DAPO without FSDP; PPO's critic and FSDP are data parallel only")
+        if c.pp > 1:  # (pp, dp, tp): the stages of a dp rank hold its samples (pipeline_parallel.py)
+            from backends.llm.models.config import ModelConfig
+            from backends.common.checkpoint.hf_io import read_config
+
+            if c.cp > 1:
+                raise ValueError("pipeline x context parallel RL actors are not built; set the context or the "
+                                 "pipeline parallel size to 1")
+            if multimodal.is_vl(c.model_path):
+                raise ValueError("pipeline parallel RL actors train the text decoders; a vision-language actor "
+                                 "runs pp 1")
+            m = ModelConfig.from_hf(read_config(c.model_path))
+            self.pp = pipeline_parallel.setup(rt.device.type, rt.world, self.dp, c.pp, c.tp, m.num_layers,
+                                              m.tie_word_embeddings)
+            self.tp_mesh, self.dp_group = self.pp.tp_mesh, self.pp.dp_group
+            self.grad_group = self.dp_group
+            return
         if c.cp > 1:  # (dp, cp, tp): the cp x tp ranks of a dp rank hold its samples (context_parallel.py)
             from backends.llm.models.config import ModelConfig
             from backends.common.checkpoint.hf_io import read_config
@@ -283,8 +306,12 @@ class RLRecipe(Recipe):
         # FSDP2 reduce-scatters (averages) the gradients in each backward itself
         members = self.dp * (self.cp.size if self.cp is not None else 1)
         average = None if sharding.is_sharded(model) else _average_grads(model, self.dp, self.grad_group, members)
-        return Part(model, opt, sched, grad_group=self.dp_group, grad_world=self.dp, precision=c.precision,
+        part = Part(model, opt, sched, grad_group=self.dp_group, grad_world=self.dp, precision=c.precision,
                     grad_clip=c.grad_clip, after_backward=average)
+        if self.pp is not None:  # the actor's micro-batches through the stages; the norm over every stage
+            part.forward_backward = pipeline_parallel.forward_backward(model, self.pp, self._actor_loss, c.precision)
+            part.clip = pipeline_parallel.clip(model, self.pp)
+        return part
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor}
@@ -359,7 +386,8 @@ class RLRecipe(Recipe):
             return mine
         everyone = [None] * rt.world
         dist.all_gather_object(everyone, mine)
-        everyone = everyone[::rt.world // self.dp]  # one copy per dp rank (its cp x tp ranks generated the same)
+        # one copy per dp rank (its pp x cp x tp ranks generated the same): pp rank 0, cp / tp rank 0
+        everyone = everyone[:self.dp * c.cp * c.tp:c.cp * c.tp]
         return Rollouts([x for r in everyone for x in r.prompts], [x for r in everyone for x in r.responses],
                         [x for r in everyone for x in r.scores], [x for r in everyone for x in r.groups],
                         {k: [x for r in everyone for x in r.extra[k]] for k in mine.extra})
@@ -458,7 +486,10 @@ class RLRecipe(Recipe):
         if self.cp is not None:  # the sequences sharded over the cp ranks
             return context_parallel.logprobs(model, mb, self.cp, temperature=self.cfg.temperature or 1.0,
                                              entropy=entropy)
-        hidden = model(mb["input_ids"], return_hidden=True, **mb.get("vision", {}))
+        if "hidden" in mb:  # pipeline parallel: the last stage's hidden states (pipeline_parallel.py)
+            hidden = mb["hidden"]
+        else:
+            hidden = model(mb["input_ids"], return_hidden=True, **mb.get("vision", {}))
         mask = mb["mask"]
         weight, t = model.output_weight(), self.cfg.temperature or 1.0
         if hasattr(hidden, "to_local"):  # TP: replicated hidden states, the head sharded by vocabulary rows
@@ -499,8 +530,12 @@ class RLRecipe(Recipe):
         with torch.no_grad():
             for key, model, forward in passes:  # one model gathered at a time (sharded: see sharding.py)
                 with sharding.gathered(model):
-                    for chunk, mb in zip(chunks, stacked):
-                        value = forward(model, mb)
+                    if self.pp is not None:  # through the stages; the last stage's results broadcast over pp
+                        values = pipeline_parallel.forward(model, stacked, self.pp,
+                                                           lambda h, mb, m=model, f=forward: f(m, {**mb, "hidden": h}))
+                    else:
+                        values = [forward(model, mb) for mb in stacked]
+                    for chunk, value in zip(chunks, values):
                         for i, row in enumerate(chunk):
                             row[key] = value[i, :len(row["responses"])].cpu()
         t_ref = time.perf_counter() - t1
@@ -509,6 +544,8 @@ class RLRecipe(Recipe):
         self._advantages(r, rows)
         t2 = time.perf_counter()
         result = self._update(trainer, minis, step)
+        if self.pp is not None:  # the rollout's whole model: the other stages' updated weights, in memory
+            pipeline_parallel.refresh(actor, self.pp)
         self.vllm_stale = True
         t_update = time.perf_counter() - t2
         result.metrics.update(metrics)

@@ -270,16 +270,16 @@ def published(tmp_path):
 
 def test_published_example_is_refused_by_name_for_what_a_cpu_run_lacks(published):
     """Every key of the published files is MindSpeed-RL's and every value but these is one the engine
-    runs: PP 2 (TP 2 is built, pipeline parallel is not), the Megatron checkpoint ./ckpt (not a Hugging Face
-    directory), a tokenizer directory other than it, and the preprocessed Megatron dataset prefix."""
+    runs (its TP 2 x PP 2 actor is built): the Megatron checkpoint ./ckpt (not a Hugging Face directory), a
+    tokenizer directory other than it, and the preprocessed Megatron dataset prefix."""
     with pytest.raises(RLConfigError) as info:
         msrl.parse_mindspeed_rl(msrl.read_yaml(published), source=str(published))
     text = str(info.value)
     assert text.startswith(str(published) + ": ")
     named = sorted(p.split(":")[0] for p in text[len(str(published)) + 2:].split("; ") if p[:1].isalpha()
                    and ": " in p)
-    assert named == ["actor_config.load", "actor_config.pipeline_model_parallel_size",
-                     "megatron_training.data_path", "megatron_training.tokenizer_name_or_path"], text
+    assert named == ["actor_config.load", "megatron_training.data_path",
+                     "megatron_training.tokenizer_name_or_path"], text
 
 
 def test_published_example_parses_with_local_paths_and_tp1(published, tmp_path):
