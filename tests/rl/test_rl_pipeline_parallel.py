@@ -75,6 +75,17 @@ def _run(out: Path, nproc: int, cases: list[dict]) -> Path:
     return out
 
 
+def _resume_cases(tmp: Path) -> list[dict]:
+    """test_rl_loop's GRPO case (RLConfig directly: the MindSpeed-RL dialect has no resume key) at pp 2: 3 steps
+    straight, and cut after step 2 then resumed to step 3 and exported."""
+    from tests.rl.test_rl_loop import CASES
+
+    grpo = dict(next(c for c in CASES if c["name"] == "grpo"), pp=2)
+    saved = str(tmp / "pp_ckpt")
+    return [dict(grpo, name="pp2_straight"), dict(grpo, name="pp2_cut", total_steps=2, save_dir=saved),
+            dict(grpo, name="pp2_resumed", save_dir=saved, resume="auto", export_hf=str(tmp / "pp_export"))]
+
+
 class Runs(dict):
     """Each case's run folder, its launch started on first use."""
 
@@ -88,8 +99,9 @@ class Runs(dict):
         world = next(w for w, cases in LAUNCHES.items() if any(c[0] == name for c in cases))
         cases = [{"name": n, "file": str(_job(self.tied if n.endswith("_tied") else self.job, n, tp, pp, world))}
                  for n, tp, pp in LAUNCHES[world]]
-        out = _run(self.tmp / f"np{world}", world, cases)
-        for n, *_ in LAUNCHES[world]:
+        extra = _resume_cases(self.tmp) if world == 2 else []
+        out = _run(self.tmp / f"np{world}", world, cases + extra)
+        for n in [c["name"] for c in cases + extra]:
             self[n] = out
         return out
 
@@ -140,6 +152,25 @@ def test_every_pipeline_rank_holds_the_log_probs(runs, name, world):
             for index, (old, ref) in b.items():
                 for x, y in zip(a[index], (old, ref)):
                     assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (name, rank, index, a[index], (old, ref))
+
+
+def test_resume_and_export_under_pipeline_parallel(runs, tmp_path_factory):
+    """Each rank checkpoints the whole actor (its stage trained, the rest refreshed from the other stages) and
+    its own stage's optimizer state: a run cut after step 2 and resumed ends with the straight run's weights
+    and step-3 loss, and the export (rank 0, pp stage 0) holds every stage's trained weights."""
+    from safetensors.torch import load_file
+
+    folder = runs["pp2"]  # the 2-process launch runs these cases after pp2's
+    straight, resumed = (json.loads((folder / f"{n}.params").read_text()) for n in ("pp2_straight", "pp2_resumed"))
+    assert straight == pytest.approx(resumed, rel=1e-12, abs=1e-12)
+    assert [r["step"] for r in _steps(folder, "pp2_resumed")] == [3]
+    assert _steps(folder, "pp2_resumed")[0]["loss"] == _steps(folder, "pp2_straight")[-1]["loss"]
+    weights = {}
+    for f in (folder.parent / "pp_export").glob("*.safetensors"):
+        weights.update(load_file(str(f)))
+    exported = [sum(float(t.double().sum()) for t in weights.values()),
+                sum(float((t.double() ** 2).sum()) for t in weights.values())]
+    assert exported == pytest.approx(straight, rel=1e-12)
 
 
 # ---------------------------------------------------------------------- the rendered file and refusals
