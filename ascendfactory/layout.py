@@ -350,14 +350,16 @@ def even_split(layers: int, pp: int) -> list[int]:
 
 # the job-file field of each number rl_batches checks (an engine passes its own dialect's keys)
 RL_BATCH_FIELDS = {"prompts": "train.global_batch", "mini_batch": "rl.mini_batch", "micro_batch": "train.micro_batch",
-                   "n": "rl.rollout.n", "ppo_epochs": "rl.ppo_epochs"}
+                   "n": "rl.rollout.n", "ppo_epochs": "rl.ppo_epochs", "ref_micro": "train.micro_batch",
+                   "rollout_tp": "rl.rollout.parallel.tp"}
 GROUP_ALGORITHMS = ("grpo", "dapo")  # advantages normalised within each prompt's group of responses
 
 
 def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: int, n: int, dp: int,
                ppo_epochs: int = 1, fields: dict[str, str] | None = None, who: str = "the framework",
                micro_share: str | None = None, world: int | None = None,
-               rollout_dp: int | None = None) -> list[LayoutProblem]:
+               rollout_dp: int | None = None, ref_dp: int | None = None,
+               ref_micro: int | None = None) -> list[LayoutProblem]:
     """The batch arithmetic of one RL step that backends.rl refuses at start, every broken rule at once.
 
     A step rolls out `prompts` prompts x `n` responses, split over `dp` ranks by prompt; the update
@@ -374,7 +376,11 @@ def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: in
                     number of micro-batches (MindSpeed-RL's validate_rl_args)
       world         prompts x n is a multiple of every device (VeRL's real_train_batch_size % n_gpus)
       rollout_dp    the prompts split over the generation's data-parallel size (MindSpeed-RL's
-                    _validate_data_parallel for Generation)."""
+                    _validate_data_parallel for Generation)
+      ref_dp, ref_micro  a reference with a worker of its own (MindSpeed-RL's use_integrated_worker
+                    false): the prompts split over the reference's data-parallel size, and each
+                    reference rank's share, prompts / ref_dp x n responses, is a whole number of its
+                    ref_micro-response micro-batches (_validate_data_parallel for Reference)."""
     names = {**RL_BATCH_FIELDS, **(fields or {})}
     problems: list[LayoutProblem] = []
 
@@ -434,6 +440,18 @@ def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: in
                 f"set {names['micro_batch']} to one of {sizes}")
     if rollout_dp and prompts % rollout_dp:
         bad("prompts", f"{names['prompts']} {prompts} (prompts) does not split over the generation's {rollout_dp} "
-                       f"data-parallel ranks (devices / (rl.rollout.parallel tp x pp))",
-            f"use a batch of {round_up(prompts, rollout_dp)} prompts, or change rl.rollout.parallel.tp")
+                       f"data-parallel ranks (devices / (the generation's tp x pp))",
+            f"use a batch of {round_up(prompts, rollout_dp)} prompts, or change {names['rollout_tp']}")
+    if ref_dp and prompts % ref_dp and not prompts % dp:  # (a batch over no dp is said above)
+        bad("prompts", f"{who} splits the reference's forward passes by prompt over its own {ref_dp} data-parallel "
+                       f"ranks: {names['prompts']} {prompts} (prompts) does not split over them",
+            f"use a batch of {round_up(prompts, ref_dp)} prompts, or change the reference's tp / pp / cp")
+    elif ref_dp and not prompts % ref_dp and ref_micro is not None and ref_micro >= 1:
+        share = prompts // ref_dp * n
+        if share % ref_micro:
+            sizes = ", ".join(map(str, divisors(share, upto=MAX_BATCH)[:8]))
+            bad("ref_micro", f"{who} splits each reference rank's share ({names['prompts']} {prompts} prompts / "
+                             f"{ref_dp} reference data-parallel ranks x n={n} = {share} responses) into whole "
+                             f"micro-batches: {share} is not a multiple of {names['ref_micro']} {ref_micro}",
+                f"set {names['ref_micro']} to one of {sizes}, or give the reference the actor's layout")
     return problems

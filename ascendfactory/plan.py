@@ -230,9 +230,11 @@ def _rl_batch_problems(job: JobSpec, role: str, dp: int, seen: set[tuple[str, st
     role's data-parallel size; what the actor's already broke is not said again for the critic."""
     rl, t = job.rl, job.train
     world = job.resources.nnodes * job.resources.devices_per_node
+    micro = (rl.critic.micro_batch or t.micro_batch) if role == "critic" else t.micro_batch
+    fields = {"micro_batch": "rl.critic.micro_batch"} if role == "critic" and rl.critic.micro_batch else None
     broken = rl_batches(algorithm=job.stage, prompts=t.global_batch, mini_batch=rl.mini_batch or t.global_batch,
-                        micro_batch=t.micro_batch, n=rl.rollout.n, dp=dp, ppo_epochs=rl.ppo_epochs,
-                        **adapter(job.framework).rl_batch_rules(job, world))
+                        micro_batch=micro, n=rl.rollout.n, dp=dp, ppo_epochs=rl.ppo_epochs, fields=fields,
+                        **adapter(job.framework).rl_batch_rules(job, world, role=role))
     out = []
     for b in broken:
         if (b.field, b.message) not in seen:

@@ -237,6 +237,12 @@ class TrainedRoleSpec(RoleSpec):
     lr: Optional[float] = Field(None, gt=0, description="this role's learning rate; default train.lr")
 
 
+class CriticSpec(TrainedRoleSpec):
+    micro_batch: Optional[Batch] = Field(None, description="responses per forward pass of the critic on one rank "
+                                                           "(VeRL critic.ppo_micro_batch_size_per_gpu); default "
+                                                           "train.micro_batch")
+
+
 class RolloutLayoutSpec(_Block):
     tp: ParallelSize = Field(1, description="tensor parallel size of the generation engine")
     pp: ParallelSize = Field(1, description="pipeline parallel size of the generation engine")
@@ -531,7 +537,7 @@ class JobSpec(_Block):
             problems.append(f"rl.critic: only ppo trains a critic (value model), not {self.stage}; "
                             "remove the rl.critic block")
         if rl.critic is None and self.stage == "ppo":
-            rl.critic = TrainedRoleSpec()
+            rl.critic = CriticSpec()
         job_layout = self.parallel.model_dump(include=set(LayoutSpec.model_fields))
         for role in ("actor", "reference", "critic", "reward"):  # the actor before the roles that follow it
             spec = getattr(rl, role)

@@ -2,6 +2,7 @@
 refusing each broken combination by field with its numbers, the examples still planning, and the
 planner agreeing with backends.rl (its config parsing and its start-up checks) on rendered files."""
 
+import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,9 +11,10 @@ import yaml
 
 from ascendfactory import plan as planner
 from ascendfactory.errors import JobError
+from ascendfactory.frameworks import verl as verl_adapter
 from ascendfactory.layout import rl_batches
 from ascendfactory.plan import make_plan
-from ascendfactory.render import render
+from ascendfactory.render import render, write_files
 from ascendfactory.spec import load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,75 +121,161 @@ def test_examples_still_plan(path, monkeypatch):
 
 # ---------------------------------------------------------------------- planner and engine agree
 
-AGREEMENT = [  # (job numbers, dp); the verdicts must match whatever they are
-    dict(global_batch=8, mini_batch=4, micro_batch=3, n=4),
-    dict(global_batch=8, mini_batch=8, micro_batch=5, n=2, dp=2),
-    dict(global_batch=8, mini_batch=4, micro_batch=1, n=2, dp=4),
-    dict(global_batch=8, mini_batch=3, n=4),
-    dict(global_batch=6, mini_batch=6, n=2, dp=4),
-    dict(global_batch=8, mini_batch=2, n=2, dp=4),
-    dict(global_batch=4, n=1),
-    dict(stage="ppo", global_batch=4, n=1, dp=2),
-    dict(stage="dapo", global_batch=12, mini_batch=6, n=2, dp=3),
-]
+# each dialect's key -> the job field it is rendered from (the engine names the dialect's keys)
+JOB_FIELD = {"data.train_batch_size": "train.global_batch", "actor_rollout_ref.actor.ppo_mini_batch_size": "rl.mini_batch",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "train.micro_batch",
+             "actor_rollout_ref.rollout.n": "rl.rollout.n", "megatron_training.global_batch_size": "train.global_batch",
+             "rl_config.mini_batch_size": "rl.mini_batch", "actor_config.micro_batch_size": "train.micro_batch",
+             "ref_config.micro_batch_size": "train.micro_batch", "rl_config.n_samples_per_prompt": "rl.rollout.n"}
+# a grid of sizes, each case planned and, rendered without the planner's rule, started by the engine
+VERL_GRID = [dict(stage=stage, global_batch=g, mini_batch=m, micro_batch=u, n=n, dp=dp)
+             for stage, ns in (("grpo", (1, 3)), ("ppo", (2,)))
+             for g in (4, 6, 8) for m in (2, 4) for u in (1, 3, 4) for n in ns for dp in (1, 2, 4)
+             if m <= g]
+MSRL_GRID = [dict(framework="mindspeed-rl", global_batch=g, micro_batch=u, n=n, dp=dp, parallel={"tp": tp},
+                  reference={"parallel": {"tp": ref_tp}} if ref_tp else {},
+                  rollout={"engine": "hf", "n": n, "max_new_tokens": 8, "parallel": {"tp": 1}})
+             for g in (2, 4, 6, 8) for u in (3, 4) for n in (2, 3) for dp in (2, 4)
+             for tp, ref_tp in ((1, None), (2, None), (2, 1))]
+
+
+def _planner_refuses(numbers) -> set[str]:
+    """The job fields the planner refuses (empty: it plans)."""
+    try:
+        make_plan(rl_job(**numbers), check_memory=False)
+        return set()
+    except JobError as err:
+        return {p.where for p in err.problems}
+
+
+def _engine_refuses(numbers, tmp_path, monkeypatch) -> set[str]:
+    """The same job rendered without the planner's batch rule, read and started by backends.rl (up to
+    loading the tokenizer): the job fields of the dialect keys it refuses (empty: it starts)."""
+    import transformers
+
+    from backends.rl import config as rlconfig
+    from backends.rl import mindspeed_rl as msrl
+    from backends.rl.recipe import RLRecipe
+
+    with monkeypatch.context() as m:
+        m.setattr(planner, "rl_batches", lambda **kw: [])
+        m.setattr(verl_adapter, "parquet_bytes", lambda rows: b"")  # the prompts: not read before the tokenizer
+        out = tmp_path / "run"
+        write_files(render(make_plan(rl_job(**numbers), check_memory=False), out), out)
+    try:
+        if numbers.get("framework") == "mindspeed-rl":
+            tree, origin = msrl.compose(msrl.read_yaml(out / "mindspeed_rl.yaml"), out / "mindspeed_rl.yaml")
+            cfg = msrl.parse_mindspeed_rl(tree, yaml.safe_load((out / "engine.yaml").read_text()), model_files=origin)
+        else:
+            cfg = rlconfig.parse_verl(yaml.safe_load((out / "verl_config.yaml").read_text()),
+                                      yaml.safe_load((out / "engine.yaml").read_text()))
+    except rlconfig.RLConfigError as err:
+        problems = str(err).split(": ", 1)[1].split("; ")
+        return {JOB_FIELD.get(p.split(": ")[0], p.split(": ")[0]) for p in problems}
+    if cfg.tp > 1:  # a tensor parallel mesh needs the processes: the file's checks above are the engine's
+        return set()
+
+    def started(*args, **kwargs):
+        raise _Started
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", started)
+        rt = SimpleNamespace(rank=0, local_rank=0, world=numbers.get("dp", 1), device="cpu", backend="gloo",
+                             is_main=True)
+        try:
+            RLRecipe(cfg).build(rt)
+        except _Started:
+            return set()
+        except ValueError as err:
+            return {JOB_FIELD.get(p.split(": ")[0], p.split(": ")[0]) for p in str(err).split("; ")}
+    raise AssertionError("the engine's build went past the tokenizer")
 
 
 class _Started(Exception):
     """backends.rl passed its batch checks and went on to load the tokenizer."""
 
 
-def _engine_accepts(files: dict, dp: int, monkeypatch) -> bool:
-    import transformers
-
+def _disagreements(grid, tmp_path, monkeypatch) -> list:
     from backends.rl import config as rlconfig
-    from backends.rl.recipe import RLRecipe
 
-    try:
-        cfg = rlconfig.parse_verl(yaml.safe_load(files["verl_config.yaml"]), yaml.safe_load(files["engine.yaml"]))
-    except rlconfig.RLConfigError:
-        return False
-
-    def started(*args, **kwargs):
-        raise _Started
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", started)
-    rt = SimpleNamespace(rank=0, local_rank=0, world=dp, device="cpu", backend="gloo", is_main=True)
-    try:
-        RLRecipe(cfg).build(rt)
-    except _Started:
-        return True
-    except ValueError:
-        return False
-    raise AssertionError("the engine's build went past the tokenizer")
+    monkeypatch.setattr(rlconfig, "verl_defaults", functools.cache(rlconfig.verl_defaults))  # read once
+    out = []
+    for i, numbers in enumerate(grid):
+        planned = _planner_refuses(numbers)
+        started = _engine_refuses(numbers, tmp_path / str(i), monkeypatch)
+        if planned != started:
+            out.append((numbers, planned, started))
+    return out
 
 
-@pytest.mark.parametrize("numbers", AGREEMENT, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_planner_and_engine_agree(numbers, tmp_path, monkeypatch):
-    """backends.rl's own batch checks equal the framework-neutral rule (a job that plans also starts);
-    VeRL's own rules (its adapter's rl_batch_rules) only ever refuse more: never a job the engine refuses
-    passes the planner."""
+def test_planner_and_engine_refuse_the_same_verl_jobs(tmp_path, monkeypatch):
+    """Over a grid of batch sizes, responses and ranks, backends.rl refuses a rendered VeRL file exactly
+    where the planner refuses the job, naming the same numbers (one rule, ascendfactory.layout.rl_batches,
+    with VeRL's own rules on both sides)."""
     monkeypatch.chdir(ROOT)
-    rule = planner.rl_batches
+    assert _disagreements(VERL_GRID, tmp_path, monkeypatch) == []
+    assert any(_planner_refuses(n) for n in VERL_GRID) and not all(_planner_refuses(n) for n in VERL_GRID)
 
-    def verdict(framework_rules: bool) -> bool:
-        with monkeypatch.context() as m:
-            if not framework_rules:
-                m.setattr(planner, "rl_batches", lambda **kw: rule(**{k: v for k, v in kw.items()
-                                                                       if k not in ("micro_share", "world")}))
-            try:
-                make_plan(rl_job(**numbers), check_memory=False)
-                return True
-            except JobError as err:
-                assert all(p.where in ("train.global_batch", "rl.mini_batch", "rl.rollout.n", "train.micro_batch")
-                           for p in err.problems), err.render()
-                return False
 
-    planned, planned_verl = verdict(False), verdict(True)
-    assert planned or not planned_verl
-    # the same job rendered without the planner's batch rule: the engine must judge it the same way
-    monkeypatch.setattr(planner, "rl_batches", lambda **numbers: [])
-    files = render(make_plan(rl_job(**numbers), check_memory=False), tmp_path).files
-    assert _engine_accepts(files, numbers.get("dp", 1), monkeypatch) == planned
+def test_planner_and_engine_refuse_the_same_mindspeed_rl_jobs(tmp_path, monkeypatch):
+    """The same for MindSpeed-RL files: actor tp 1 / 2, and a reference of its own (tp 1 beside an actor at
+    tp 2: use_integrated_worker false, its own dp and micro-batch rule)."""
+    monkeypatch.chdir(ROOT)
+    assert _disagreements(MSRL_GRID, tmp_path, monkeypatch) == []
+    refused = [_planner_refuses(n) for n in MSRL_GRID]
+    assert any(refused) and not all(refused)
+
+
+def test_agreement_fails_when_one_side_s_rule_changes(tmp_path, monkeypatch):
+    """The agreement checks above notice a rule that changes on one side only: the planner's VeRL rules
+    without the micro-batch share, or the engine's without its framework's rules."""
+    monkeypatch.chdir(ROOT)
+    grid = [n for n in VERL_GRID if n["dp"] == 2 and n["n"] == 3][:12]
+    from ascendfactory.frameworks import adapter
+    from backends.rl import config as rlconfig
+    from backends.rl import recipe
+
+    verl, msrl = adapter("verl"), adapter("mindspeed-rl")
+    with monkeypatch.context() as m:
+        m.setattr(type(verl), "rl_batch_rules", lambda self, job, world, role="actor": {"world": world})
+        assert _disagreements(grid, tmp_path / "planner", monkeypatch)
+    rule = rlconfig.batch_problems
+    with monkeypatch.context() as m:  # at both of the engine's checks (reading the file, starting)
+        neutral = lambda cfg, dp, framework=True: rule(cfg, dp, framework=False)  # noqa: E731
+        m.setattr(rlconfig, "batch_problems", neutral)
+        m.setattr(recipe, "batch_problems", neutral)
+        assert _disagreements(grid, tmp_path / "engine", monkeypatch)
+    assert not _disagreements(grid, tmp_path / "both", monkeypatch)
+    # MindSpeed-RL's reference rule dropped from the planner only
+    own_ref = [n for n in MSRL_GRID if n["reference"] and n["dp"] == 4 and n["global_batch"] == 4]
+    rules = type(msrl).rl_batch_rules
+    with monkeypatch.context() as m:
+        m.setattr(type(msrl), "rl_batch_rules", lambda self, job, world, role="actor": {
+            k: v for k, v in rules(self, job, world, role).items() if k not in ("ref_dp", "ref_micro")})
+        assert _disagreements(own_ref, tmp_path / "msrl", monkeypatch)
+    assert not _disagreements(own_ref, tmp_path / "msrl-both", monkeypatch)
+
+
+def test_a_reference_of_its_own_is_held_to_its_dp(tmp_path, monkeypatch):
+    """MindSpeed-RL's validate_rl_args for a reference with its own worker (use_integrated_worker false):
+    4 prompts over the reference's 4 ranks (tp 1 of 4 devices) x n=2 = 2 responses a rank, not a whole
+    micro-batch of 4, though the actor's share (tp 2: dp 2, 4 responses) is. The planner refuses by
+    field, the rendered file says use_integrated_worker false with the reference's resource, and the
+    engine refuses it naming ref_config.micro_batch_size."""
+    monkeypatch.chdir(ROOT)
+    numbers = dict(framework="mindspeed-rl", global_batch=4, micro_batch=4, n=2, dp=4, parallel={"tp": 2},
+                   reference={"parallel": {"tp": 1}}, rollout={"engine": "hf", "n": 2, "max_new_tokens": 8,
+                                                           "parallel": {"tp": 1}})
+    err = refusal(rl_job(**numbers))
+    assert [p.where for p in err.problems] == ["train.micro_batch"], err.render()
+    assert "4 reference data-parallel ranks x n=2 = 2 responses" in err.render(), err.render()
+    assert _engine_refuses(numbers, tmp_path, monkeypatch) == {"train.micro_batch"}
+    tree = yaml.safe_load((tmp_path / "run" / "mindspeed_rl.yaml").read_text())
+    assert tree["rl_config"]["use_integrated_worker"] is False
+    assert tree["rl_config"]["reference_resource"] == {"num_npus": 4}
+    assert tree["ref_config"]["micro_batch_size"] == 4
+    # the same reference on the actor's layout (the integrated worker): the actor's share only, which fits
+    make_plan(rl_job(**{**numbers, "reference": {}}), check_memory=False)
 
 
 # ---------------------------------------------------------------------- the frameworks' own rules

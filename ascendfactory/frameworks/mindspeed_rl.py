@@ -101,7 +101,7 @@ class MindSpeedRL(RLAdapter):
                 "data_path": str(run_dir / PROMPTS_FILE) if converts(job) else job.data.path,
                 "prompt_type": job.data.template or PROMPT_TYPE.get(context["family"], "empty"),
                 "verifier": VERIFIER.get(rl.reward.type, rl.reward.type),
-                "integrated": integrated, "clip_high": clip_high,
+                "integrated": integrated(job), "clip_high": clip_high,
                 "train_iters": steps if steps is not None else self._epoch_iters(job),
                 "warmup_fraction": round(t.warmup_steps / steps, 6) if steps and t.warmup_steps else 0.0}
 
@@ -127,6 +127,13 @@ class MindSpeedRL(RLAdapter):
                             "labels": r["reward_model"]["ground_truth"]}, ensure_ascii=False) + "\n"
                 for r in prompt_rows(job))
         return files
+
+
+def integrated(job) -> bool:
+    """One colocated worker (rl_config.use_integrated_worker): the reference on the actor's layout, no
+    critic and no reward model; else the roles get sections (and resources) of their own."""
+    roles, rl = job.role_layouts(), job.rl
+    return roles.get("reference") == roles.get("actor") and rl.critic is None and rl.reward.type != "model"
 
 
 def _pipeline_problem(lay):

@@ -36,9 +36,10 @@ class RLAdapter(Adapter):
     def serves(self, row, stage):
         return stage in (row["methods"] if isinstance(row.get("methods"), list) else [])
 
-    def rl_batch_rules(self, job, world: int) -> dict[str, Any]:
+    def rl_batch_rules(self, job, world: int, role: str = "actor") -> dict[str, Any]:
         """This framework's own batch rules for ascendfactory.layout.rl_batches (who, micro_share, world,
-        rollout_dp); none beyond the engine's by default."""
+        rollout_dp, ref_dp, ref_micro) on a trained role's update (actor or critic); none beyond the
+        engine's by default."""
         return {}
 
     def probe(self, job, row, feature, stage):

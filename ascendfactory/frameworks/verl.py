@@ -69,9 +69,15 @@ class Verl(RLAdapter):
     def features_used(self, job, distributed):
         return self.role_features(job) + [FeatureUse("train_backend", "the actor trains with FSDP")]
 
-    def rl_batch_rules(self, job, world):
+    def rl_batch_rules(self, job, world, role="actor"):
         """VeRL 0.9.1 (FSDP, no dynamic batch sizes): each rank's mini-batch share in whole
-        ppo_micro_batch_size_per_gpu micro-batches; prompts x n over every device."""
+        ppo_micro_batch_size_per_gpu micro-batches for the actor (its engine's prepare_micro_batches
+        asserts it); prompts x n over every device. The critic's share is not held to whole critic
+        micro-batches: VeRL 0.9.1's critic engine (engine_workers.TrainingWorker, an EngineConfig whose
+        use_dynamic_bsz stays True) packs its micro-batches by ppo_max_token_len_per_gpu tokens, and
+        CriticConfig only asks that a micro-batch size is set."""
+        if role == "critic":
+            return {"who": "VeRL", "world": world}
         return {"who": "VeRL", "micro_share": "mini_batch", "world": world}
 
     def states(self, job, on_device, trainable, layer_only, c, dp):

@@ -102,22 +102,43 @@ class RLConfig:
     export_hf: str | None = None               # write the trained actor here as a Hugging Face directory
     kernel_backend: str | None = None
     kernel_overrides: dict = field(default_factory=dict)
+    # the batch rules (ascendfactory.layout.rl_batches, the planner's own): the dialect's key for each
+    # number, and its framework's start-up rules (who, micro_share, world, rollout_dp, ref_dp, ref_micro)
+    batch_fields: dict = field(default_factory=dict)
+    batch_rules: dict = field(default_factory=dict)
 
     def __post_init__(self):
         problems = []
         if self.algorithm not in ALGORITHMS:
             problems.append(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
-        if self.algorithm in ("grpo", "dapo") and self.n < 2:
-            problems.append(f"{self.algorithm} compares the responses of one prompt: n must be at least 2, got {self.n}")
-        if self.mini_batch_size < 1 or self.train_batch_size % self.mini_batch_size:
-            problems.append(f"train_batch_size {self.train_batch_size} must be a multiple of the mini-batch size "
-                            f"{self.mini_batch_size} (both count prompts)")
-        if self.micro_batch_size < 1:
-            problems.append(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
-        if self.ppo_epochs < 1:
-            problems.append(f"ppo_epochs must be at least 1, got {self.ppo_epochs}")
+        if self.critic_micro_batch_size is not None and self.critic_micro_batch_size < 1:
+            problems.append(f"critic_micro_batch_size must be at least 1, got {self.critic_micro_batch_size}")
+        # the rules that hold on any number of ranks; the data-parallel ones: batch_problems(dp) at start
+        problems += [f"{p.field}: {p.message}" for p in batch_problems(self, dp=1, framework=False)]
         if problems:
             raise ValueError("; ".join(problems))
+
+
+# this engine's own names for the numbers (a config built in code, not read from a dialect file)
+ENGINE_FIELDS = {"prompts": "train_batch_size", "mini_batch": "mini_batch_size", "micro_batch": "micro_batch_size",
+                 "n": "n", "ppo_epochs": "ppo_epochs", "ref_micro": "micro_batch_size", "rollout_tp": "tp"}
+
+
+BATCH_NUMBERS = ("train_batch_size", "mini_batch_size", "micro_batch_size", "ppo_epochs", "n")
+
+
+def batch_problems(cfg: RLConfig | Mapping, dp: int, framework: bool = True) -> list:
+    """The batch arithmetic of one step on `dp` data-parallel ranks: ascendfactory.layout.rl_batches,
+    the very rule the planner applies, with the dialect's key names and (framework) its framework's own
+    start-up rules, so a file the planner refuses is refused here by the same words. `cfg`: an RLConfig
+    or a dialect parser's values (algorithm, the BATCH_NUMBERS, batch_fields, batch_rules)."""
+    from ascendfactory.layout import rl_batches
+
+    v = cfg if isinstance(cfg, Mapping) else vars(cfg)
+    return rl_batches(algorithm=v.get("algorithm", "grpo"), prompts=v["train_batch_size"],
+                      mini_batch=v["mini_batch_size"], micro_batch=v["micro_batch_size"], n=v["n"], dp=dp,
+                      ppo_epochs=v["ppo_epochs"], fields={**ENGINE_FIELDS, **(v.get("batch_fields") or {})},
+                      **((v.get("batch_rules") or {}) if framework else {}))
 
 
 # ====================================================================== dialects
@@ -418,7 +439,8 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         weight_decay=want("actor_rollout_ref.actor.optim.weight_decay", lambda v: is_num(v) and v >= 0, "a number"),
         betas=tuple(want("actor_rollout_ref.actor.optim.betas", lambda v: isinstance(v, list) and len(v) == 2,
                          "[beta1, beta2]") or (0.9, 0.999)),
-        grad_clip=want("actor_rollout_ref.actor.grad_clip", is_num, "a number"),
+        # VeRL 0.9.1's engines clip by optim.clip_grad (actor.grad_clip / critic.grad_clip are read by nothing)
+        grad_clip=want("actor_rollout_ref.actor.optim.clip_grad", lambda v: is_num(v) and v > 0, "a positive number"),
         clip_low=clip_low if clip_low is not None else clip_ratio,
         clip_high=clip_high if clip_high is not None else clip_ratio,
         clip_c=want("actor_rollout_ref.actor.clip_ratio_c", lambda v: is_num(v) and v > 1, "a number above 1"),
@@ -449,9 +471,11 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         save_dir=get("trainer.default_local_dir"),
         save_interval=get("trainer.save_freq"),
     )
+    get("actor_rollout_ref.actor.grad_clip")  # no effect in VeRL 0.9.1 (see optim.clip_grad)
     if algorithm == "ppo":
         get("critic.grad_clip")
         only("critic.strategy", ("fsdp", "fsdp2"), "the FSDP backend (both run as FSDP2 here)")
+        values.update(_verl_critic(get, want, only, problems, pos, is_num))
     if is_num(warmup) and warmup > 0:
         values["warmup_steps"] = int(warmup)
     elif is_num(warmup_ratio) and warmup_ratio > 0:
@@ -473,6 +497,12 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
                                                                     "a positive integer")
     values["expected_world"] = world
     values.update(_verl_fsdp(given, get, want, problems, world, ppo=algorithm == "ppo"))
+    # VeRL's batch rules, as the planner applies them (ascendfactory.layout.rl_batches): FSDP data parallel
+    # over every rank (Ulysses sequence parallel is 1 here, so dp is the world)
+    values["batch_fields"] = VERL_BATCH_FIELDS
+    values["batch_rules"] = {"who": "VeRL", "micro_share": "mini_batch", "world": world if pos(world) else None}
+    if pos(world) and all(pos(values[k]) for k in BATCH_NUMBERS):
+        problems += [f"{b.field}: {b.message} ({b.hint})" for b in batch_problems(values, dp=world)]
 
     # what the user set that this engine does not read: VeRL's default, or refused by name
     for key, value in given.items():
@@ -486,6 +516,47 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     if problems:
         raise RLConfigError(f"{source}: " + "; ".join(problems))
     return _with_sidecar(values, side, source)
+
+
+# VeRL's key for each number the batch rules check
+VERL_BATCH_FIELDS = {"prompts": "data.train_batch_size", "mini_batch": "actor_rollout_ref.actor.ppo_mini_batch_size",
+                     "micro_batch": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                     "n": "actor_rollout_ref.rollout.n", "ppo_epochs": "actor_rollout_ref.actor.ppo_epochs",
+                     "rollout_tp": "actor_rollout_ref.rollout.tensor_model_parallel_size"}
+
+
+def _verl_critic(get: Callable, want: Callable, only: Callable, problems: list[str], pos: Callable,
+                 is_num: Callable) -> dict:
+    """VeRL's critic: a micro-batch size is required (CriticConfig refuses a critic without
+    ppo_micro_batch_size_per_gpu or the deprecated global ppo_micro_batch_size; the global one is not
+    built here), and its own optimizer (critic.optim: VeRL's defaults are not the actor's settings)."""
+    out: dict[str, Any] = {}
+    if get("critic.ppo_micro_batch_size") is not None:
+        problems.append("critic.ppo_micro_batch_size: VeRL's deprecated global critic micro-batch is not built in "
+                        "this engine; give critic.ppo_micro_batch_size_per_gpu (responses per rank) instead")
+    else:
+        micro = get("critic.ppo_micro_batch_size_per_gpu")
+        if micro is None:
+            problems.append("critic.ppo_micro_batch_size_per_gpu: must be set for a PPO critic (VeRL's CriticConfig "
+                            "refuses a critic with no micro-batch size); give responses per rank, e.g. the actor's "
+                            "ppo_micro_batch_size_per_gpu")
+        elif not pos(micro):
+            problems.append(f"critic.ppo_micro_batch_size_per_gpu: must be a positive integer, got {micro!r}")
+        else:
+            out["critic_micro_batch_size"] = micro
+    opt = "critic.optim."
+    out["critic_weight_decay"] = want(opt + "weight_decay", lambda v: is_num(v) and v >= 0, "a number >= 0")
+    betas = want(opt + "betas", lambda v: isinstance(v, list) and len(v) == 2 and all(map(is_num, v)),
+                 "[beta1, beta2]")
+    out["critic_betas"] = tuple(betas) if isinstance(betas, list) else None
+    out["critic_grad_clip"] = want(opt + "clip_grad", lambda v: is_num(v) and v > 0, "a positive number")
+    only(opt + "lr_scheduler_type", ("constant",), "constant learning rate after warm-up")
+    # VeRL's FSDP engine: lr_warmup_steps <= 0 takes lr_warmup_steps_ratio of the total steps
+    warmup = want(opt + "lr_warmup_steps", is_num, "a number (-1: lr_warmup_steps_ratio)")
+    ratio = want(opt + "lr_warmup_steps_ratio", lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1]")
+    out["critic_warmup_steps"] = int(warmup) if is_num(warmup) and warmup > 0 else 0
+    out["critic_warmup_ratio"] = float(ratio) if not out["critic_warmup_steps"] and is_num(ratio) else 0.0
+    return out
 
 
 def _verl_fsdp(given: Mapping, get: Callable, want: Callable, problems: list[str], world: Any, ppo: bool) -> dict:

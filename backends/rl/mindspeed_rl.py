@@ -57,7 +57,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .config import KL_KINDS, RLConfig, RLConfigError, _with_sidecar, apply_overrides, did_you_mean
+from .config import (BATCH_NUMBERS, KL_KINDS, RLConfig, RLConfigError, _with_sidecar, apply_overrides, batch_problems,
+                     did_you_mean)
 from .rewards import boxed_math
 
 DERIVED = "<computed from other keys>"   # a default MindSpeed-RL's __init__ derives from other settings
@@ -200,7 +201,7 @@ NO_EFFECT: dict[str, set[str]] = {
         "refer_model_iter", "lora_r", "lora_alpha", "lora_fusion", "lora_ckpt_filter",
     },
     "rl": {
-        "runtime_env_path", "hccl_buffersize", "beta", "reference_resource", "verifier_parallel", "verifier_timeout",
+        "runtime_env_path", "hccl_buffersize", "beta", "verifier_parallel", "verifier_timeout",
         "use_tensorboard", "use_wandb", "wandb_project", "wandb_exp_name", "wandb_save_dir", "use_swanlab",
         "swanlab_mode", "swanlab_project", "swanlab_exp_name", "swanlab_save_dir", "blocking", "guarantee_order",
         "num_cpus_for_local_task", "num_cpus_for_placement_group", "ref_forward_micro_batch_size",
@@ -672,12 +673,6 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     micro = want(actor.get("micro_batch_size"), actor.name("micro_batch_size"), pos,
                  "a positive integer (responses per forward)")
     n = want(rl("n_samples_per_prompt"), "rl_config.n_samples_per_prompt", pos, "a positive integer")
-    if _is_int(n) and n < 2:
-        problems.append(f"rl_config.n_samples_per_prompt: GRPO compares the responses of one prompt: it must be at "
-                        f"least 2, got {n}")
-    if pos(train_batch) and pos(mini) and train_batch % mini:
-        problems.append(f"{actor.name('global_batch_size')} {train_batch} must be a multiple of "
-                        f"rl_config.mini_batch_size {mini} (both count prompts)")
     sampling = {**SAMPLING, **(sampling_given or {})}
     gen_read.add("sampling_config")
     temperature = want(sampling["temperature"], "generate_config.sampling_config.temperature",
@@ -803,6 +798,12 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
                              ("save", lambda v: v is None or isinstance(v, str), "a directory")):
         want(actor.get(key), actor.name(key), check, what)
 
+    # ---- the batch rules: ascendfactory.layout.rl_batches, the planner's own (MindSpeed-RL's validate_rl_args)
+    values.update(_batch_rules(tree, actor, model_files, source, rl, gen, integrated, world, problems))
+    dp_size = _dp_size(actor, world)
+    if dp_size and all(pos(values[k]) for k in BATCH_NUMBERS):
+        problems += [f"{b.field}: {b.message} ({b.hint})" for b in batch_problems(values, dp=dp_size)]
+
     # ---- MindSpeed-RL's keys this engine does not implement: its default or refused by name
     for where, body, read, defaults, free in _given(tree, actor, model_files, source, rl_given, gen_given,
                                                      rl_read, gen_read):
@@ -816,6 +817,54 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     if problems:
         raise RLConfigError(f"{source}: " + "; ".join(problems))
     return _with_sidecar(values, {**side, "precision": precision}, source)
+
+
+def _dp_size(role: _Role, world: Any) -> int | None:
+    """A role's data-parallel size over `world` devices: world / (tp x pp x cp), as validate_rl_args counts."""
+    sizes = [role.get(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "context_parallel_size")]
+    if not (_is_int(world) and world > 0 and all(_is_int(s) and s > 0 for s in sizes)):
+        return None
+    product = math.prod(sizes)
+    return world // product if world % product == 0 else None
+
+
+def _batch_rules(tree, actor: _Role, model_files, source, rl, gen, integrated, world, problems: list[str]) -> dict:
+    """The batch rules' dialect keys and MindSpeed-RL's own rules (validate_rl_args): the actor's rollout
+    share (global_batch_size / dp x n_samples_per_prompt) in whole micro_batch_size micro-batches; the
+    prompts over the generation's dp (num_npus / (infer tp x pp)); with use_integrated_worker false, the
+    reference's: the prompts over its dp (reference_resource.num_npus / (its tp x pp x cp)) and its ranks'
+    share in whole ref_config micro_batch_size micro-batches. MindSpeed-RL needs reference_resource then
+    (and refuses it with the integrated worker); this engine runs the reference on the actor's devices."""
+    ref = _Role(tree, "ref_config", model_files, source)
+    fields = {"prompts": actor.name("global_batch_size"), "mini_batch": "rl_config.mini_batch_size",
+              "micro_batch": actor.name("micro_batch_size"), "n": "rl_config.n_samples_per_prompt",
+              "ppo_epochs": "rl_config.epochs", "ref_micro": ref.name("micro_batch_size"),
+              "rollout_tp": "generate_config.infer_tensor_parallel_size"}
+    gen_sizes = [gen("infer_tensor_parallel_size"), gen("infer_pipeline_parallel_size")]
+    rules: dict[str, Any] = {"who": "MindSpeed-RL", "micro_share": "rollout"}
+    if _is_int(world) and world > 0 and all(_is_int(s) and s > 0 for s in gen_sizes):
+        rules["rollout_dp"] = world // math.prod(gen_sizes)
+    resource = rl("reference_resource")
+    if integrated is True and resource is not None:
+        problems.append("rl_config.reference_resource: must not be set with rl_config.use_integrated_worker: true "
+                        "(MindSpeed-RL raises; the reference then runs on the actor_resource)")
+    if integrated is False and "ref_config" in tree:
+        if not isinstance(resource, Mapping) or set(resource) != {"num_npus"}:
+            problems.append(f"rl_config.reference_resource: {resource!r}: use_integrated_worker: false needs "
+                            "{num_npus: <devices>} for the reference (MindSpeed-RL reads it)")
+        elif resource["num_npus"] != world:
+            problems.append(f"rl_config.reference_resource.num_npus: {resource['num_npus']!r} differs from "
+                            f"rl_config.actor_resource.num_npus {world!r}; this engine runs the reference on the "
+                            "actor's devices")
+        else:
+            micro = ref.get("micro_batch_size")
+            ref_dp = _dp_size(ref, world)
+            if not (_is_int(micro) and micro > 0):
+                problems.append(f"{ref.name('micro_batch_size')}: {micro!r}: must be a positive integer")
+            elif ref_dp:
+                rules.update(ref_dp=ref_dp, ref_micro=micro)
+    return {"batch_fields": fields, "batch_rules": rules}
 
 
 def _cls(section: str) -> str:

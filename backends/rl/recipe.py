@@ -44,7 +44,7 @@ from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 
 from . import algos, context_parallel, multimodal, pipeline_parallel, rollout, sharding
-from .config import RLConfig
+from .config import RLConfig, batch_problems
 from .rewards import Scorer, load_function
 
 
@@ -146,9 +146,9 @@ class RLRecipe(Recipe):
         self.rt = rt
         rollout.check_engine(c.rollout_engine)
         self._layout(rt)
-        if c.train_batch_size % self.dp or c.mini_batch_size % self.dp:
-            raise ValueError(f"train_batch_size {c.train_batch_size} and the mini-batch size {c.mini_batch_size} "
-                             f"(prompts) must be multiples of the {self.dp} data-parallel ranks")
+        broken = batch_problems(c, self.dp)  # the planner's rule (ascendfactory.layout.rl_batches)
+        if broken:
+            raise ValueError("; ".join(f"{b.field}: {b.message} ({b.hint})" for b in broken))
         if c.expected_world is not None and c.expected_world != rt.world:
             raise ValueError(f"trainer.nnodes x n_gpus_per_node is {c.expected_world}, but {rt.world} processes run")
         if c.kernel_backend or c.kernel_overrides:
@@ -173,6 +173,8 @@ class RLRecipe(Recipe):
             c.total_steps = per_epoch * c.total_epochs
         if c.warmup_ratio and not c.warmup_steps:
             c.warmup_steps = int(c.warmup_ratio * c.total_steps)
+        if c.critic_warmup_ratio and not c.critic_warmup_steps:
+            c.critic_warmup_steps = int(c.critic_warmup_ratio * c.total_steps)
         for i, r in enumerate(c.records):
             if len(r["prompt_ids"]) > c.max_prompt_length:
                 raise ValueError(f"prompt {i} has {len(r['prompt_ids'])} tokens, more than max_prompt_length "
@@ -221,7 +223,7 @@ class RLRecipe(Recipe):
                 apply_recompute(lm.parts(), "full", fsdp=par is not None)
             if par is not None:
                 sharding.shard(critic, lm.parts(), par, c.reshard_after_forward)
-            self.parts["critic"] = self._part(critic, c.critic_lr)
+            self.parts["critic"] = self._part(critic, c.critic_lr, critic=True)
         self.vllm = self._vllm_engine(rt, actor, vl) if c.rollout_engine == "vllm" else None
         self.vllm_stale = True  # the actor's weights are pushed before the first rollout (a resume changes them)
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
@@ -298,16 +300,23 @@ class RLRecipe(Recipe):
         self.tp_mesh, self.dp_group = mesh["tp"], mesh["dp"].get_group()
         self.grad_group = self.dp_group
 
-    def _part(self, model: nn.Module, lr: float) -> Part:
+    def _part(self, model: nn.Module, lr: float, critic: bool = False) -> Part:
+        """The actor's (or the critic's: its own optimizer settings where the config gives them) optimizer,
+        constant schedule after warm-up, gradient averaging and clipping."""
         c = self.cfg
-        opt = build_optimizer(model, lr=lr, weight_decay=c.weight_decay, betas=tuple(c.betas))
-        sched = build_scheduler(opt, lr=lr, min_lr=lr, warmup=c.warmup_steps, total=max(c.total_steps, 1),
-                                style="constant")
+
+        def own(value, actor_value):
+            return value if critic and value is not None else actor_value
+
+        opt = build_optimizer(model, lr=lr, weight_decay=own(c.critic_weight_decay, c.weight_decay),
+                              betas=tuple(own(c.critic_betas, c.betas)))
+        sched = build_scheduler(opt, lr=lr, min_lr=lr, warmup=own(c.critic_warmup_steps, c.warmup_steps),
+                                total=max(c.total_steps, 1), style="constant")
         # FSDP2 reduce-scatters (averages) the gradients in each backward itself
         members = self.dp * (self.cp.size if self.cp is not None else 1)
         average = None if sharding.is_sharded(model) else _average_grads(model, self.dp, self.grad_group, members)
         part = Part(model, opt, sched, grad_group=self.dp_group, grad_world=self.dp, precision=c.precision,
-                    grad_clip=c.grad_clip, after_backward=average)
+                    grad_clip=own(c.critic_grad_clip, c.grad_clip), after_backward=average)
         if self.pp is not None:  # the actor's micro-batches through the stages; the norm over every stage
             part.forward_backward = pipeline_parallel.forward_backward(model, self.pp, self._actor_loss, c.precision)
             part.clip = pipeline_parallel.clip(model, self.pp)
@@ -478,9 +487,25 @@ class RLRecipe(Recipe):
                 out[-1]["record"] = r.extra["record"][i]
         return out
 
-    def _micro(self, rows: list[dict]) -> list[dict]:
-        size = self.cfg.micro_batch_size
+    def _micro(self, rows: list[dict], size: int | None = None) -> list[dict]:
+        size = size or self.cfg.micro_batch_size
         return [self._stack(rows[s:s + size]) for s in range(0, len(rows), size)]
+
+    def _critic_micro(self, mine: list[dict], micro: list[dict], tokens: float, seqs: float) -> list[dict]:
+        """The critic's update micro-batches: critic_micro_batch_size responses each (VeRL's
+        critic.ppo_micro_batch_size_per_gpu; the actor's micro-batches when unset or equal), a last shorter
+        one where the rank's share does not divide, with the mini-batch's global counts (the loss is the
+        same whatever the split). The values pass runs on the log-prob micro-batches."""
+        size = self.cfg.critic_micro_batch_size
+        if size is None or size == self.cfg.micro_batch_size:
+            return micro
+        out = self._micro(mine, size)
+        if sharding.is_sharded(self.parts["critic"].model):  # every rank the same passes
+            out = sharding.lockstep(out, self.rt.device)
+        for m in out:
+            m["global_tokens"], m["global_seqs"] = tokens, seqs
+            m["metric_scale"] = m["n_tokens"] / tokens * len(out) * self.dp
+        return out
 
     def _logprobs(self, model, mb: dict, entropy: bool = False):
         if self.cp is not None:  # the sequences sharded over the cp ranks
@@ -623,7 +648,9 @@ class RLRecipe(Recipe):
                     # shows its token-weighted mean over the whole mini-batch, whatever the layout
                     m["metric_scale"] = m["n_tokens"] / tokens * len(micro) * self.dp
                 if "critic" in self.parts:
-                    critic_results.append(trainer.optimize(self.parts["critic"], micro, self._critic_loss))
+                    critic_results.append(trainer.optimize(self.parts["critic"],
+                                                           self._critic_micro(mine, micro, tokens, seqs),
+                                                           self._critic_loss))
                 if "critic" not in self.parts or step >= c.critic_warmup:
                     results.append(trainer.optimize(self.parts["actor"], micro, self._actor_loss))
         return _merge(results, critic_results)

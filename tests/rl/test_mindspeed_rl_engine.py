@@ -145,14 +145,14 @@ def test_feature_values_map_as_mindspeed_rl_means_them(msrl_dir):
     def edit(tree):
         # actor_config on top of megatron_training (MindSpeed-RL's {**megatron_training, **actor_config})
         tree["megatron_training"].update(global_batch_size=16, lr_warmup_fraction=0.3, bf16=False)
-        tree["actor_config"].update(micro_batch_size=3, recompute_granularity="full", adam_beta1=0.8,
+        tree["actor_config"].update(micro_batch_size=8, recompute_granularity="full", adam_beta1=0.8,
                                     lr_warmup_fraction=0.1)
         tree["rl_config"].update(mini_batch_size=2, n_samples_per_prompt=4, epochs=2, clip_higher_enable=True,
                                  clip_ratio_low=0.2, clip_ratio_high=0.28, init_kl_coef=0.05, kl_penalty="mse",
                                  entropy_coeff=0.01, token_level_loss=False, verifier_function=["math_17k_acc"])
         tree["generate_config"]["sampling_config"] = {"max_tokens": 6, "top_k": 5}  # the rest: vLLM's fallbacks
     cfg = parse(msrl_dir, edit)
-    assert (cfg.train_batch_size, cfg.mini_batch_size, cfg.micro_batch_size, cfg.n) == (16, 2, 3, 4)
+    assert (cfg.train_batch_size, cfg.mini_batch_size, cfg.micro_batch_size, cfg.n) == (16, 2, 8, 4)
     assert (cfg.ppo_epochs, cfg.warmup_ratio, cfg.gradient_checkpointing, cfg.betas) == (2, 0.1, True, (0.8, 0.95))
     assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.28)
     assert (cfg.use_kl_loss, cfg.kl_loss_coef, cfg.kl_loss_type, cfg.entropy_coeff) == (True, 0.05, "mse", 0.01)
@@ -237,6 +237,7 @@ def test_tensor_and_context_parallel_parse_pipeline_is_refused(msrl_dir):
         def edit(tree):
             actor_tp(actor)(tree)
             tree["rl_config"]["use_integrated_worker"] = False
+            tree["rl_config"]["reference_resource"] = {"num_npus": 2}  # MindSpeed-RL reads it then
             tree["ref_config"] = {"tensor_model_parallel_size": tp, "micro_batch_size": 4,
                                   "load": tree["actor_config"]["load"]}
         return edit

@@ -138,6 +138,7 @@ def test_context_parallel_refusals_by_name(tmp_path, monkeypatch):
         def edit(tree):
             actor(context_parallel_size=2, context_parallel_algo="megatron_cp_algo")(tree)
             tree["rl_config"]["use_integrated_worker"] = False
+            tree["rl_config"]["reference_resource"] = dict(tree["rl_config"]["actor_resource"])
             tree["ref_config"] = {"context_parallel_size": cp, "context_parallel_algo": algo, "micro_batch_size": 8,
                                   "load": tree["actor_config"]["load"]}
         return edit

@@ -13,7 +13,8 @@ BASE = {"actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"name": "hf", 
                               "actor": {"ppo_micro_batch_size_per_gpu": 1}},
         "algorithm": {"adv_estimator": "grpo"}, "trainer": {"nnodes": 1, "n_gpus_per_node": 4,
                                                                "val_before_train": False}}
-PPO = {"algorithm": {"adv_estimator": "gae"}, "critic": {"enable": True, "model": {"path": "m"}}}
+PPO = {"algorithm": {"adv_estimator": "gae"}, "critic": {"enable": True, "model": {"path": "m"},
+                                                          "ppo_micro_batch_size_per_gpu": 1}}
 
 
 def tree_with(settings: dict, base: dict = BASE) -> dict:

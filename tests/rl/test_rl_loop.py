@@ -39,6 +39,11 @@ RAGGED = dict(name="ragged", algorithm="dapo", n=3, max_new_tokens=6, train_batc
 # PPO also recomputes the actor's and critic's blocks; the ragged run keeps blocks gathered from forward to backward
 FSDP = [dict(c, name=c["name"] + "_fsdp", fsdp=True, gradient_checkpointing=c["name"] == "ppo") for c in CASES] + [
     dict(RAGGED, name="ragged_fsdp", fsdp=True, reshard_after_forward=False)]
+# PPO with the critic's own micro-batches (VeRL's critic.ppo_micro_batch_size_per_gpu): 2 of a rank's 8 (1 process)
+# or 4 (2 processes) responses, and 3 (uneven: 3 + 3 + 2 / 3 + 1); the loss is over the mini-batch's global
+# counts, so the run is the PPO run with the actor's micro-batches
+CRITIC_MICRO = [dict(next(c for c in CASES if c["name"] == "ppo"), name=f"ppo_critic{k}", critic_micro_batch_size=k)
+                for k in (2, 3)]
 KEYS = ("loss", "grad_norm", "reward_mean", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss", "kept_groups",
         "gen_rounds")
 
@@ -64,7 +69,9 @@ def _resume_cases(tmp: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl")
-    return _run(tmp, 1, CASES + [LEARN, RAGGED]), _run(tmp, 2, CASES + FSDP + _resume_cases(tmp))
+    return (_run(tmp, 1, CASES + [LEARN, RAGGED] + CRITIC_MICRO),
+            _run(tmp, 2, CASES + FSDP + _resume_cases(tmp) + [dict(c, name=c["name"] + "_fsdp", fsdp=True)
+                                                             for c in CRITIC_MICRO]))
 
 
 def _steps(folder: Path, name: str) -> list[dict]:
@@ -91,6 +98,20 @@ def test_two_processes_match_one(runs, name, layout):
         assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (name, p1, p2)
     assert any(r["grad_norm"] > 0 for r in one)
     assert any(r["response_length_mean"] < 5 for r in one)  # ragged responses
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in CRITIC_MICRO])
+def test_critic_micro_batches_train_as_the_actor_s(runs, case):
+    """The critic's own micro-batches (replicated on 1 process, FSDP-sharded in lockstep on 2) change how
+    the update is split, not what it computes."""
+    for folder, suffix in ((runs[0], ""), (runs[1], "_fsdp")):
+        base, own = _steps(folder, "ppo" + suffix), _steps(folder, case + suffix)
+        assert [r["step"] for r in own] == [1, 2, 3]
+        for a, b in zip(base, own):
+            for key in KEYS + ("critic/grad_norm", "critic/vf_clipfrac"):
+                assert (key in a) == (key in b), key
+                if key in a:
+                    assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (case, suffix, key, a[key], b[key])
 
 
 def test_fsdp_shards_the_models(runs):

@@ -40,6 +40,7 @@ def _job(run_dir: Path, name: str, tp: int, world: int, ref_tp: int | None) -> P
     tree["rl_config"]["actor_resource"]["num_npus"] = world
     if ref_tp is not None:
         tree["rl_config"]["use_integrated_worker"] = False
+        tree["rl_config"]["reference_resource"] = {"num_npus": world}  # MindSpeed-RL reads it then
         tree["ref_config"] = {"tensor_model_parallel_size": ref_tp, "micro_batch_size": 4,
                               "load": tree["actor_config"]["load"]}
     out = run_dir / f"mindspeed_rl_{name}.yaml"
