@@ -304,7 +304,7 @@ class RLSpec(_Block):
     actor: TrainedRoleSpec = Field(default_factory=TrainedRoleSpec, description="the policy that trains")
     reference: RoleSpec = Field(default_factory=RoleSpec, description="the frozen policy the KL term compares to; "
                                 "keys its parallel block leaves out: the actor's layout")
-    critic: Optional[TrainedRoleSpec] = Field(None, description="the value model (ppo only)")
+    critic: Optional[CriticSpec] = Field(None, description="the value model (ppo only)")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="generation of the responses")
     reward: RewardSpec = Field(default_factory=RewardSpec, description="how responses are scored")
 

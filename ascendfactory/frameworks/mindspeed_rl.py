@@ -80,19 +80,23 @@ class MindSpeedRL(RLAdapter):
 
     # ------------------------------------------------------------------ rendering
 
-    def rl_batch_rules(self, job, world):
+    def rl_batch_rules(self, job, world, role="actor"):
         """MindSpeed-RL's validate_rl_args: each rank's rollout share (global_batch_size / dp x
         n_samples_per_prompt) in whole micro_batch_size micro-batches; the prompts over the
-        generation's data-parallel size (devices / (infer tp x pp))."""
+        generation's data-parallel size (devices / (infer tp x pp)); a reference with its own worker
+        (use_integrated_worker false): the prompts over its data-parallel size (reference_resource
+        num_npus, rendered as the job's devices, / (its tp x pp x cp)) and each of its ranks' share in
+        whole ref_config micro_batch_size (the job's train.micro_batch) micro-batches."""
         gen = job.rl.rollout.parallel
-        return {"who": "MindSpeed-RL", "micro_share": "rollout",
-                "rollout_dp": world // (gen.tp * gen.pp) if gen is not None else None}
+        rules = {"who": "MindSpeed-RL", "micro_share": "rollout",
+                 "rollout_dp": world // (gen.tp * gen.pp) if gen is not None else None}
+        ref = job.role_layouts().get("reference")
+        if not integrated(job) and ref is not None:
+            rules.update(ref_dp=world // (ref.tp * ref.pp * ref.cp), ref_micro=job.train.micro_batch)
+        return rules
 
     def _facts(self, context: dict[str, Any], job) -> dict[str, Any]:
         rl, t = job.rl, job.train
-        roles = job.role_layouts()
-        actor = roles.get("actor")
-        integrated = (roles.get("reference") == actor and rl.critic is None and rl.reward.type != "model")
         steps = t.steps if t.steps is not None else None
         clip_high = rl.clip_eps_high if rl.clip_eps_high is not None else (0.28 if job.stage == "dapo"
                                                                             else rl.clip_eps_low)

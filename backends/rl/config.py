@@ -78,10 +78,16 @@ class RLConfig:
     # DAPO
     filter_groups: bool = False
     max_gen_rounds: int = 1                    # rounds of generation to fill the batch (0: unbounded)
-    # critic (PPO)
+    # critic (PPO); its optimizer settings left None are the actor's
     critic_lr: float = 1e-5
     cliprange_value: float = 0.5
     critic_warmup: int = 0
+    critic_micro_batch_size: int | None = None   # responses per rank per critic forward (None: micro_batch_size)
+    critic_weight_decay: float | None = None
+    critic_betas: tuple[float, float] | None = None
+    critic_grad_clip: float | None = None
+    critic_warmup_steps: int | None = None
+    critic_warmup_ratio: float = 0.0           # of the total steps, when critic_warmup_steps is 0
     # reward
     verifier: str | None = None                # None: by each row's data_source
     reward_function: str | None = None         # module:function
