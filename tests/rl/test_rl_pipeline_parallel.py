@@ -240,6 +240,7 @@ def test_pipeline_parallel_refusals_by_name(tmp_path, monkeypatch):
         def edit(tree):
             actor(pipeline_model_parallel_size=2)(tree)
             tree["rl_config"]["use_integrated_worker"] = False
+            tree["rl_config"]["reference_resource"] = dict(tree["rl_config"]["actor_resource"])
             tree["ref_config"] = {"pipeline_model_parallel_size": pp, "micro_batch_size": 8,
                                   "load": tree["actor_config"]["load"]}
         return edit
