@@ -40,7 +40,9 @@ TINY = dict(model="qwen2.5-7b", model_path="examples/tiny-qwen3-arith", framewor
 FEATURE_JOBS = {
     "grpo": dict(stage="grpo", rl={"rollout": {"engine": "hf", "n": 4, "max_new_tokens": 8}}),
     "grpo-clip-higher-math": dict(stage="grpo", rl={"clip_eps_high": 0.28, "reward": {"type": "math"},
-                                                    "rollout": {"engine": "hf", "n": 4}}),
+                                                    "rollout": {"engine": "vllm", "n": 4,
+                                                                "gpu_memory_utilization": 0.6,
+                                                                "enforce_eager": False}}),
     "dapo-overlong": dict(stage="dapo", allow_unsupported=True,
                           rl={"overlong_buffer": 4, "max_gen_rounds": 2, "rollout": {"engine": "hf", "n": 4}}),
     "ppo-roles": dict(stage="ppo", allow_unsupported=True, model_path=None, parallel={"tp": 4},
@@ -104,7 +106,9 @@ def assert_msrl_keys(plan, out: Path) -> tuple[dict, dict]:
     assert tree["megatron_training"]["prompt_type"] in prompt_types
     assert tree["megatron_training"]["stage"] == f"ray_{plan.job.stage}"  # MindSpeed-RL's loss registry
     side = yaml.safe_load(files["engine.yaml"])
-    assert set(side) <= {"model_id", "model_family", "kernels", "metrics_file", "precision", "export_hf"}
+    # rollout_engine: MindSpeed-RL always generates with vLLM; the job may pick the in-repo generator instead
+    assert set(side) <= {"model_id", "model_family", "kernels", "metrics_file", "precision", "export_hf",
+                         "rollout_engine"}
     return tree, files
 
 
@@ -143,6 +147,9 @@ def test_feature_jobs_render_mindspeed_rl_keys(name, tmp_path, monkeypatch):
         assert cfg.verifier == {"grpo": "gsm8k", "grpo-clip-higher-math": "math"}[name]
         assert (cfg.clip_low, cfg.clip_high) == ((0.2, 0.28) if name == "grpo-clip-higher-math" else (0.2, 0.2))
         assert len(cfg.records) == 100 and all(r["prompt_ids"] for r in cfg.records)  # easy_arithmetic_prompts
+        ro = plan.job.rl.rollout  # the rollout engine (engine.yaml) and vLLM's settings (generate_config) read back
+        assert (cfg.rollout_engine, cfg.gpu_memory_utilization, cfg.enforce_eager) == (
+            ro.engine, ro.gpu_memory_utilization, ro.enforce_eager)
     else:  # DAPO / PPO in this dialect: refused by name
         with pytest.raises(rlconfig.RLConfigError, match=f"megatron_training.stage: 'ray_{plan.job.stage}' is not "
                                                          "built in this engine"):
