@@ -430,14 +430,17 @@ def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: in
                        f"to split over all {world} devices (real_train_batch_size % n_gpus)",
             f"use a batch of {round_up(prompts, math.lcm(dp, world // math.gcd(world, n)))} prompts, or change "
             f"{names['n']}")
-    if micro_share == "rollout" and not prompts % dp and micro_batch >= 1:
-        share = prompts // dp * n
-        if share % micro_batch:
+    def whole_micro_batches(field: str, micro: int, ranks: int, whose: str, ranks_are: str, other: str = ""):
+        """Each of `ranks` ranks' share of the step's responses in whole `micro` micro-batches."""
+        share = prompts // ranks * n
+        if share % micro:
             sizes = ", ".join(map(str, divisors(share, upto=MAX_BATCH)[:8]))
-            bad("micro_batch", f"{who} splits each rank's rollout share ({names['prompts']} {prompts} prompts "
-                               f"/ {dp} data-parallel ranks x n={n} = {share} responses) into whole "
-                               f"micro-batches: {share} is not a multiple of {names['micro_batch']} {micro_batch}",
-                f"set {names['micro_batch']} to one of {sizes}")
+            bad(field, f"{who} splits {whose} ({names['prompts']} {prompts} prompts / {ranks} {ranks_are} x n={n} "
+                       f"= {share} responses) into whole micro-batches: {share} is not a multiple of "
+                       f"{names[field]} {micro}", f"set {names[field]} to one of {sizes}{other}")
+
+    if micro_share == "rollout" and not prompts % dp and micro_batch >= 1:
+        whole_micro_batches("micro_batch", micro_batch, dp, "each rank's rollout share", "data-parallel ranks")
     if rollout_dp and prompts % rollout_dp:
         bad("prompts", f"{names['prompts']} {prompts} (prompts) does not split over the generation's {rollout_dp} "
                        f"data-parallel ranks (devices / (the generation's tp x pp))",
@@ -447,11 +450,6 @@ def rl_batches(*, algorithm: str, prompts: int, mini_batch: int, micro_batch: in
                        f"ranks: {names['prompts']} {prompts} (prompts) does not split over them",
             f"use a batch of {round_up(prompts, ref_dp)} prompts, or change the reference's tp / pp / cp")
     elif ref_dp and not prompts % ref_dp and ref_micro is not None and ref_micro >= 1:
-        share = prompts // ref_dp * n
-        if share % ref_micro:
-            sizes = ", ".join(map(str, divisors(share, upto=MAX_BATCH)[:8]))
-            bad("ref_micro", f"{who} splits each reference rank's share ({names['prompts']} {prompts} prompts / "
-                             f"{ref_dp} reference data-parallel ranks x n={n} = {share} responses) into whole "
-                             f"micro-batches: {share} is not a multiple of {names['ref_micro']} {ref_micro}",
-                f"set {names['ref_micro']} to one of {sizes}, or give the reference the actor's layout")
+        whole_micro_batches("ref_micro", ref_micro, ref_dp, "each reference rank's share",
+                            "reference data-parallel ranks", ", or give the reference the actor's layout")
     return problems
