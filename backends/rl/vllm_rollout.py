@@ -93,8 +93,9 @@ class VllmRollout:
 
     def load(self, model: nn.Module) -> None:
         """Replace the engine's weights with the model's current ones, in place."""
-        weights = list(hf_weights(model))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        # one whole tensor at a time (a TP shard's full_tensor is made as vLLM's loader reaches it), not a
+        # second copy of the model; every tp rank reloads at once, so the gathers meet
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
         self.llm.reset_prefix_cache()  # cached prompt keys were computed with the old weights
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
