@@ -6,14 +6,14 @@ Rollout runs the whole sequence on every cp rank; the old / reference / current 
 sequences sharded over the cp ranks (head / tail chunks, global positions), attention through ring or
 Ulysses, and the cp ranks' partial gradients are summed (backends/rl/context_parallel.py)."""
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers.rl_runs import ROOT, Launches, assert_same_training, steps
 from tests.rl.test_mindspeed_rl_engine import parse, refused, rendered
-from tests.rl.test_rl_tensor_parallel import KEYS, ROOT, _run
+from tests.rl.test_rl_tensor_parallel import KEYS
 
 # processes: [(case, actor tp, actor cp, context_parallel_algo)]; one launch per world
 LAUNCHES = {1: [("cp1", 1, 1, None)], 2: [("cp2_ring", 1, 2, "megatron_cp_algo"), ("cp2_ulysses", 1, 2, "ulysses_cp_algo")],
@@ -32,45 +32,20 @@ def _job(run_dir: Path, name: str, tp: int, cp: int, algo: str | None, world: in
     return out
 
 
-class Runs(dict):
-    """Each case's run folder, its launch started on first use."""
-
-    def __init__(self, tmp: Path):
-        super().__init__()
-        self.tmp, self.job = tmp, rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job")
-
-    def __missing__(self, name: str) -> Path:
-        world = next(w for w, cases in LAUNCHES.items() if any(c[0] == name for c in cases))
-        cases = [{"name": n, "file": str(_job(self.job, n, tp, cp, algo, world))}
-                 for n, tp, cp, algo in LAUNCHES[world]]
-        out = _run(self.tmp / f"np{world}", world, cases)
-        for n, *_ in LAUNCHES[world]:
-            self[n] = out
-        return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("rl_cp"))
-
-
-def _steps(folder: Path, name: str) -> list[dict]:
-    return [r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines()) if "reward_mean" in r]
+    tmp = tmp_path_factory.mktemp("rl_cp")
+    job = rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job")
+    return Launches("_rl_run_worker.py", tmp, {
+        world: [{"name": n, "file": str(_job(job, n, tp, cp, algo, world))} for n, tp, cp, algo in cases]
+        for world, cases in LAUNCHES.items()})
 
 
 @pytest.mark.parametrize("name", ["cp2_ring", "cp2_ulysses", "cp2tp2", "cp2dp2"])
 def test_context_parallel_matches_one_process(runs, name):
-    one, cp = _steps(runs["cp1"], "cp1"), _steps(runs[name], name)
-    assert [r["step"] for r in one] == [r["step"] for r in cp] == [1, 2, 3]
-    for a, b in zip(one, cp):
-        for key in KEYS:
-            assert (key in a) == (key in b), key
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (name, a["step"], key, a[key], b[key])
-    p1, p2 = (json.loads((runs[n] / f"{n}.params").read_text()) for n in ("cp1", name))
-    for x, y in zip(p1, p2):
-        assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (name, p1, p2)
+    assert_same_training((runs["cp1"], "cp1"), (runs[name], name), KEYS)
     # the run does something: the policy moves, the samples differ, the KL term is live
+    one = steps(runs["cp1"], "cp1")
     assert all(r["grad_norm"] > 0 for r in one) and len({r["reward_mean"] for r in one}) > 1
     assert any(abs(r["actor/kl_loss"]) > 0 for r in one[1:])
 

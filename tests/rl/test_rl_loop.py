@@ -6,16 +6,13 @@ strategy fsdp2), DAPO's dynamic sampling fills the batch over several rounds, an
 ends bit-exact where the uninterrupted run ends, and the exported actor is the trained one."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-REWARD = str(HERE / "digit_reward.py")
+from tests.helpers.rl_runs import assert_same_training, assert_steps_match, end_record, run_cases, steps
+
+REWARD = str(Path(__file__).resolve().parent / "digit_reward.py")
 
 # stop strings end the responses at different lengths, so the loss aggregations differ from one another
 COMMON = dict(n=4, max_new_tokens=10, train_batch_size=4, mini_batch_size=2, micro_batch_size=3, total_steps=3,
@@ -48,16 +45,6 @@ KEYS = ("loss", "grad_norm", "reward_mean", "actor/ppo_kl", "actor/pg_clipfrac",
         "gen_rounds")
 
 
-def _run(tmp: Path, nproc: int, cases: list[dict]) -> Path:
-    out = tmp / f"np{nproc}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / "_rl_run_worker.py"), json.dumps(cases), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return out
-
-
 def _resume_cases(tmp: Path) -> list[dict]:
     """PPO (actor, critic and reference sharded) cut after step 2, then resumed to step 3 and exported."""
     ppo = next(c for c in FSDP if c["name"] == "ppo_fsdp")
@@ -69,33 +56,16 @@ def _resume_cases(tmp: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl")
-    return (_run(tmp, 1, CASES + [LEARN, RAGGED] + CRITIC_MICRO),
-            _run(tmp, 2, CASES + FSDP + _resume_cases(tmp) + [dict(c, name=c["name"] + "_fsdp", fsdp=True)
-                                                             for c in CRITIC_MICRO]))
-
-
-def _steps(folder: Path, name: str) -> list[dict]:
-    return [r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines()) if "reward_mean" in r]
-
-
-def _end(folder: Path, name: str) -> dict:
-    return next(r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines())
-                if r.get("event") == "end")
+    return (run_cases("_rl_run_worker.py", tmp, 1, CASES + [LEARN, RAGGED] + CRITIC_MICRO),
+            run_cases("_rl_run_worker.py", tmp, 2, CASES + FSDP + _resume_cases(tmp)
+                      + [dict(c, name=c["name"] + "_fsdp", fsdp=True) for c in CRITIC_MICRO]))
 
 
 @pytest.mark.parametrize("name,layout", [(c["name"], layout) for c in CASES for layout in ("", "_fsdp")]
                          + [("ragged", "_fsdp")])
 def test_two_processes_match_one(runs, name, layout):
-    one, two = _steps(runs[0], name), _steps(runs[1], name + layout)
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two):
-        for key in KEYS:
-            assert (key in a) == (key in b), key
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (name, a["step"], key, a[key], b[key])
-    p1, p2 = (json.loads((folder / f"{n}.params").read_text()) for folder, n in zip(runs, (name, name + layout)))
-    for x, y in zip(p1, p2):
-        assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (name, p1, p2)
+    assert_same_training((runs[0], name), (runs[1], name + layout), KEYS)
+    one = steps(runs[0], name)
     assert any(r["grad_norm"] > 0 for r in one)
     assert any(r["response_length_mean"] < 5 for r in one)  # ragged responses
 
@@ -105,30 +75,25 @@ def test_critic_micro_batches_train_as_the_actor_s(runs, case):
     """The critic's own micro-batches (replicated on 1 process, FSDP-sharded in lockstep on 2) change how
     the update is split, not what it computes."""
     for folder, suffix in ((runs[0], ""), (runs[1], "_fsdp")):
-        base, own = _steps(folder, "ppo" + suffix), _steps(folder, case + suffix)
-        assert [r["step"] for r in own] == [1, 2, 3]
-        for a, b in zip(base, own):
-            for key in KEYS + ("critic/grad_norm", "critic/vf_clipfrac"):
-                assert (key in a) == (key in b), key
-                if key in a:
-                    assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (case, suffix, key, a[key], b[key])
+        assert_steps_match(steps(folder, "ppo" + suffix), steps(folder, case + suffix),
+                           KEYS + ("critic/grad_norm", "critic/vf_clipfrac"), case + suffix)
 
 
 def test_fsdp_shards_the_models(runs):
     """Each rank holds half of the actor's (and critic's) parameters and optimizer states."""
     for name in ("grpo", "ppo"):
-        replicated, sharded = _end(runs[1], name)["model_state_mib"], _end(runs[1], name + "_fsdp")["model_state_mib"]
+        replicated, sharded = (end_record(runs[1], n)["model_state_mib"] for n in (name, name + "_fsdp"))
         assert all(s < 0.6 * r for s, r in zip(sharded, replicated)), (name, replicated, sharded)
 
 
 def test_fsdp_ranks_in_lockstep_with_uneven_micro_batches(runs):
     # 3 kept groups of 3: a mini-batch of 3 responses, 2 micro-batches on rank 0 and 1 on rank 1
-    assert any(r["kept_groups"] == 3 for r in _steps(runs[0], "ragged"))
+    assert any(r["kept_groups"] == 3 for r in steps(runs[0], "ragged"))
 
 
 def test_fsdp_resume_is_bit_exact(runs):
-    whole, resumed = _steps(runs[1], "ppo_fsdp"), _steps(runs[1], "ppo_resumed")
-    assert [r["step"] for r in _steps(runs[1], "ppo_cut")] == [1, 2] and [r["step"] for r in resumed] == [3]
+    whole, resumed = steps(runs[1], "ppo_fsdp"), steps(runs[1], "ppo_resumed")
+    assert [r["step"] for r in steps(runs[1], "ppo_cut")] == [1, 2] and [r["step"] for r in resumed] == [3]
     for key in KEYS + ("critic/grad_norm", "response_length_mean"):
         assert (key in whole[-1]) == (key in resumed[0]), key
         assert whole[-1].get(key) == resumed[0].get(key), (key, whole[-1].get(key), resumed[0].get(key))
@@ -147,7 +112,7 @@ def test_fsdp_export_is_the_trained_actor(runs):
 
 def test_each_algorithm_does_its_part(runs):
     one = runs[0]
-    grpo, dapo, ppo = (_steps(one, n) for n in ("grpo", "dapo", "ppo"))
+    grpo, dapo, ppo = (steps(one, n) for n in ("grpo", "dapo", "ppo"))
     assert any(r["actor/pg_clipfrac"] > 0 for r in grpo) and all("actor/kl_loss" in r for r in grpo)
     assert all("actor/kl_loss" not in r for r in dapo)
     # dynamic sampling: pass / fail rewards leave some groups all equal, so it rolls out again
@@ -156,7 +121,6 @@ def test_each_algorithm_does_its_part(runs):
 
 
 def test_policy_learns(runs):
-    steps = _steps(runs[0], "learn")
-    rewards = [r["reward_mean"] for r in steps]
+    rewards = [r["reward_mean"] for r in steps(runs[0], "learn")]
     assert len(rewards) == 10
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards

@@ -7,16 +7,14 @@ the stages (hidden states sent stage to stage, the last stage's log-probs broadc
 backpropagates through them and clips with the norm over every stage (backends/rl/pipeline_parallel.py)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers.rl_runs import ROOT, Launches, assert_same_training, steps
 from tests.rl.test_mindspeed_rl_engine import parse, refused, rendered
-from tests.rl.test_rl_tensor_parallel import HERE, KEYS, ROOT
+from tests.rl.test_rl_tensor_parallel import KEYS
 
 # processes: [(case, actor tp, actor pp)]; one launch per world; *_tied: the model with tied embeddings
 LAUNCHES = {1: [("pp1", 1, 1), ("pp1_tied", 1, 1)], 2: [("pp2", 1, 2), ("pp2_tied", 1, 2)],
@@ -65,16 +63,6 @@ def _job(run_dir: Path, name: str, tp: int, pp: int, world: int) -> Path:
     return out
 
 
-def _run(out: Path, nproc: int, cases: list[dict]) -> Path:
-    """The cases under torchrun (_rl_pp_worker.py: the run worker that also records every rank's log-probs)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / "_rl_pp_worker.py"), json.dumps(cases), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return out
-
-
 def _resume_cases(tmp: Path) -> list[dict]:
     """test_rl_loop's GRPO case (RLConfig directly: the MindSpeed-RL dialect has no resume key) at pp 2: 3 steps
     straight, and cut after step 2 then resumed to step 3 and exported."""
@@ -86,33 +74,16 @@ def _resume_cases(tmp: Path) -> list[dict]:
             dict(grpo, name="pp2_resumed", save_dir=saved, resume="auto", export_hf=str(tmp / "pp_export"))]
 
 
-class Runs(dict):
-    """Each case's run folder, its launch started on first use."""
-
-    def __init__(self, tmp: Path):
-        super().__init__()
-        self.tmp = tmp
-        self.job = rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job")
-        self.tied = rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job_tied")
-
-    def __missing__(self, name: str) -> Path:
-        world = next(w for w, cases in LAUNCHES.items() if any(c[0] == name for c in cases))
-        cases = [{"name": n, "file": str(_job(self.tied if n.endswith("_tied") else self.job, n, tp, pp, world))}
-                 for n, tp, pp in LAUNCHES[world]]
-        extra = _resume_cases(self.tmp) if world == 2 else []
-        out = _run(self.tmp / f"np{world}", world, cases + extra)
-        for n in [c["name"] for c in cases + extra]:
-            self[n] = out
-        return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("rl_pp"))
-
-
-def _steps(folder: Path, name: str) -> list[dict]:
-    return [r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines()) if "reward_mean" in r]
+    """The cases under _rl_pp_worker.py: the run worker that also records every rank's log-probs."""
+    tmp = tmp_path_factory.mktemp("rl_pp")
+    job = rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job")
+    tied = rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job_tied")
+    launches = {world: [{"name": n, "file": str(_job(tied if n.endswith("_tied") else job, n, tp, pp, world))}
+                        for n, tp, pp in cases] for world, cases in LAUNCHES.items()}
+    launches[2] += _resume_cases(tmp)
+    return Launches("_rl_pp_worker.py", tmp, launches)
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2tp2", "pp2dp2", "pp2_tied"])
@@ -120,17 +91,9 @@ def test_pipeline_parallel_matches_one_process(runs, name):
     """(pp2_tied: the tied output weight trained by the first and the last stage, its gradient summed over
     both, counted once in the norm.)"""
     base = "pp1_tied" if name.endswith("_tied") else "pp1"
-    one, pp = _steps(runs[base], base), _steps(runs[name], name)
-    assert [r["step"] for r in one] == [r["step"] for r in pp] == [1, 2, 3]
-    for a, b in zip(one, pp):
-        for key in KEYS:
-            assert (key in a) == (key in b), key
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (name, a["step"], key, a[key], b[key])
-    p1, p2 = (json.loads((runs[n] / f"{n}.params").read_text()) for n in (base, name))
-    for x, y in zip(p1, p2):
-        assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (name, p1, p2)
+    assert_same_training((runs[base], base), (runs[name], name), KEYS)
     # the run does something: the policy moves, the KL term is live, the samples differ, the clipping bites
+    one = steps(runs[base], base)
     assert all(r["grad_norm"] > 0 for r in one) and any(abs(r["actor/kl_loss"]) > 0 for r in one[1:])
     if base == "pp1":
         assert len({r["reward_mean"] for r in one}) > 1 and any(r["grad_norm"] > 0.5 for r in one)
@@ -140,12 +103,12 @@ def test_pipeline_parallel_matches_one_process(runs, name):
 def test_every_pipeline_rank_holds_the_log_probs(runs, name, world):
     """The old and reference log-probs come out of the last stage; every rank (first stage included) holds
     the one-process values for each of its rows, every step."""
-    def steps(folder, case, rank):
+    def logps(folder, case, rank):
         return [json.loads(line) for line in (folder / f"{case}.logp{rank}.jsonl").read_text().splitlines()]
-    one = steps(runs["pp1"], "pp1", 0)
+    one = logps(runs["pp1"], "pp1", 0)
     assert len(one) == 3 and all(len(s) == 64 for s in one)  # 8 prompts x 8 responses a step
     for rank in range(world):
-        mine = steps(runs[name], name, rank)
+        mine = logps(runs[name], name, rank)
         assert len(mine) == 3
         for a, b in zip(one, mine):
             assert b and set(b) <= set(a)
@@ -163,8 +126,8 @@ def test_resume_and_export_under_pipeline_parallel(runs, tmp_path_factory):
     folder = runs["pp2"]  # the 2-process launch runs these cases after pp2's
     straight, resumed = (json.loads((folder / f"{n}.params").read_text()) for n in ("pp2_straight", "pp2_resumed"))
     assert straight == pytest.approx(resumed, rel=1e-12, abs=1e-12)
-    assert [r["step"] for r in _steps(folder, "pp2_resumed")] == [3]
-    assert _steps(folder, "pp2_resumed")[0]["loss"] == _steps(folder, "pp2_straight")[-1]["loss"]
+    assert [r["step"] for r in steps(folder, "pp2_resumed")] == [3]
+    assert steps(folder, "pp2_resumed")[0]["loss"] == steps(folder, "pp2_straight")[-1]["loss"]
     weights = {}
     for f in (folder.parent / "pp_export").glob("*.safetensors"):
         weights.update(load_file(str(f)))

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.rl_runs import ROOT, assert_same_training, end_record, run_cases, steps
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 MODEL = ROOT / "examples" / "tiny-qwen2.5-vl"
 IMAGES = ROOT / "examples" / "data" / "images"
 REWARD = str(HERE / "digit_reward.py")
@@ -218,56 +219,31 @@ KEYS = ("loss", "grad_norm", "reward_mean", "actor/ppo_kl", "actor/pg_clipfrac",
         "kept_groups", "gen_rounds")
 
 
-def _run(tmp: Path, nproc: int, cases: list[dict]) -> Path:
-    out = tmp / f"np{nproc}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / "_rl_vl_worker.py"), json.dumps(cases), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("rl_vl")
     cases = [dict(c, train_files=[str(data)]) for c in CASES]
     fsdp = [dict(c, name=c["name"] + "_fsdp", fsdp=True) for c in cases]
     frozen = dict(cases[0], name="grpo_frozen", freeze_vision_tower=True, total_steps=1, ppo_epochs=1)
-    return _run(tmp, 1, cases + [frozen]), _run(tmp, 2, fsdp)
-
-
-def _steps(folder: Path, name: str) -> list[dict]:
-    return [r for r in map(json.loads, (folder / f"{name}.jsonl").read_text().splitlines()) if "reward_mean" in r]
+    return run_cases("_rl_vl_worker.py", tmp, 1, cases + [frozen]), run_cases("_rl_vl_worker.py", tmp, 2, fsdp)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_fsdp_two_processes_match_one(runs, name):
-    one, two = _steps(runs[0], name), _steps(runs[1], name + "_fsdp")
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two):
-        for key in KEYS:
-            assert (key in a) == (key in b), key
-            if key in a:
-                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (name, a["step"], key, a[key], b[key])
-    p1, p2 = (json.loads((folder / f"{n}.params").read_text()) for folder, n in zip(runs, (name, name + "_fsdp")))
-    for x, y in zip(p1, p2):
-        assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (name, p1, p2)
+    assert_same_training((runs[0], name), (runs[1], name + "_fsdp"), KEYS)
+    one = steps(runs[0], name)
     assert all(r["grad_norm"] > 0 for r in one if r.get("kept_groups", 1) > 0)
 
 
 def test_fsdp_shards_the_vl_model(runs):
     units = json.loads((runs[1] / "grpo_fsdp.units").read_text())
     assert {"", "visual.blocks.0", "visual.blocks.1", "model.layers.0", "model.layers.1"} == set(units), units
-    end = next(r for r in map(json.loads, (runs[1] / "grpo_fsdp.jsonl").read_text().splitlines())
-               if r.get("event") == "end")
-    whole = next(r for r in map(json.loads, (runs[0] / "grpo.jsonl").read_text().splitlines())
-                 if r.get("event") == "end")
+    end, whole = end_record(runs[1], "grpo_fsdp"), end_record(runs[0], "grpo")
     assert all(s < 0.6 * whole["model_state_mib"][0] for s in end["model_state_mib"]), (end, whole)
 
 
 def test_each_algorithm_does_its_part(runs):
-    grpo, dapo, ppo = (_steps(runs[0], n) for n in ("grpo", "dapo", "ppo"))
+    grpo, dapo, ppo = (steps(runs[0], n) for n in ("grpo", "dapo", "ppo"))
     assert all("actor/kl_loss" in r for r in grpo)
     assert any(r["gen_rounds"] > 1 for r in dapo)
     assert all(r["critic/vf_loss"] > 0 for r in ppo)
@@ -330,4 +306,4 @@ def test_freeze_vision_tower(runs):
     frozen, trained = (json.loads((runs[0] / f"{n}.vision").read_text()) for n in ("grpo_frozen", "grpo"))
     assert frozen == pytest.approx(start, rel=1e-12, abs=0)
     assert abs(trained - start) > 1e-6 * start
-    assert _steps(runs[0], "grpo_frozen")[0]["grad_norm"] > 0
+    assert steps(runs[0], "grpo_frozen")[0]["grad_norm"] > 0
