@@ -4,6 +4,7 @@ image dataset the VL tests and examples train on.
     python examples/make_tiny_vl_model.py        # writes examples/tiny-qwen2.5-vl/, examples/data/images/,
                                                  # examples/data/vl_sft.json and examples/data/vl_pairs.json
     build("gemma3", "/tmp/tiny-gemma3")          # any of KINDS, anywhere
+    build("qwen2_5_vl", out, head_dim=32)        # wider text heads (vLLM's CPU attention needs 32 or more)
 
 Each directory loads offline with AutoModelForImageTextToText.from_pretrained and AutoProcessor.from_pretrained
 (for Qwen, AutoProcessor also builds a video processor, which needs torchvision; AutoTokenizer and
@@ -63,27 +64,31 @@ def _vocab(tok) -> int:
     return -(-len(tok) // 64) * 64  # room for every added token, a multiple of 64
 
 
-def _qwen(kind: str, tok):
+def _qwen(kind: str, tok, head_dim: int = 16):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, \
         Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
-    text = dict(vocab_size=_vocab(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    if head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 (the M-RoPE sections), not {head_dim}")
+    hidden, unit = 4 * head_dim, head_dim // 16  # 4 heads; the rotary half split t / h / w as 2 : 3 : 3
+    text = dict(vocab_size=_vocab(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2 * unit, 3 * unit, 3 * unit]},
                 tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 bos_token_id=None)
     common = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                   tie_word_embeddings=False, bos_token_id=None)
     if kind == "qwen2_vl":
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+        vision = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
         config = Qwen2VLConfig(text_config=text, vision_config=vision, **common)
         model_cls, proc_cls = Qwen2VLForConditionalGeneration, "Qwen2VLProcessor"
     else:
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=56,
                       fullatt_block_indexes=[1], hidden_act="silu")
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
@@ -118,8 +123,9 @@ def _gemma(tok):
     return config, Gemma3ForConditionalGeneration, [proc]
 
 
-def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a complete tiny `kind` model (config, random weights, tokenizer, processor) to out_dir."""
+def build(kind: str, out_dir: str | Path, seed: int = 0, head_dim: int | None = None) -> Path:
+    """Write a complete tiny `kind` model (config, random weights, tokenizer, processor) to out_dir.
+    head_dim: the text attention's head size of a Qwen kind (default 16; hidden size 4 heads of it)."""
     import torch
 
     if kind not in KINDS:
@@ -127,7 +133,9 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(kind)
-    config, model_cls, parts = _gemma(tok) if kind == "gemma3" else _qwen(kind, tok)
+    if head_dim is not None and kind == "gemma3":
+        raise ValueError("head_dim applies to the Qwen kinds")
+    config, model_cls, parts = _gemma(tok) if kind == "gemma3" else _qwen(kind, tok, head_dim or 16)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     model.save_pretrained(out)

@@ -2,7 +2,7 @@
 and by `run` before launch. Imports nothing: the orchestrator reads it without torch.
 
 The engine trains the native text decoders of backends.llm and, in the VeRL dialect, backends.mm's
-Qwen2.5-VL with image prompts (families below) with the in-repo KV-cache generator as the rollout,
+Qwen2.5-VL with image prompts (families below) with the in-repo KV-cache generator or vLLM as the rollout,
 losses global over micro-batches and ranks. In the VeRL dialect
 the actor, critic and reference are sharded with FSDP2 over the data-parallel ranks (strategy fsdp /
 fsdp2; fsdp_size 1 replicates); in the MindSpeed-RL dialect the actor and reference run the LLM engine's
@@ -48,8 +48,15 @@ and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feat
   renders context_parallel_size 2 and its algorithm and the engine reads them back, hybrid_cp_algo,
   unknown algorithms, num_npus not a multiple of tp x cp, Ulysses heads not dividing and a reference off
   the actor's cp are refused by name (test_rl_context_parallel.py).
+- verl / mindspeed-rl vllm (vllm_rollout.py, with vLLM's CPU build in .venv-vllm): vLLM's greedy, EOS- and
+  stop-ended tokens equal the in-repo generator's, its log-probs the model's, its samples seeded per prompt;
+  for Qwen2.5-VL (vLLM processing the images itself) greedy tokens and log-probs equal the in-repo
+  generator's with two, one and no images per prompt; after an in-memory weight push (vision tower
+  included) both still hold; GRPO through `ascendfactory run` (VeRL: text on 1 process and FSDP on 2,
+  Qwen2.5-VL with FSDP on 2; MindSpeed-RL at actor tp 2) keeps vLLM's sampled-token probabilities and log-probs at the
+  actor's within 1e-4 every step, which fails when an update is not pushed (test_rl_vllm.py).
 
-Not built: SGLang rollout (and vLLM for image prompts), Megatron EP actors and pipeline x context
+Not built: SGLang rollout, Megatron EP actors and pipeline x context
 parallel (megatron_backend is TP and PP, long_seq CP), reward models, and DAPO / PPO in the MindSpeed-RL dialect:
 PENDING below, and `run` refuses such jobs before launch (UNBUILT / LIMITS).
 """
@@ -64,7 +71,7 @@ IMPLEMENTS = {
         "methods:dapo": TEXT_FAMILIES + VL_FAMILIES,
         "methods:ppo": TEXT_FAMILIES + VL_FAMILIES,
         "train_backend": TEXT_FAMILIES + VL_FAMILIES,
-        "vllm": TEXT_FAMILIES,
+        "vllm": TEXT_FAMILIES + VL_FAMILIES,
     },
     "mindspeed-rl": {
         "methods:grpo": TEXT_FAMILIES,
@@ -76,8 +83,6 @@ IMPLEMENTS = {
 
 PENDING: dict[str, dict[str, str]] = {
     "verl": {
-        "vllm": "vLLM rolls out text prompts; image prompts (Qwen2.5-VL) roll out with the in-repo generator "
-                "(rl.rollout.engine: hf)",
         "sglang": "rollout runs the in-repo KV-cache generator (rl.rollout.engine: hf); SGLang is not built",
     },
     "mindspeed-rl": {},

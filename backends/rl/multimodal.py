@@ -15,7 +15,9 @@ checkpoint names, a forward in the RL engine's calling convention), and:
   the log-prob / value passes alike. Image features go only into the prompt's placeholders, so a sampled
   <|image_pad|> in a response is an ordinary token.
 - rollout: rollout.generate with `vision=PromptVision(...)`: the packed prefill carries the images and
-  their positions, each decode step its row's position.
+  their positions, each decode step its row's position. With rl.rollout.engine vllm, vLLM gets what VeRL's
+  rollout hands it: the prompt ids with one <|image_pad|> per image (its processor expands them, from the
+  same preprocessor_config.json) and the images themselves (Vision.engine_prompts).
 - sharding: the vision blocks are FSDP2 units as well as the text layers (sharding.shard).
 - the vision tower trains with the rest (VeRL's actor.freeze_vision_tower false) or, with it true, is frozen.
 """
@@ -166,7 +168,8 @@ class ImageEncoder:
 
 def load_records(cfg: RLConfig, tokenizer, base_dir: Path | None = None) -> list[dict]:
     """cfg.train_files (parquet, or jsonl) -> records with the expanded prompt ids and their images:
-    {"prompt_ids", "ground_truth", "data_source", "extra_info", "pixel_values", "image_grid_thw"}."""
+    {"prompt_ids", "ground_truth", "data_source", "extra_info", "pixel_values", "image_grid_thw", "images"}
+    (images: the image files, for a rollout engine that processes them itself)."""
     from .data import read_rows
 
     enc = ImageEncoder(cfg.model_path)
@@ -196,7 +199,7 @@ def load_records(cfg: RLConfig, tokenizer, base_dir: Path | None = None) -> list
             if marks != len(files):
                 raise RLConfigError(f"{where}: {marks} {PLACEHOLDER} placeholder(s) in {cfg.prompt_key!r} but "
                                     f"{len(files)} image(s) in {key!r} (data.image_key)")
-            pixels, grids = [], []
+            pixels, grids, paths = [], [], []
             for name in files:
                 f = Path(name)
                 if not f.is_absolute() and not f.is_file():
@@ -206,6 +209,7 @@ def load_records(cfg: RLConfig, tokenizer, base_dir: Path | None = None) -> list
                 pv, grid = enc(f, where)
                 pixels.append(pv)
                 grids.append(grid)
+                paths.append(str(f))
             chat = [{"role": m["role"], "content": str(m["content"]).replace(PLACEHOLDER, VISION_TOKENS)}
                     for m in messages]
             text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
@@ -224,7 +228,7 @@ def load_records(cfg: RLConfig, tokenizer, base_dir: Path | None = None) -> list
             records.append({"prompt_ids": ids, "ground_truth": truth, "data_source": row.get(cfg.reward_fn_key) or "",
                             "extra_info": row.get("extra_info"),
                             "pixel_values": torch.cat(pixels) if pixels else None,
-                            "image_grid_thw": torch.stack(grids) if grids else None})
+                            "image_grid_thw": torch.stack(grids) if grids else None, "images": paths})
     if cfg.max_samples is not None and cfg.max_samples > 0:
         records = records[:cfg.max_samples]
     if not records:
@@ -275,6 +279,25 @@ class Vision:
 
     def prompts(self, indices: list[int]) -> PromptVision:
         return PromptVision(self, indices)
+
+    def engine_prompts(self, indices: list[int]) -> list[dict]:
+        """The records as vLLM prompts: token ids with each image's placeholder run cut to one <|image_pad|>
+        (vLLM's processor expands it again; a run left whole would be expanded token by token) and the images."""
+        from PIL import Image
+
+        out = []
+        for i in indices:
+            r = self.records[i]
+            ids = [t for k, t in enumerate(r["prompt_ids"])
+                   if not (t == self.image_id and k > 0 and r["prompt_ids"][k - 1] == self.image_id)]
+            prompt: dict = {"prompt_token_ids": ids}
+            if r.get("images"):
+                prompt["multi_modal_data"] = {"image": [Image.open(f).convert("RGB") for f in r["images"]]}
+            out.append(prompt)
+        return out
+
+    def most_images(self) -> int:
+        return max((len(r.get("images") or ()) for r in self.records), default=0)
 
 
 class PromptVision:

@@ -234,21 +234,18 @@ class RLRecipe(Recipe):
         from .vllm_rollout import CPU_HEAD_SIZES, VllmRollout
 
         c = self.cfg
-        if vl:
-            raise ValueError("rollout engine vllm: image prompts (Qwen2.5-VL) roll out with the in-repo generator "
-                             "only; set rl.rollout.engine: hf")
         if rt.device.type != "cpu" and rt.world > 1:
             raise ValueError("rollout engine vllm on several accelerator ranks needs vLLM's external launcher, which "
                              "this engine does not drive yet (it is tested with vLLM's CPU build); set "
                              "rl.rollout.engine: hf")
-        head_dim = actor.config.head_dim
+        head_dim = (actor.config.text if vl else actor.config).head_dim
         if rt.device.type == "cpu" and head_dim not in CPU_HEAD_SIZES:
             raise ValueError(f"rollout engine vllm on the CPU: vLLM's CPU attention has no kernel for head_dim "
                              f"{head_dim} (it has {', '.join(map(str, CPU_HEAD_SIZES))}); set rl.rollout.engine: hf")
         dtype = str(next(actor.parameters()).dtype).removeprefix("torch.")
         return VllmRollout(c.model_path, dtype=dtype, max_model_len=c.max_prompt_length + c.max_new_tokens,
                            seed=c.seed, gpu_memory_utilization=c.gpu_memory_utilization,
-                           enforce_eager=c.enforce_eager)
+                           enforce_eager=c.enforce_eager, images_per_prompt=self.vision.most_images() if vl else 0)
 
     def _layout(self, rt: Runtime) -> None:
         """dp x cp x tp ranks (tp innermost, as the LLM engine's mesh): the cp x tp ranks of one dp rank hold the
@@ -370,7 +367,8 @@ class RLRecipe(Recipe):
                 if self.vllm_stale:  # every rank of the layout takes part (tensor parallel shards made whole)
                     self.vllm.load(actor)
                     self.vllm_stale = False
-                out, vllm_logp = self.vllm.generate(prompts, max_new_tokens=c.max_new_tokens,
+                inputs = self.vision.engine_prompts(rows) if self.vision else prompts
+                out, vllm_logp = self.vllm.generate(inputs, max_new_tokens=c.max_new_tokens,
                                                     temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, n=c.n,
                                                     eos_token_id=c.eos_token_id or None, seed=seed,
                                                     stop=c.stop or None, prompt_ids=ids)
@@ -580,18 +578,20 @@ class RLRecipe(Recipe):
 
     def _rollout_probs_diff(self, r: Rollouts, rows: list[dict]) -> dict:
         """|p_vLLM - p_actor| of the sampled tokens over the batch (VeRL's training/rollout_probs_diff_*): the
-        rollout engine and the actor hold the same weights when it is at float noise."""
-        diffs = [(torch.tensor(r.extra["rollout_logp"][row["index"]]).exp() - row["old_logp"].float().exp()).abs()
-                 for row in rows]
-        flat = torch.cat(diffs) if diffs else torch.zeros(0)
+        rollout engine and the actor hold the same weights when it is at float noise. Also the largest
+        |log p_vLLM - log p_actor| (training/rollout_logprob_diff_max): where the model spreads its probability
+        thin, as a barely trained one does, a stale weight shows there long before it moves the probabilities."""
+        pairs = [(torch.tensor(r.extra["rollout_logp"][row["index"]]), row["old_logp"].float()) for row in rows]
+        probs = torch.cat([(a.exp() - b.exp()).abs() for a, b in pairs]) if pairs else torch.zeros(0)
+        logs = torch.cat([(a - b).abs() for a, b in pairs]) if pairs else torch.zeros(0)
         dev = self.rt.device
-        stats = all_reduce_sum(torch.tensor([float(flat.sum()), float(flat.numel())], dtype=torch.float64,
+        stats = all_reduce_sum(torch.tensor([float(probs.sum()), float(probs.numel())], dtype=torch.float64,
                                             device=dev), self.dp_group).tolist()
-        peak = torch.tensor([float(flat.max()) if flat.numel() else 0.0], device=dev)
+        peak = torch.tensor([float(x.max()) if x.numel() else 0.0 for x in (probs, logs)], device=dev)
         if self.dp > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return {"training/rollout_probs_diff_max": float(peak), "training/rollout_probs_diff_mean":
-                stats[0] / max(stats[1], 1.0)}
+        return {"training/rollout_probs_diff_max": float(peak[0]), "training/rollout_probs_diff_mean":
+                stats[0] / max(stats[1], 1.0), "training/rollout_logprob_diff_max": float(peak[1])}
 
     def _token_rewards(self, r: Rollouts, row: dict) -> torch.Tensor:
         """The score on the last response token (minus the KL penalty per token when it is in the reward)."""

