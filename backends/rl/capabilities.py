@@ -53,7 +53,7 @@ and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feat
   for Qwen2.5-VL (vLLM processing the images itself) greedy tokens and log-probs equal the in-repo
   generator's with two, one and no images per prompt; after an in-memory weight push (vision tower
   included) both still hold; GRPO through `ascendfactory run` (VeRL: text on 1 process and FSDP on 2,
-  Qwen2.5-VL with FSDP on 2; MindSpeed-RL at actor tp 2) keeps vLLM's sampled-token probabilities and log-probs at the
+  Qwen2.5-VL with FSDP on 2; MindSpeed-RL at actor tp 2 and at pp 2) keeps vLLM's sampled-token probabilities and log-probs at the
   actor's within 1e-4 every step, which fails when an update is not pushed (test_rl_vllm.py).
 
 Not built: SGLang rollout, Megatron EP actors and pipeline x context

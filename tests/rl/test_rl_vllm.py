@@ -11,7 +11,7 @@
   image, gives the in-repo generator's greedy tokens and the model's log-probs, before and after a push
   (which carries the vision tower's weights and drops the image features vLLM cached);
 - training: GRPO through `ascendfactory run` with the vLLM rollout, VeRL dialect on 1 process and sharded
-  by FSDP on 2 (a text and a Qwen2.5-VL actor), MindSpeed-RL dialect at actor tp 2 on 2: every step, the
+  by FSDP on 2 (a text and a Qwen2.5-VL actor), MindSpeed-RL dialect at actor tp 2 and at pp 2 on 2: every step, the
   probability and log-probability vLLM gave each sampled token equal the actor's own
   (training/rollout_probs_diff_max, VeRL's check; training/rollout_logprob_diff_max), which fails when
   the actor's update is not pushed into vLLM before the next rollout.
@@ -190,6 +190,8 @@ RUNS = {
     # the vision tower trains too (VeRL's freeze_vision_tower false): its updates must reach vLLM's
     "verl_vl_fsdp2": ("examples/verl/grpo-vl.yaml", REWARD + TWO + ["train.micro_batch=4"]),
     "msrl_tp2": ("examples/mindspeed-rl/grpo.yaml", TWO + ["parallel.tp=2", "rl.rollout.parallel.tp=1"]),
+    # pipeline stages: the push follows the refresh that gives every rank the other stage's update
+    "msrl_pp2": ("examples/mindspeed-rl/grpo.yaml", TWO + ["parallel.pp=2"]),
 }
 
 
