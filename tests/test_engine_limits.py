@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ascendfactory.cli import app
-from ascendfactory.engines import engine_info, over_limits
+from ascendfactory.engines import engine_info, over_limits, unbuilt_combinations
 from ascendfactory.spec import parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,10 +73,25 @@ def test_run_refuses_a_role_layout_beyond_the_limits_before_launch(tmp_path, rol
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_the_rollout_runs_on_whole_weights(tmp_path):
-    """The rollout (in-repo generator or one vLLM engine per rank) has no tensor / pipeline parallel of its own:
-    a tp 2 actor's rollout, which inherits the job's tp, is refused at the rollout's field until it is set to 1."""
+def unbuilt_of(spec):
+    job = parse_job(yaml.safe_dump(spec))
+    return unbuilt_combinations(engine_info(job.framework), job)
+
+
+def test_the_rollout_samples_at_the_actors_tp_or_on_whole_weights(tmp_path):
+    """MindSpeed-RL's infer_tensor_parallel_size: the in-repo generator samples on the actor under the actor's tp
+    (which the rollout inherits from the job), or on whole weights (1); any other rollout tp is refused at its
+    field, and the vLLM rollout (one engine per rank, whole weights) takes 1 only."""
     spec = {**rl_spec(tmp_path), "parallel": {"tp": 2}}
-    assert limits_of(spec) == [("rl.rollout.parallel.tp", 2)]
+    assert limits_of(spec) == [] and unbuilt_of(spec) == []
     spec["rl"]["rollout"]["parallel"] = {"tp": 1}
-    assert limits_of(spec) == []
+    assert limits_of(spec) == [] and unbuilt_of(spec) == []
+    spec["rl"]["rollout"]["parallel"] = {"tp": 4}
+    assert unbuilt_of(spec) == ["rl.rollout.parallel.tp: 4 with rl.actor.parallel.tp: 2: the rollout samples on "
+                                "the actor itself, under the actor's tensor parallel layout (or on whole weights); "
+                                "set rl.rollout.parallel.tp to the actor's tp or 1"]
+    spec["rl"]["rollout"] = {**spec["rl"]["rollout"], "engine": "vllm", "parallel": None}
+    assert [why.split(":")[0:3] for why in unbuilt_of(spec)] == [["rl.rollout.engine", " vllm with rl.rollout.parallel.tp",
+                                                                    " 2"]]
+    spec["rl"]["rollout"]["parallel"] = {"tp": 1}
+    assert unbuilt_of(spec) == []

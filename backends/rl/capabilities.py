@@ -53,8 +53,9 @@ and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feat
   for Qwen2.5-VL (vLLM processing the images itself) greedy tokens and log-probs equal the in-repo
   generator's with two, one and no images per prompt; after an in-memory weight push (vision tower
   included) both still hold; GRPO through `ascendfactory run` (VeRL: text on 1 process and FSDP on 2,
-  Qwen2.5-VL with FSDP on 2; MindSpeed-RL at actor tp 2 and at pp 2) keeps vLLM's sampled-token probabilities and log-probs at the
-  actor's within 1e-4 every step, which fails when an update is not pushed (test_rl_vllm.py).
+  Qwen2.5-VL with FSDP on 2; MindSpeed-RL at actor tp 2 and at pp 2) keeps vLLM's sampled-token
+  probabilities and log-probs at the actor's within 1e-4 every step, which fails when an update is not
+  pushed (test_rl_vllm.py).
 
 Not built: SGLang rollout, Megatron EP actors and pipeline x context
 parallel (megatron_backend is TP and PP, long_seq CP), reward models, and DAPO / PPO in the MindSpeed-RL dialect:
@@ -92,11 +93,21 @@ LIMITS: dict[str, dict[str, int]] = {
     # the rollout (in-repo generator or one vLLM engine per rank) runs on whole, replicated weights
     "verl": {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
              "rl.rollout.parallel.tp": 1, "rl.rollout.parallel.pp": 1},
+    # the in-repo generator may run at the actor's tp (it samples on the actor itself): UNBUILT below
     "mindspeed-rl": {"parallel.tp": 8, "parallel.pp": 8, "parallel.cp": 8, "parallel.ep": 1,
-                     "rl.rollout.parallel.tp": 1, "rl.rollout.parallel.pp": 1},
+                     "rl.rollout.parallel.tp": 8, "rl.rollout.parallel.pp": 1},
 }
 
-# settings `run` refuses before launch (the engine refuses them again at start)
+
+def _not_one(value, fields) -> bool:
+    return value is not None and value != 1
+
+
+def _neither_one_nor_the_actors(value, fields) -> bool:
+    return value is not None and value not in (1, fields.get("rl.actor.parallel.tp"))
+
+# settings `run` refuses before launch (the engine refuses them again at start): each field's wanted value, or
+# a test of (its value, every field's value)
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
     "verl": [
         ({"rl.rollout.engine": "sglang"}, "rollout runs the in-repo generator; SGLang is not built (use engine: hf)"),
@@ -106,6 +117,14 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
         ({"rl.reward.type": "model"}, "reward models are not built; use a rule verifier (gsm8k, math)"),
         ({"stage": "dapo"}, "the MindSpeed-RL dialect runs GRPO (stage ray_grpo); DAPO runs with framework: verl"),
         ({"stage": "ppo"}, "the MindSpeed-RL dialect runs GRPO (stage ray_grpo); PPO runs with framework: verl"),
+        # generate_config.infer_tensor_parallel_size: the in-repo generator samples on the actor under the actor's
+        # own tensor parallel layout; a vLLM engine per rank holds whole weights
+        ({"rl.rollout.parallel.tp": _neither_one_nor_the_actors, "rl.actor.parallel.tp": lambda v, f: v is not None},
+         "the rollout samples on the actor itself, under the actor's tensor parallel layout (or on whole weights); "
+         "set rl.rollout.parallel.tp to the actor's tp or 1"),
+        ({"rl.rollout.engine": "vllm", "rl.rollout.parallel.tp": _not_one},
+         "one vLLM engine per rank holds the whole weights (vLLM's own tensor parallel is not driven); "
+         "set rl.rollout.parallel.tp: 1, or rl.rollout.engine: hf to sample at the actor's tp"),
     ],
 }
 
@@ -113,6 +132,7 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
 def unbuilt(framework: str, fields: dict[str, object]) -> list[str]:
     out = []
     for conditions, why in UNBUILT.get(framework, []):
-        if all(fields.get(field) == want for field, want in conditions.items()):
+        if all(want(fields.get(field), fields) if callable(want) else fields.get(field) == want
+               for field, want in conditions.items()):
             out.append(" with ".join(f"{f}: {fields[f]}" for f in conditions) + f": {why}")
     return out

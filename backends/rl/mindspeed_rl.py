@@ -692,8 +692,14 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     if pos(max_model_len) and pos(max_prompt) and pos(max_tokens) and max_model_len < max_prompt + max_tokens:
         problems.append(f"generate_config.max_model_len {max_model_len} is less than rl_config.max_prompt_length "
                         f"{max_prompt} + sampling_config.max_tokens {max_tokens}: responses would be cut")
-    for key in ("infer_tensor_parallel_size", "infer_pipeline_parallel_size", "infer_expert_parallel_size"):
-        only(gen(key), f"generate_config.{key}", (1,), "the rollout runs on the actor's own replicated weights")
+    # the in-repo generator samples on the actor itself, under its tensor parallel layout (infer tp = the actor's,
+    # or 1); a vLLM engine per rank holds whole weights
+    vllm = (side.get("rollout_engine") or "hf") == "vllm"
+    only(gen("infer_tensor_parallel_size"), "generate_config.infer_tensor_parallel_size",
+         (1,) if vllm else tuple(dict.fromkeys((1, tp))), "one vLLM engine per rank holds the whole weights" if vllm
+         else f"the rollout samples on the actor, under its {actor.name('tensor_model_parallel_size')}")
+    for key in ("infer_pipeline_parallel_size", "infer_expert_parallel_size"):
+        only(gen(key), f"generate_config.{key}", (1,), "the rollout runs on the actor's whole, gathered stages")
 
     # ---- the actor's optimisation
     lr = want(actor.get("lr"), actor.name("lr"), lambda v: _is_num(v) and v > 0, "a positive number")

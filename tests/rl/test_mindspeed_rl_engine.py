@@ -57,18 +57,19 @@ def msrl_dir(tmp_path_factory):
     return rendered("examples/mindspeed-rl/grpo.yaml", tmp_path_factory.mktemp("msrl"))
 
 
-def parse(run_dir: Path, change=None) -> rlconfig.RLConfig:
-    """The rendered mindspeed_rl.yaml (composed with its model file), edited by change(tree), parsed."""
+def parse(run_dir: Path, change=None, side: dict | None = None) -> rlconfig.RLConfig:
+    """The rendered mindspeed_rl.yaml (composed with its model file), edited by change(tree), parsed
+    (side: engine.yaml settings changed)."""
     tree, origin = msrl.compose(msrl.read_yaml(run_dir / "mindspeed_rl.yaml"), run_dir / "mindspeed_rl.yaml")
     if change:
         change(tree)
-    return msrl.parse_mindspeed_rl(tree, yaml.safe_load((run_dir / "engine.yaml").read_text()),
-                                   source=str(run_dir / "mindspeed_rl.yaml"), model_files=origin)
+    engine = {**yaml.safe_load((run_dir / "engine.yaml").read_text()), **(side or {})}
+    return msrl.parse_mindspeed_rl(tree, engine, source=str(run_dir / "mindspeed_rl.yaml"), model_files=origin)
 
 
-def refused(run_dir: Path, change) -> str:
+def refused(run_dir: Path, change, side: dict | None = None) -> str:
     with pytest.raises(RLConfigError) as info:
-        parse(run_dir, change)
+        parse(run_dir, change, side)
     return str(info.value)
 
 
@@ -209,7 +210,8 @@ def test_unimplemented_key_is_refused_unless_at_mindspeed_rl_s_default(msrl_dir)
             ("actor_config", "lr_decay_style", "cosine", "a constant learning rate"),
             ("megatron_training", "hidden_dropout", 0.1, "no dropout"),
             ("generate_config", "dtype", "bfloat16", "the actor trains in fp32"),
-            ("generate_config", "infer_tensor_parallel_size", 2, "replicated weights")):
+            ("generate_config", "infer_tensor_parallel_size", 2,
+             "the rollout samples on the actor, under its actor_config.tensor_model_parallel_size); set 1")):
         text = refused(msrl_dir, lambda t: t[section].update({key: value}))
         assert f"{section}.{key}" in text and words in text, (key, text)
     # a default the engine does not run is named as MindSpeed-RL's default
@@ -232,6 +234,15 @@ def test_tensor_and_context_parallel_parse_pipeline_is_refused(msrl_dir):
     assert (cfg.cp, cfg.cp_algo) == (2, "ring")
     text = refused(msrl_dir, lambda t: t["actor_config"].update(pipeline_model_parallel_size=4))
     assert "actor_config.pipeline_model_parallel_size: 4" in text
+    # the rollout's tp: the actor's (the in-repo generator samples on the tp actor) or 1; vLLM's engines: 1
+
+    def infer(size):
+        return lambda t: (actor_tp(2)(t), t["generate_config"].update(infer_tensor_parallel_size=size))
+    assert parse(msrl_dir, infer(2)).tp == 2 and parse(msrl_dir, infer(1)).tp == 2
+    assert "generate_config.infer_tensor_parallel_size: 4 is not built in this engine" in refused(msrl_dir, infer(4))
+    assert "set 1 or 2" in refused(msrl_dir, infer(4))
+    text = refused(msrl_dir, infer(2), side={"rollout_engine": "vllm"})
+    assert "infer_tensor_parallel_size: 2" in text and "one vLLM engine per rank holds the whole weights" in text
 
     def reference(tp, actor=1):
         def edit(tree):

@@ -1,7 +1,8 @@
 """Tensor-parallel RL actors (the MindSpeed-RL dialect's Megatron backend): the example job
 examples/mindspeed-rl/grpo.yaml, rendered, with actor_config.tensor_model_parallel_size 2 on 2 processes
-(dp 1; the reference at tp 2 and replicated at tp 1) and on 4 (tp 2 x dp 2) equals the 1-process run over 3 steps: losses, rewards, grad norms and the
-trained weights within 1e-5. Rollout runs on the sharded actor (every tp rank samples the same tokens
+(dp 1; the reference at tp 2 and replicated at tp 1; the rollout declared at infer_tensor_parallel_size 1 and
+2) and on 4 (tp 2 x dp 2) equals the 1-process run over 3 steps: losses, rewards, grad norms and the trained
+weights within 1e-5. Rollout runs on the sharded actor (every tp rank samples the same tokens
 from the gathered logits), the old / reference / current log-probs are vocab-parallel over the tp group
 and the losses are global over dp only."""
 
@@ -18,10 +19,13 @@ KEYS = ("loss", "grad_norm", "reward_mean", "actor/ppo_kl", "actor/pg_clipfrac",
 
 def _job(run_dir: Path, name: str, tp: int, world: int, ref_tp: int | None) -> Path:
     """The rendered MindSpeed-RL file with actor tp, the world in num_npus and 3 steps (ref_tp: a
-    ref_config of its own at that tp)."""
+    ref_config of its own at that tp). A name ending in _infer2 rolls out at infer_tensor_parallel_size 2 (what
+    a job with parallel.tp 2 renders), the others at 1."""
     path = run_dir / "mindspeed_rl.yaml"
     tree = yaml.safe_load(path.read_text())
     tree["actor_config"]["tensor_model_parallel_size"] = tp
+    if name.endswith("_infer2"):
+        tree["generate_config"]["infer_tensor_parallel_size"] = 2
     tree["actor_config"]["train_iters"] = 3
     tree["rl_config"]["actor_resource"]["num_npus"] = world
     if ref_tp is not None:
@@ -35,7 +39,8 @@ def _job(run_dir: Path, name: str, tp: int, world: int, ref_tp: int | None) -> P
 
 
 # processes: [(case, actor tp, reference tp: None = the actor's, integrated)]; one launch per world
-LAUNCHES = {1: [("tp1", 1, None)], 2: [("tp2", 2, None), ("tp2_ref1", 2, 1)], 4: [("tp2dp2", 2, None)]}
+LAUNCHES = {1: [("tp1", 1, None)], 2: [("tp2", 2, None), ("tp2_ref1", 2, 1), ("tp2_infer2", 2, None)],
+            4: [("tp2dp2", 2, None)]}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def runs(tmp_path_factory):
         for world, cases in LAUNCHES.items()})
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2_ref1", "tp2dp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2_ref1", "tp2_infer2", "tp2dp2"])
 def test_tensor_parallel_matches_one_process(runs, name):
     assert_same_training((runs["tp1"], "tp1"), (runs[name], name), KEYS)
     # the run does something: the policy moves and the samples are not all equal
