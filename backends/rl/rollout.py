@@ -161,6 +161,16 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
+def draw(probs: torch.Tensor, streams: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of probs [B,V], row b by inverse CDF with one uniform from streams[b]: the first
+    token whose cumulative probability exceeds it (a zero-probability token never does). torch.multinomial
+    would draw one exponential per vocabulary entry: a third of a sampled rollout's time on the CPU."""
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in streams])
+    cum = probs.double().cumsum(dim=-1)
+    picked = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[-1] - 1).tolist()
+
+
 def _stream_seed(seed: int, prompt_id: int, sample: int) -> int:
     # a fixed mix (not Python's salted hash): the same stream on every rank and run
     x = (seed * 0x9E3779B1 + prompt_id * 0x85EBCA77 + sample * 0xC2B2AE3D + 0x27D4EB2F) % (2**63 - 1)
@@ -245,8 +255,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_ne
                     tokens = logits.argmax(dim=-1).tolist()
                 else:
                     probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-                    tokens = [int(torch.multinomial(probs[r], 1, generator=streams[s]))
-                              for r, s in enumerate(alive)]
+                    tokens = draw(probs, [streams[s] for s in alive])
                 keep = []
                 for r, (s, tok) in enumerate(zip(alive, tokens)):
                     out[s].append(tok)

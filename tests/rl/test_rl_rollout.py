@@ -138,6 +138,19 @@ def test_samples_follow_the_model_distribution(pair, prompts):
     assert (counts - probs.double()).abs().max() < 4 * (0.25 / n) ** 0.5  # 4 standard errors at worst
 
 
+def test_draw_follows_the_probabilities():
+    """The sampler itself on a peaked distribution with zero-probability tokens between the others."""
+    probs = torch.tensor([0.0, 0.6, 0.0, 0.25, 0.1, 0.0, 0.05])
+    n = 4000
+    streams = [torch.Generator().manual_seed(i) for i in range(n)]
+    got = rollout.draw(probs.expand(n, -1), streams)
+    counts = torch.bincount(torch.tensor(got), minlength=probs.numel()).double() / n
+    assert counts[probs == 0].sum() == 0
+    assert (counts - probs.double()).abs().max() < 4 * (0.25 / n) ** 0.5
+    assert rollout.draw(probs.expand(3, -1), [torch.Generator().manual_seed(1)] * 3)[0] == \
+        rollout.draw(probs[None], [torch.Generator().manual_seed(1)])[0]  # a row's draw is its stream's
+
+
 def test_sampling_is_seeded_per_sample(pair, prompts):
     model = pair[0]
     kw = dict(max_new_tokens=12, temperature=1.0, top_p=0.95, n=3, seed=7)
