@@ -91,7 +91,8 @@ def test_the_rollout_samples_at_the_actors_tp_or_on_whole_weights(tmp_path):
                                 "the actor itself, under the actor's tensor parallel layout (or on whole weights); "
                                 "set rl.rollout.parallel.tp to the actor's tp or 1"]
     spec["rl"]["rollout"] = {**spec["rl"]["rollout"], "engine": "vllm", "parallel": None}
-    assert [why.split(":")[0:3] for why in unbuilt_of(spec)] == [["rl.rollout.engine", " vllm with rl.rollout.parallel.tp",
-                                                                    " 2"]]
+    assert unbuilt_of(spec) == ["rl.rollout.engine: vllm with rl.rollout.parallel.tp: 2: one vLLM engine per rank "
+                                "holds the whole weights (vLLM's own tensor parallel is not driven); set "
+                                "rl.rollout.parallel.tp: 1, or rl.rollout.engine: hf to sample at the actor's tp"]
     spec["rl"]["rollout"]["parallel"] = {"tp": 1}
     assert unbuilt_of(spec) == []

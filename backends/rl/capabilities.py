@@ -106,6 +106,7 @@ def _not_one(value, fields) -> bool:
 def _neither_one_nor_the_actors(value, fields) -> bool:
     return value is not None and value not in (1, fields.get("rl.actor.parallel.tp"))
 
+
 # settings `run` refuses before launch (the engine refuses them again at start): each field's wanted value, or
 # a test of (its value, every field's value)
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
@@ -119,6 +120,7 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
         ({"stage": "ppo"}, "the MindSpeed-RL dialect runs GRPO (stage ray_grpo); PPO runs with framework: verl"),
         # generate_config.infer_tensor_parallel_size: the in-repo generator samples on the actor under the actor's
         # own tensor parallel layout; a vLLM engine per rank holds whole weights
+        # (rl.actor.parallel.tp is named so that `run` reads it and the message shows it)
         ({"rl.rollout.parallel.tp": _neither_one_nor_the_actors, "rl.actor.parallel.tp": lambda v, f: v is not None},
          "the rollout samples on the actor itself, under the actor's tensor parallel layout (or on whole weights); "
          "set rl.rollout.parallel.tp to the actor's tp or 1"),

@@ -82,9 +82,10 @@ def hf_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from backends.llm.models.convert import to_hf
     from backends.mm.models import Qwen2_5_VL, to_hf_layout
 
+    vl = isinstance(model, Qwen2_5_VL)
     for name, p in model.named_parameters():
         full = full_tensors(model, {name: p.detach()})[name]
-        if isinstance(model, Qwen2_5_VL):  # already HF's names; the vision qkv rows back in HF's order
+        if vl:  # already HF's names; the vision qkv rows back in HF's order
             yield from to_hf_layout(model, {name: full}).items()
         else:
             yield from to_hf(hf_name(name), full, model.config.family)
