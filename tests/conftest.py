@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# no loss-curve PNG from the engines the tests run (about a CPU-second each); the tests that check the plot
+# ask for it with AF_PLOT=1 (tests/llm/test_engine_runs.py, tests/lf/test_lf_engine.py, tests/common/test_trainer.py)
+os.environ["AF_PLOT"] = "0"
 
 
 @pytest.fixture
@@ -43,3 +48,23 @@ def plan_of(job_text):
                          check_memory=check_memory)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tmp_path_factory):
+    """The session's batched engine runs (tests/helpers/engine_runs.py): add(name, job) renders a job as
+    `ascendfactory run` does; runs[name] is its run directory, trained in one launch per world size
+    together with every job added before it."""
+    from tests.helpers.engine_runs import EngineRuns
+
+    return EngineRuns(tmp_path_factory.mktemp("engine-runs"))
+
+
+@pytest.fixture(scope="session")
+def one_process(engine_runs):
+    """one_process(spec) -> the run directory of `spec` (a job dict, its output_dir ignored) trained on one
+    process; one_process.name(spec) only adds it, so that the one-process runs of a test file start in one
+    launch. The same job (after validation, defaults filled in) is run once per session."""
+    from tests.helpers.engine_runs import OneProcess
+
+    return OneProcess(engine_runs)

@@ -394,7 +394,9 @@ class Trainer:
 
     def _finish(self) -> None:
         s = self.settings
-        if self.rt.is_main and s.metrics_file and Path(s.metrics_file).exists():
+        # AF_PLOT=0 skips the curve (matplotlib costs about a CPU-second a run; the test suite sets it)
+        if self.rt.is_main and s.metrics_file and Path(s.metrics_file).exists() \
+                and os.environ.get("AF_PLOT", "1") != "0":
             from backends.common.plot import plot_loss
 
             plot_loss(read_metrics(s.metrics_file), Path(s.metrics_file).parent / "training_loss.png",

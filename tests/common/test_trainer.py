@@ -112,7 +112,8 @@ def restore_sigterm():
 
 
 @pytest.mark.parametrize("kind", [Regression, ActorCritic])
-def test_exit_interval_then_resume_gives_the_uninterrupted_losses(tmp_path, kind, restore_sigterm):
+def test_exit_interval_then_resume_gives_the_uninterrupted_losses(tmp_path, kind, restore_sigterm, monkeypatch):
+    monkeypatch.setenv("AF_PLOT", "1")
     assert run(kind(tmp_path / "ref")) == 0
     ref = losses(tmp_path / "ref")
     assert [k for k in sorted(ref) if k == int(k)] == list(range(1, STEPS + 1))

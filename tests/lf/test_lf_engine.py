@@ -88,7 +88,7 @@ def sft_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sft")
     path = lf_file(folder, max_steps=12, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_ratio=0.2,
                    plot_loss=True)
-    run_lf(path)
+    run_lf(path, env={"AF_PLOT": "1"})
     return folder / "out"
 
 

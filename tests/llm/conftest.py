@@ -1,5 +1,5 @@
-"""Session-wide caches for the backends.llm end-to-end tests: the tiny models and the one-process
-reference runs that several test files hold their multi-process runs against (each made once)."""
+"""Session-wide cache for the backends.llm end-to-end tests: the tiny models (the one-process reference
+runs they hold their multi-process runs against: tests/conftest.py one_process)."""
 
 import pytest
 
@@ -18,30 +18,5 @@ def tiny_model(tmp_path_factory):
             name = "-".join([family, *(f"{k}{v}" for k, v in sorted(config.items()))])
             made[key] = make_tiny_hf(family, tmp_path_factory.mktemp(name) / "model", **config)
         return made[key]
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def one_process(tmp_path_factory):
-    """one_process(spec) -> the run directory of `spec` (a job dict, its output_dir ignored) run
-    through `ascendfactory run` on one process; the same job is run once per session."""
-    import yaml
-
-    from ascendfactory.spec import parse_job
-    from tests.llm.test_engine_runs import run_job
-
-    runs = {}
-
-    def get(spec: dict):
-        spec = {k: v for k, v in spec.items() if k != "output_dir"}
-        assert spec.get("launcher") == "local", "a reference run is a one-process run"
-        # the validated job, defaults filled in: the same job however the test spelled it
-        key = parse_job(yaml.safe_dump(spec)).model_dump_json()
-        if key not in runs:
-            base = tmp_path_factory.mktemp("one-process")
-            run_job(base, {**spec, "output_dir": str(base / "run")}, "ref.yaml")
-            runs[key] = base / "run"
-        return runs[key]
 
     return get

@@ -1,4 +1,6 @@
-"""backends.llm end to end through `ascendfactory run`: quickstart, data parallel, resume, LoRA, preprocess."""
+"""backends.llm end to end: quickstart, data parallel, resume, LoRA, preprocess. `ascendfactory run` itself
+runs the quickstart, one torchrun data-parallel job and the refusals; the other jobs are rendered as `run`
+renders them and trained in one launch per world size (tests/helpers/engine_runs.py)."""
 
 import json
 import os
@@ -16,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-qwen3"
 
 
-def run_cli(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def run_cli(*args, timeout=600, env: dict | None = None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "ascendfactory", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -55,7 +57,7 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 def test_quickstart_trains_exports_and_plots(tmp_path):
     out = tmp_path / "quickstart"
-    res = run_cli("run", ROOT / "examples" / "quickstart.yaml", f"output_dir={out}")
+    res = run_cli("run", ROOT / "examples" / "quickstart.yaml", f"output_dir={out}", env={"AF_PLOT": "1"})
     assert res.returncode == 0, res.stdout + res.stderr
     curve = losses(out)
     assert len(curve) == 60 and curve[-1] < 0.4 * curve[0], curve
@@ -72,42 +74,72 @@ def test_quickstart_trains_exports_and_plots(tmp_path):
     assert (out / "hf" / "tokenizer.json").exists()
 
 
+@pytest.fixture(scope="module")
+def runs(engine_runs, one_process, tmp_path_factory):
+    """The engine runs of this file but one (test_data_parallel_matches_one_process[ddp-padded] runs
+    `ascendfactory run` under torchrun itself), added at once so that they train in one launch per world
+    size (tests/helpers/engine_runs.py): name -> a function giving its run dir."""
+    tmp = tmp_path_factory.mktemp("engine-runs")
+    names = {}
+
+    def add(key, spec, after=None):
+        names[key] = f"engine-runs/{key}"
+        engine_runs.add(names[key], spec, after=after and names[after])
+
+    for mode in ("padded", "packed"):
+        data, train = {"packing": mode == "packed"}, {"steps": 4}
+        names[f"one-{mode}"] = one_process.name(job(tmp / "one", data=data, train=train))
+        for wrap in ("ddp", "fsdp"):
+            if (wrap, mode) != ("ddp", "padded"):
+                add(f"{wrap}-{mode}", job(tmp / f"{wrap}-{mode}", data=data, train=train, launcher="torchrun",
+                                          resources={"devices_per_node": 2}, parallel={"fsdp": wrap == "fsdp"}))
+    names["straight"] = one_process.name(job(tmp / "straight"))  # 5 steps, resume: never
+    # stop after step 3 (Megatron's --exit-interval saves a checkpoint first), then run again: resume: auto
+    add("stopped", job(tmp / "resumed", resume="auto", backend_overrides={"exit-interval": 3}))
+    add("again", job(tmp / "resumed", resume="auto"), after="stopped")
+    add("lora", job(tmp / "lora", finetuning="lora", lora={"rank": 4, "alpha": 8, "merge_on_export": True},
+                    train={"lr": 1e-2}))
+    for precision, recompute in MIXED:
+        add(f"mixed-{precision}", job(tmp / f"mixed-{precision}", train={"precision": precision},
+                                      parallel={"recompute": recompute}))
+    return {key: (lambda n=n: engine_runs[n]) for key, n in names.items()}
+
+
+MIXED = [("bf16", "full"), ("fp16", "selective")]
+
+
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
-def test_data_parallel_matches_one_process(tmp_path, one_process, mode, wrap):
+def test_data_parallel_matches_one_process(tmp_path, runs, mode, wrap):
     # 4 steps: the weights bar here (1e-5) is stricter than the proof runs' (1e-4, 5 steps)
-    data, train = {"packing": mode == "packed"}, {"steps": 4}
-    one = one_process(job(tmp_path / "one", data=data, train=train))  # shared by the ddp and fsdp cases
-    multi = job(tmp_path / "two", data=data, train=train, launcher="torchrun", resources={"devices_per_node": 2},
-                parallel={"fsdp": wrap == "fsdp"})
-    run_job(tmp_path, multi, "two.yaml")
-    a, b = losses(one), losses(tmp_path / "two")
+    one = runs[f"one-{mode}"]()  # shared by the ddp and fsdp cases
+    if (wrap, mode) == ("ddp", "padded"):  # `ascendfactory run` launching torchrun itself
+        multi = job(tmp_path / "two", data={"packing": False}, train={"steps": 4}, **torchrun(2))
+        run_job(tmp_path, multi, "two.yaml")
+        two = tmp_path / "two"
+    else:
+        two = runs[f"{wrap}-{mode}"]()
+    a, b = losses(one), losses(two)
     assert len(a) == len(b) == 4
     assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
-    wa, wb = final_weights(one), final_weights(tmp_path / "two")
+    wa, wb = final_weights(one), final_weights(two)
     assert wa.keys() == wb.keys()
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], atol=1e-5, rtol=1e-4)
 
 
-def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, one_process):
-    straight = one_process(job(tmp_path / "straight"))  # 5 steps, resume: never
-    # stop after step 3 (Megatron's --exit-interval saves a checkpoint first), then run again: resume: auto
-    stopped = job(tmp_path / "resumed", resume="auto", backend_overrides={"exit-interval": 3})
-    run_job(tmp_path, stopped, "stopped.yaml")
-    assert len(losses(tmp_path / "resumed")) == 3 and (tmp_path / "resumed" / "checkpoints" / "step_3").is_dir()
-    again = job(tmp_path / "resumed", resume="auto")
-    run_job(tmp_path, again, "again.yaml")
-    assert losses(tmp_path / "resumed") == losses(straight)  # bit for bit
+def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(runs):
+    straight = runs["straight"]()
+    resumed = runs["stopped"]()
+    assert len(losses(resumed)) == 3 and (resumed / "checkpoints" / "step_3").is_dir()
+    runs["again"]()
+    assert losses(resumed) == losses(straight)  # bit for bit
     for key, value in final_weights(straight).items():
-        assert torch.equal(final_weights(tmp_path / "resumed")[key], value), key
+        assert torch.equal(final_weights(resumed)[key], value), key
 
 
-def test_lora_adapter_loads_in_peft_and_merges(tmp_path):
-    out = tmp_path / "lora"
-    spec = job(out, finetuning="lora", lora={"rank": 4, "alpha": 8, "merge_on_export": True},
-               train={"lr": 1e-2})
-    run_job(tmp_path, spec)
+def test_lora_adapter_loads_in_peft_and_merges(runs):
+    out = runs["lora"]()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -151,16 +183,14 @@ def test_engine_refuses_bad_input_with_one_message(tmp_path):
     # combinations this build refuses: tests/llm/test_engine_compose.py
 
 
-@pytest.mark.parametrize("precision,recompute", [("bf16", "full"), ("fp16", "selective")])
-def test_mixed_precision_and_recompute_track_the_fp32_run(tmp_path, one_process, precision, recompute):
-    fp32 = one_process(job(tmp_path / "fp32"))
-    mixed = job(tmp_path / "mixed", train={"precision": precision}, parallel={"recompute": recompute})
-    run_job(tmp_path, mixed, "mixed.yaml")
-    ref, got = losses(fp32), losses(tmp_path / "mixed")
+@pytest.mark.parametrize("precision,recompute", MIXED)
+def test_mixed_precision_and_recompute_track_the_fp32_run(runs, precision, recompute):
+    fp32, mixed = runs["straight"](), runs[f"mixed-{precision}"]()  # straight: the same 5-step fp32 job
+    ref, got = losses(fp32), losses(mixed)
     # fp32 master weights, 16-bit compute: the same curve within 16-bit rounding
     assert got == pytest.approx(ref, rel=2e-2)
     assert got[-1] < got[0]
-    weights = final_weights(tmp_path / "mixed")
+    weights = final_weights(mixed)
     assert all(w.dtype == torch.float32 for w in weights.values())  # exported from the fp32 masters
 
 
