@@ -64,3 +64,12 @@ def losses(out: Path) -> list[float]:
 
 def end_event(out: Path) -> dict:
     return next(r for r in metrics(out) if r.get("event") == "end")
+
+
+def add_lf(runs, name: str, path: Path, *overrides: str, nproc: int = 1, env: dict | None = None,
+           after: str | None = None) -> None:
+    """run_lf's command added to an EngineRuns batch (tests/helpers/engine_runs.py) instead of run at once:
+    runs[name] is then the file's output_dir, trained in one launch with the batch's other runs."""
+    out = Path(yaml.safe_load(path.read_text())["output_dir"])
+    runs.add_command(name, "backends.lf", ["train", str(path), *overrides], out, world=nproc,
+                     env={"AF_DEVICE": "cpu", **(env or {})}, after=after)

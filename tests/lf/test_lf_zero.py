@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from backends.lf.config import Zero
-from tests.helpers.lf_runs import end_event, lf_file, losses, run_lf
+from tests.helpers.lf_runs import add_lf, end_event, lf_file, losses
 
 STEPS = 5
 
@@ -24,22 +24,22 @@ def _deepspeed(folder: Path, stage: int, offload: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """out dir per setting: 'one' (one process), 'z0' … 'z3' and 'z3-offload' (4 processes)."""
+def runs(engine_runs, tmp_path_factory):
+    """out dir per setting: 'one' (one process), 'z0' … 'z3' and 'z3-offload' (4 processes), trained in one
+    launch per world size (tests/helpers/engine_runs.py)."""
     root = tmp_path_factory.mktemp("zero")
-    out = {}
     one = lf_file(root / "one", max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=4)
-    run_lf(one)
-    out["one"] = root / "one" / "out"
+    add_lf(engine_runs, "lf-zero/one", one)
+    names = ["one"]
     for name, stage, offload in (("z0", 0, False), ("z1", 1, False), ("z2", 2, False), ("z3", 3, False),
                                  ("z3-offload", 3, True)):
         folder = root / name
         folder.mkdir()
         keys = {"deepspeed": _deepspeed(folder, stage, offload)} if stage or offload else {}
-        run_lf(lf_file(folder, max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=1, **keys),
-               nproc=4)
-        out[name] = folder / "out"
-    return out
+        add_lf(engine_runs, f"lf-zero/{name}", lf_file(folder, max_steps=STEPS, per_device_train_batch_size=2,
+                                                       gradient_accumulation_steps=1, **keys), nproc=4)
+        names.append(name)
+    return {name: engine_runs[f"lf-zero/{name}"] for name in names}
 
 
 @pytest.mark.parametrize("name", ["z0", "z1", "z2", "z3", "z3-offload"])

@@ -1,4 +1,5 @@
-"""backends.llm expert parallel through `ascendfactory run`: ep over N CPU processes matches one process.
+"""backends.llm expert parallel: ep over N CPU processes matches one process (jobs rendered as `ascendfactory
+run` renders them, trained in one launch per world size: tests/helpers/engine_runs.py).
 
 A large aux-loss coefficient makes a wrong router (aux) gradient show in the weights; the tiny
 models' experts get real tokens (tests/parallel/test_expert_parallel.py checks the dispatch itself).
@@ -15,7 +16,7 @@ import yaml
 
 from tests.helpers.tiny_hf import TINY
 from tests.llm.test_engine_parallel import assert_matches
-from tests.llm.test_engine_runs import ROOT, job, losses, run_cli, run_job, torchrun
+from tests.llm.test_engine_runs import ROOT, job, losses, run_cli, torchrun
 
 TRAIN = {"steps": 5, "moe_aux_loss_coeff": 1.0}
 
@@ -24,16 +25,40 @@ def ejob(out, model_dir, family, **changes):
     return job(out, model=TINY[family][1], model_path=str(model_dir), train=TRAIN, **changes)
 
 
-@pytest.fixture
-def reference(tiny_model, one_process, tmp_path):
-    """reference(family, packed) -> (tiny model dir, its one-process run dir), each made once per session
-    (tests/llm/conftest.py: the pipeline tests hold their MoE runs against the same references)."""
+EP_FAMILIES = [("mixtral", "none"), ("qwen3_moe", "full"), ("deepseek_v3", "selective")]
+LEGS = [({"ep": 2}, 1, 2), ({}, 2, 1), ({"ep": 2}, None, 2)]  # (parallel, --exit-interval, processes)
 
-    def get(family: str, packed: bool = False):
-        model = tiny_model(family)
-        return model, one_process(ejob(tmp_path / "ref", model, family, data={"packing": packed}))
 
-    return get
+@pytest.fixture(scope="module")
+def runs(engine_runs, one_process, tiny_model, tmp_path_factory):
+    """Every run of this file, added at once so that they train in one launch per world size (tests/helpers/
+    engine_runs.py): name -> a function giving its run dir. ("ref", family, packed): the one-process
+    reference (shared with the pipeline tests, tests/conftest.py one_process)."""
+    tmp = tmp_path_factory.mktemp("engine-ep")
+    names = {}
+
+    def add(key, spec, after=None):
+        names[key] = "engine-ep/" + "-".join(map(str, key))
+        engine_runs.add(names[key], spec, after=after and names[after])
+
+    for family, packed in [(f, p) for f, _ in EP_FAMILIES for p in (False, True)] + [("deepseek_v2", False)]:
+        names[("ref", family, packed)] = one_process.name(
+            ejob(tmp / "ref", tiny_model(family), family, data={"packing": packed}))
+    for family, recompute in EP_FAMILIES:
+        for packed in (False, True):
+            add(("ep2", family, packed), ejob(tmp / f"ep2-{family}-{packed}", tiny_model(family), family,
+                                              data={"packing": packed}, parallel={"ep": 2, "recompute": recompute},
+                                              **torchrun(4)))
+    for packed in (False, True):
+        for kind, parallel in (("cp", {"cp": 2}), ("cp-ep", {"ep": 2, "cp": 2})):
+            add((kind, packed), ejob(tmp / f"{kind}-{packed}", tiny_model("mixtral"), "mixtral",
+                                     data={"packing": packed}, parallel=parallel, **torchrun(2)))
+    out = tmp / "reshard"
+    for i, (parallel, exit_at, devices) in enumerate(LEGS):
+        extra = {"backend_overrides": {"exit-interval": exit_at}} if exit_at else {}
+        add(("leg", i), ejob(out, tiny_model("deepseek_v2"), "deepseek_v2", parallel=parallel, resume="auto", **extra,
+                             **(torchrun(devices) if devices > 1 else {})), after=("leg", i - 1) if i else None)
+    return {key: (lambda n=n: engine_runs[n]) for key, n in names.items()}
 
 
 def metric(out, key: str) -> list:
@@ -57,44 +82,31 @@ def assert_ep_matches(out, ref, *, split: bool = True) -> None:
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("family,recompute", [("mixtral", "none"), ("qwen3_moe", "full"), ("deepseek_v3", "selective")])
-def test_ep2_dp2_matches_one_process(tmp_path, reference, family, recompute, packed):
+@pytest.mark.parametrize("family,recompute", EP_FAMILIES)
+def test_ep2_dp2_matches_one_process(runs, family, recompute, packed):
     """Four ranks, two ep groups: each expert has a replica (the expert-data-parallel group of 2)
     whose grads are summed. Recomputation (against a reference without it) replays the all-to-alls
     in backward. DeepSeek-V3: a dense first layer, shared experts, 4 local experts."""
-    model, ref = reference(family, packed)
-    run_job(tmp_path, ejob(tmp_path / "ep", model, family, data={"packing": packed},
-                           parallel={"ep": 2, "recompute": recompute}, **torchrun(4)))
-    assert_ep_matches(tmp_path / "ep", ref)
+    assert_ep_matches(runs[("ep2", family, packed)](), runs[("ref", family, packed)]())
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_cp2_and_cp2_ep2_match_one_process(tmp_path, reference, packed):
+def test_cp2_and_cp2_ep2_match_one_process(runs, packed):
     """Context parallel on a MoE model: each cp rank holds chunks of the same sequences, so the aux
     loss is reduced over the cp group (the whole micro-batch's, as one process computes it); the ep
     group carved from those cp ranks trains the same."""
-    model, ref = reference("mixtral", packed)
-    data = {"packing": packed}
-    run_job(tmp_path, ejob(tmp_path / "cp", model, "mixtral", data=data, parallel={"cp": 2}, **torchrun(2)), "cp.yaml")
-    assert_ep_matches(tmp_path / "cp", ref, split=False)
-    run_job(tmp_path, ejob(tmp_path / "ep", model, "mixtral", data=data, parallel={"ep": 2, "cp": 2}, **torchrun(2)),
-            "ep.yaml")
-    assert_ep_matches(tmp_path / "ep", ref)
+    ref = runs[("ref", "mixtral", packed)]()
+    assert_ep_matches(runs[("cp", packed)](), ref, split=False)
+    assert_ep_matches(runs[("cp-ep", packed)](), ref)
 
 
-def test_checkpoints_reshard_between_ep2_and_ep1(tmp_path, reference):
+def test_checkpoints_reshard_between_ep2_and_ep1(runs):
     """Step 1 at ep2, step 2 at ep1, steps 3-5 at ep2 again, each resuming the last one's checkpoint:
     DCP reshards the Shard(0) DTensor experts (and their Adam states) both ways."""
-    model, ref = reference("deepseek_v2")
-    out = tmp_path / "run"
-    legs = [({"ep": 2}, 1, 2), ({}, 2, 1), ({"ep": 2}, None, 2)]  # (parallel, --exit-interval, processes)
-    for i, (parallel, exit_at, devices) in enumerate(legs):
-        extra = {"backend_overrides": {"exit-interval": exit_at}} if exit_at else {}
-        spec = ejob(out, model, "deepseek_v2", parallel=parallel, resume="auto", **extra,
-                    **(torchrun(devices) if devices > 1 else {}))
-        run_job(tmp_path, spec, f"leg{i}.yaml")
+    for i, (_, exit_at, _) in enumerate(LEGS):
+        out = runs[("leg", i)]()  # each leg trains when first asked for, after the one before it
         assert len(losses(out)) == (exit_at or TRAIN["steps"])
-    assert_ep_matches(out, ref)
+    assert_ep_matches(out, runs[("ref", "deepseek_v2", False)]())
 
 
 def _engine_args(spec: dict, tmp_path) -> tuple[list[str], str]:

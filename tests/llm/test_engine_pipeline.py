@@ -1,4 +1,5 @@
-"""backends.llm pipeline parallel through `ascendfactory run`: N CPU processes match one process."""
+"""backends.llm pipeline parallel: N CPU processes match one process (jobs rendered as `ascendfactory run`
+renders them, trained in one launch per world size: tests/helpers/engine_runs.py)."""
 
 import json
 
@@ -9,7 +10,7 @@ from backends.common.parallel.pipeline import (PipelineConfigError, _cu_seqlens,
                                                rank_stages, virtual_stages)
 from tests.helpers.tiny_hf import TINY
 from tests.llm.test_engine_parallel import assert_matches
-from tests.llm.test_engine_runs import job, losses, run_job, torchrun
+from tests.llm.test_engine_runs import job, losses, torchrun
 
 STEPS = 5
 
@@ -17,15 +18,6 @@ STEPS = 5
 def pjob(out, model_dir, family="qwen3", **changes):
     train = {"steps": STEPS, **changes.pop("train", {})}
     return job(out, model=TINY[family][1], model_path=str(model_dir), train=train, **changes)
-
-
-@pytest.fixture
-def four_layers(tiny_model, one_process, tmp_path):
-    """A 4-layer tiny Qwen3 (so pp2 × vpp2 has one layer per virtual stage) and its 1-process runs,
-    padded and packed (each made once per session: tests/llm/conftest.py)."""
-    model = tiny_model("qwen3", num_hidden_layers=4)
-    return model, {packed: one_process(pjob(tmp_path / "ref", model, data={"packing": packed}))
-                   for packed in (False, True)}
 
 
 def grad_norms(out) -> list[float]:
@@ -50,51 +42,75 @@ CASES = {  # name: (parallel, devices, packed data too)
 RUNS = [(name, packed) for name, (_, _, both) in CASES.items() for packed in ((False, True) if both else (False,))]
 
 
+TIED_MOE = ["llama", "qwen3_moe", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module")
+def runs(engine_runs, one_process, tiny_model, tmp_path_factory):
+    """Every run of this file, added at once so that they train in one launch per world size (tests/helpers/
+    engine_runs.py): name -> a function giving its run dir. A 4-layer tiny Qwen3 (so pp2 × vpp2 has one
+    layer per virtual stage) and its 1-process runs ("ref", packed), shared across files (one_process)."""
+    tmp = tmp_path_factory.mktemp("engine-pp")
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    names = {("ref", p): one_process.name(pjob(tmp / "ref", model, data={"packing": p})) for p in (False, True)}
+
+    def add(key, spec, after=None):
+        names[key] = "engine-pp/" + "-".join(map(str, key))
+        engine_runs.add(names[key], spec, after=after and names[after])
+
+    for name, packed in RUNS:
+        parallel, devices, _ = CASES[name]
+        add((name, packed), pjob(tmp / f"{name}-{packed}", model, data={"packing": packed}, parallel=parallel,
+                                 **torchrun(devices)))
+    add(("uneven",), pjob(tmp / "uneven", model, parallel={"pp": 2, "pp_layers": [1, 3], "tp": 2, "sp": True},
+                          **torchrun(4)))
+    train = {"moe_aux_loss_coeff": 1.0}
+    for family in TIED_MOE:
+        fmodel = tiny_model(family)
+        names[("ref", family)] = one_process.name(pjob(tmp / "ref", fmodel, family, train=train))  # = the EP tests'
+        tied = family == "llama"
+        add(("tied-moe", family), pjob(tmp / f"pp-{family}", fmodel, family, train=train,
+                                       parallel={"pp": 2, "distributed_optimizer": tied}, **torchrun(4 if tied else 2)))
+    add(("resume", 1), pjob(tmp / "run", model, parallel={"pp": 2, "vpp": 2}, resume="auto",
+                            backend_overrides={"exit-interval": 2}, **torchrun(2)))
+    add(("resume", 2), pjob(tmp / "run", model, resume="auto"), after=("resume", 1))
+    return {key: (lambda n=n: engine_runs[n]) for key, n in names.items()}
+
+
+def logs(out) -> str:
+    return "".join(p.read_text() for p in sorted((out / "logs").glob("*.log")))
+
+
 @pytest.mark.parametrize("name,packed", RUNS, ids=[f"{n}-{'packed' if p else 'padded'}" for n, p in RUNS])
-def test_pipeline_matches_one_process(tmp_path, four_layers, name, packed):
-    model, refs = four_layers
-    parallel, devices, _ = CASES[name]
-    run_job(tmp_path, pjob(tmp_path / "pp", model, data={"packing": packed}, parallel=parallel, **torchrun(devices)))
-    assert_pipeline_matches(tmp_path / "pp", refs[packed])
+def test_pipeline_matches_one_process(runs, name, packed):
+    parallel, _, _ = CASES[name]
+    out = runs[(name, packed)]()
+    assert_pipeline_matches(out, runs[("ref", packed)]())
     if parallel.get("vpp"):  # the interleaved schedule really ran: each rank held two virtual stages
-        log = (tmp_path / "pp" / "logs" / "launcher-node0.log").read_text()
-        assert "4 virtual stages (interleaved 1F1B)" in log and "stages [0, 2] = layers [0, 2]" in log
+        assert "4 virtual stages (interleaved 1F1B)" in logs(out) and "stages [0, 2] = layers [0, 2]" in logs(out)
 
 
-def test_uneven_layer_list_with_sequence_parallel(tmp_path, four_layers):
-    model, refs = four_layers
-    parallel = {"pp": 2, "pp_layers": [1, 3], "tp": 2, "sp": True}
-    run_job(tmp_path, pjob(tmp_path / "pp", model, parallel=parallel, **torchrun(4)))
-    assert_pipeline_matches(tmp_path / "pp", refs[False])
+def test_uneven_layer_list_with_sequence_parallel(runs):
+    assert_pipeline_matches(runs[("uneven",)](), runs[("ref", False)]())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
-def test_pipeline_tied_embeddings_and_moe_aux_across_stages(tmp_path, tiny_model, one_process, family):
+@pytest.mark.parametrize("family", TIED_MOE)
+def test_pipeline_tied_embeddings_and_moe_aux_across_stages(runs, family):
     """llama ties its embeddings (first and last stage hold copies); the MoE families carry the aux
     loss through the stages (DeepSeek-V3's first layer is dense: stage 0 has no router). A large aux
     coefficient makes a lost aux gradient show in the router weights. The tied case also runs the
     distributed optimizer (its clip norm leaves the tied copy out)."""
-    model = tiny_model(family)
-    train = {"moe_aux_loss_coeff": 1.0}
-    ref = one_process(pjob(tmp_path / "ref", model, family, train=train))  # the same job as the EP tests' reference
-    tied = family == "llama"
-    parallel = {"pp": 2, "distributed_optimizer": tied}
-    run_job(tmp_path, pjob(tmp_path / "pp", model, family, train=train, parallel=parallel, **torchrun(4 if tied else 2)))
-    assert_pipeline_matches(tmp_path / "pp", ref)
+    out, ref = runs[("tied-moe", family)](), runs[("ref", family)]()
+    assert_pipeline_matches(out, ref)
     if family != "llama":
         aux = [[json.loads(x).get("aux_loss") for x in (d / "metrics.jsonl").read_text().splitlines()
-                if '"step"' in x and '"event"' not in x] for d in (tmp_path / "pp", ref)]
+                if '"step"' in x and '"event"' not in x] for d in (out, ref)]
         assert aux[0] == pytest.approx(aux[1], rel=1e-5) and None not in aux[0]
 
 
-def test_pp2_checkpoint_resumes_at_pp1(tmp_path, four_layers):
-    model, refs = four_layers
-    first = pjob(tmp_path / "run", model, parallel={"pp": 2, "vpp": 2}, resume="auto",
-                 backend_overrides={"exit-interval": 2}, **torchrun(2))
-    run_job(tmp_path, first, "first.yaml")
-    assert len(losses(tmp_path / "run")) == 2
-    run_job(tmp_path, pjob(tmp_path / "run", model, resume="auto"), "second.yaml")
-    assert_pipeline_matches(tmp_path / "run", refs[False])
+def test_pp2_checkpoint_resumes_at_pp1(runs):
+    assert len(losses(runs[("resume", 1)]())) == 2
+    assert_pipeline_matches(runs[("resume", 2)](), runs[("ref", False)]())
 
 
 # ---------------------------------------------------------------------- the split itself

@@ -1,15 +1,15 @@
-"""One optimizer step through `ascendfactory run` for every (family × feature) backends.llm declares.
+"""One optimizer step for every (family × feature) backends.llm declares.
 
-Each declaration in backends/llm/capabilities.py is proven here: the job goes through the whole
-path (validate → plan → render → launch → engine → metrics.jsonl → export) on the CPU. Features
-that run on the same layout share one run (GROUPS), each keeping its own checks.
+Each declaration in backends/llm/capabilities.py is proven here: the job goes the path of `ascendfactory
+run` (validate → matrix → plan → render, then the engine on the rendered flags → metrics.jsonl →
+export) on the CPU, the engine started in one launch per world size for all cases
+(tests/helpers/engine_runs.py; `ascendfactory run` itself is run end to end by test_engine_runs.py and
+the launcher tests). Features that run on the same layout share one run (GROUPS), each keeping its own
+checks.
 """
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,7 @@ COVERED = {
 UNCARDED = {"glm4"}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tiny_models(tiny_model):
     """family -> its tiny model, made once per session (tests/llm/conftest.py)."""
     return {family: tiny_model(family) for family in TINY}
@@ -115,17 +115,34 @@ def _documented_refusal(job: dict) -> list[str]:
         return ["--allow-unsupported"]
 
 
+@pytest.fixture(scope="module")
+def runs(engine_runs, tiny_models, tmp_path_factory):
+    """Every case's job, rendered by the orchestrator as `ascendfactory run` renders it (with
+    --allow-unsupported only where _documented_refusal says so) and trained in one launch per world size
+    (tests/helpers/engine_runs.py). A slow case runs on its own when selected (-m slow)."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    names = {}
+    for case in CASES:
+        family, features = case.values
+        if any(m.name == "slow" for m in case.marks):
+            continue
+        name = case.id
+        job = _job(family, features, tiny_models[family], tmp / name)
+        engine_runs.add(f"smoke/{name}", job, allow_unsupported=bool(_documented_refusal(job)))
+        names[name] = f"smoke/{name}"
+    return names
+
+
 @pytest.mark.parametrize("family,features", CASES)
-def test_one_step_through_run(family, features, tiny_models, tmp_path):
-    out = tmp_path / "run"
-    job_file = tmp_path / "job.yaml"
-    job = _job(family, features, tiny_models[family], out)
-    job_file.write_text(yaml.safe_dump(job))
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-m", "ascendfactory", "run", str(job_file), *_documented_refusal(job)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    log = "".join(p.read_text() for p in (out / "logs").glob("*.log")) if (out / "logs").exists() else ""
-    assert res.returncode == 0, res.stdout + res.stderr + log
+def test_one_step_through_run(family, features, runs, engine_runs, tiny_models, tmp_path, request):
+    name = request.node.callspec.id
+    if name in runs:
+        out = engine_runs[runs[name]]
+    else:  # a slow case selected on its own
+        out = tmp_path / "run"
+        job = _job(family, features, tiny_models[family], out)
+        engine_runs.add(f"smoke-slow/{name}", job, allow_unsupported=bool(_documented_refusal(job)))
+        out = engine_runs[f"smoke-slow/{name}"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["loss"]) and steps[0]["grad_norm"] > 0

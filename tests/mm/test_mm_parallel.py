@@ -1,5 +1,5 @@
-"""backends.mm parallel layouts through `ascendfactory run` under torchrun (gloo, CPU processes): each matches
-one process on the pt example (every part trained: vision tower, merger, language model), losses within 1e-4
+"""backends.mm parallel layouts under torchrun (gloo, CPU processes; the jobs rendered as `ascendfactory run`
+renders them, trained in one launch per world size: tests/helpers/engine_runs.py): each matches one process on the pt example (every part trained: vision tower, merger, language model), losses within 1e-4
 over 5 steps and the exported weights within 1e-4. One one-process run is shared by the module. Layouts whose
 pipeline_num_layers the renderer does not write (vision layers on later stages) run MindSpeed-MM's files as a
 user would edit them: rendered, model.json's split changed, launch.sh run."""
@@ -63,10 +63,32 @@ def end_event(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    base = tmp_path_factory.mktemp("mm-one")
-    run_job(base, pt_job(base / "run"))
-    return base / "run"
+def runs(engine_runs, tmp_path_factory):
+    """The module's jobs, rendered as `ascendfactory run` renders them and trained in one launch per world size
+    (tests/helpers/engine_runs.py): name -> run dir, trained when first asked for. "one": the one-process run."""
+    base = tmp_path_factory.mktemp("mm-parallel")
+    jobs = {
+        "one": pt_job(base / "one"),
+        "full": pt_job(base / "full", parallel={"recompute": "full"}),
+        "dp2": pt_job(base / "dp2", devices=2),
+        "zero": pt_job(base / "zero", devices=2, parallel={"distributed_optimizer": True}),
+        "tp2": pt_job(base / "tp2", devices=2, parallel={"tp": 2}),
+        "pp2": pt_job(base / "pp2", devices=2, parallel={"pp": 2}),
+        "tpsp": pt_job(base / "tpsp", devices=4, parallel={"tp": 2, "sp": True, "distributed_optimizer": True}),
+    }
+    for name, spec in jobs.items():
+        engine_runs.add(f"mm-parallel/{name}", spec)
+
+    class Runs:
+        def __getitem__(self, name):
+            return engine_runs[f"mm-parallel/{name}"]
+
+    return Runs()
+
+
+@pytest.fixture(scope="module")
+def one(runs):
+    return runs["one"]
 
 
 def assert_matches(out: Path, ref: Path) -> None:
@@ -79,74 +101,68 @@ def assert_matches(out: Path, ref: Path) -> None:
         torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4, msg=key)
 
 
-def test_data_parallel_and_distributed_optimizer_match_one_process(one, tmp_path):
+def test_data_parallel_and_distributed_optimizer_match_one_process(one, runs):
     """dp2 (DDP) and dp2 with the distributed optimizer (Adam states sharded over dp) equal one process;
     the sharded optimizer holds half the Adam states per rank."""
-    run_job(tmp_path, pt_job(tmp_path / "dp2", devices=2), "dp2.yaml")
-    assert_matches(tmp_path / "dp2", one)
-    run_job(tmp_path, pt_job(tmp_path / "zero", devices=2, parallel={"distributed_optimizer": True}), "zero.yaml")
-    assert_matches(tmp_path / "zero", one)
-    full, sharded = end_event(tmp_path / "dp2")["model_state_mib"], end_event(tmp_path / "zero")["model_state_mib"]
+    assert_matches(runs["dp2"], one)
+    assert_matches(runs["zero"], one)
+    full, sharded = end_event(runs["dp2"])["model_state_mib"], end_event(runs["zero"])["model_state_mib"]
     # parameters p + Adam states 2p per rank (3p), against p + 2p/2 (2p) with the states sharded over dp2
     assert len(sharded) == 2 and max(sharded) < 0.75 * min(full), (sharded, full)
 
 
-def test_recompute_through_run_matches_one_process(one, tmp_path):
+def test_recompute_through_run_matches_one_process(one, runs):
     """parallel.recompute renders Megatron's --recompute-granularity flags, which recompute both the vision
     encoder and the text decoder (tests/mm/test_mm_recompute.py holds selective, the numbers and the memory per
     part)."""
     for mode in ("full",):
-        run_job(tmp_path, pt_job(tmp_path / mode, parallel={"recompute": mode}), f"{mode}.yaml")
-        assert_matches(tmp_path / mode, one)
-        log = "".join(p.read_text() for p in (tmp_path / mode / "logs").glob("*.log"))
+        assert_matches(runs[mode], one)
+        log = "".join(p.read_text() for p in (runs[mode] / "logs").glob("*.log"))
         assert f"recompute {mode} of the vision_encoder" in log and f"recompute {mode} of the text_decoder" in log
 
 
-def test_tensor_parallel_matches_one_process(one, tmp_path):
+def test_tensor_parallel_matches_one_process(one, runs):
     """tp2 on the text decoder (vocab-parallel embedding and loss, heads and FFN split) and inside the vision tower
     (heads, gated MLP) and the merger's MLP, then tp2 with sequence parallel on both (the window-ordered patches
     split over the tp ranks around the vision blocks' norms and residuals) × dp2 with the distributed optimizer
     on four processes (packed micro-batches of odd lengths get one padding document so the sequence splits)."""
-    run_job(tmp_path, pt_job(tmp_path / "tp2", devices=2, parallel={"tp": 2}), "tp2.yaml")
-    assert_matches(tmp_path / "tp2", one)
-    assert "tensor parallel: tp=2 over the text decoder, the vision tower's 2 blocks and the merger\n" in run_log(
-        tmp_path / "tp2")
-    run_job(tmp_path, pt_job(tmp_path / "tpsp", devices=4, parallel={"tp": 2, "sp": True,
-                                                                    "distributed_optimizer": True}), "tpsp.yaml")
-    assert "--sequence-parallel" in (tmp_path / "tpsp" / "mindspeed_mm_args.sh").read_text()
-    assert "the merger (sequence parallel on both)" in run_log(tmp_path / "tpsp")
-    assert_matches(tmp_path / "tpsp", one)
+    tp2, tpsp = runs["tp2"], runs["tpsp"]
+    assert_matches(tp2, one)
+    assert "tensor parallel: tp=2 over the text decoder, the vision tower's 2 blocks and the merger\n" in run_log(tp2)
+    assert "--sequence-parallel" in (tpsp / "mindspeed_mm_args.sh").read_text()
+    assert "the merger (sequence parallel on both)" in run_log(tpsp)
+    assert_matches(tpsp, one)
     # the text decoder's and the vision blocks' weights are split over tp (the patch embedding, the norms and the
     # row-parallel biases stay whole: 0.584 of the model's 2.65 MiB per rank, 1.5 MiB as rounded; a whole fused
     # qkv on every rank would hold 0.597, 1.6 MiB; the vision tower whole 0.63), the Adam states over dp
     ref = end_event(one)["model_state_mib"][0]
-    assert max(end_event(tmp_path / "tp2")["model_state_mib"]) < 0.58 * ref
+    assert max(end_event(tp2)["model_state_mib"]) < 0.58 * ref
     # the fused qkv (per-head rows) and its Adam states are saved as each tp rank's half of the rows
-    meta = FileSystemReader(str(tmp_path / "tp2" / "checkpoints" / "step_5")).read_metadata().state_dict_metadata
+    meta = FileSystemReader(str(tp2 / "checkpoints" / "step_5")).read_metadata().state_dict_metadata
     qkv = {k: v for k, v in meta.items() if ".attn.qkv." in k and not k.endswith(".step") and hasattr(v, "chunks")}
     assert len(qkv) == 2 * 2 * 3, sorted(qkv)  # 2 blocks × weight, bias × the parameter, exp_avg, exp_avg_sq
     for key, v in qkv.items():
         rows = v.size[0]
         assert sorted((c.offsets[0], c.sizes[0]) for c in v.chunks) == [(0, rows // 2), (rows // 2, rows // 2)], key
-    held = end_event(tmp_path / "tpsp")["model_state_mib"]
+    held = end_event(tpsp)["model_state_mib"]
     assert len(held) == 4 and max(held) < 0.6 * ref, (held, ref)
 
 
-def test_pipeline_parallel_matches_one_process(one, tmp_path):
+def test_pipeline_parallel_matches_one_process(one, runs, tmp_path):
     """pp2 over the parts as model.json's pipeline_num_layers splits them: as rendered (vision encoder [2, 0]: all
     on the first stage with the merger and text layer 0, text decoder [1, 1]), then vision [1, 1] and text [0, 2]
     (the vision tower spans both stages: the patches' hidden states cross them, the merger runs on the second)
     × dp2 with full recompute (per stage chunk) and the distributed optimizer on four processes (micro-batch 2:
     the schedule needs 2 micro-batches per step)."""
-    run_job(tmp_path, pt_job(tmp_path / "pp2", devices=2, parallel={"pp": 2}), "pp2.yaml")
-    model = json.loads((tmp_path / "pp2" / "model.json").read_text())
+    pp2 = runs["pp2"]
+    model = json.loads((pp2 / "model.json").read_text())
     assert model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] == [2, 0]
     assert model["text_decoder"]["pipeline_num_layers"] == [1, 1]
-    assert_matches(tmp_path / "pp2", one)
-    log = run_log(tmp_path / "pp2")
+    assert_matches(pp2, one)
+    log = run_log(pp2)
     assert "this rank runs vision layers [0, 1], the merger, text layers [0]\n" in log
     assert "this rank runs text layers [1]\n" in log
-    first, last = end_event(tmp_path / "pp2")["model_state_mib"]
+    first, last = end_event(pp2)["model_state_mib"]
     assert last < 0.6 * first < 0.6 * end_event(one)["model_state_mib"][0]  # each stage holds only its parts
     spec = pt_job(tmp_path / "ppdp", devices=4, micro_batch=2,
                   parallel={"pp": 2, "recompute": "full", "distributed_optimizer": True})
