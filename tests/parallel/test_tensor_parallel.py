@@ -68,7 +68,8 @@ def test_tensor_parallel_matches_single_process(tmp_path, run):
                     assert errors[key] <= TOL, (*where, key, errors[key])
                 checkpointed.add(case)
             assert errors["grad_norm_rel"] <= 1e-4, (*where, errors["grad_norm_rel"])
-            # AdamW normalises tiny gradient differences into small step differences
+            # three AdamW steps at lr 1e-2 (eps 1e-4, see _tp_worker.compare): <= 5e-6 apart on x86,
+            # 200x under the bound; a wrong gradient or shard moves weights by ~lr
             assert errors["adamw_params"] <= 1e-3, (*where, errors["adamw_params"])
             # really sharded: a rank holds ~1/tp of the model plus the replicated norms / latents
             assert errors["local_fraction"] < 1.0 / nproc + 0.1, (*where, errors["local_fraction"])
