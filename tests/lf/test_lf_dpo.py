@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.lf_runs import DATA, DATASETS, lf_file, losses, metrics, run_lf
+from tests.helpers.lf_runs import DATA, DATASETS, add_lf, lf_file, losses, metrics, run_lf
 from tests.helpers.tiny_hf import make_tiny_hf
 
 PAIRS = {"pairs": {"file_name": str(DATA / "arithmetic_pairs.json"), "ranking": True,
@@ -60,10 +60,33 @@ def hf_logps(path, model_dir):
     return cat(chosen), cat(rejected)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "orpo", "simpo"])
-def test_first_step_loss_from_transformers_logps(tmp_path, qwen2, loss_type):
-    path = dpo_file(tmp_path, qwen2, max_steps=1, pref_loss=loss_type)
-    run_lf(path)
+LOSS_TYPES = ["sigmoid", "ipo", "hinge", "orpo", "simpo"]
+FINETUNING = ["full", "lora"]
+
+
+@pytest.fixture(scope="module")
+def runs(engine_runs, qwen2, tmp_path_factory):
+    """The file's DPO runs, added at once so that they train in one launch per world size (tests/helpers/
+    engine_runs.py): name -> (its training file, a function giving its output dir)."""
+    tmp = tmp_path_factory.mktemp("lf-dpo")
+    files = {f"first-{t}": dpo_file(tmp / f"first-{t}", qwen2, max_steps=1, pref_loss=t) for t in LOSS_TYPES}
+    for finetuning in FINETUNING:
+        keys = {"finetuning_type": finetuning, "learning_rate": 5e-3 if finetuning == "full" else 2e-2,
+                "max_steps": 12}
+        files[f"rewards-{finetuning}"] = dpo_file(tmp / f"rewards-{finetuning}", qwen2, **keys)
+    files["one"] = dpo_file(tmp / "one", qwen2, max_steps=3, gradient_accumulation_steps=2)
+    ds = tmp / "ds3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    files["two"] = dpo_file(tmp / "two", qwen2, max_steps=3, gradient_accumulation_steps=1, deepspeed=str(ds))
+    for name, path in files.items():
+        add_lf(engine_runs, f"lf-dpo/{name}", path, nproc=2 if name == "two" else 1)
+    return {name: (path, lambda n=name: engine_runs[f"lf-dpo/{n}"]) for name, path in files.items()}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_first_step_loss_from_transformers_logps(runs, qwen2, loss_type):
+    path, out = runs[f"first-{loss_type}"]
+    out = out()
     (c_sum, c_n), (r_sum, r_n) = hf_logps(path, qwen2)
     if loss_type in ("sigmoid", "ipo", "hinge"):  # at step 1 the policy is its reference: h = 0
         expect = {"sigmoid": math.log(2), "ipo": (1 / (2 * BETA)) ** 2, "hinge": 1.0}[loss_type]
@@ -73,7 +96,7 @@ def test_first_step_loss_from_transformers_logps(tmp_path, qwen2, loss_type):
         c, r = c_sum / c_n, r_sum / r_n
         log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
         expect = float((-c + BETA * -F.logsigmoid(log_odds)).mean())
-    first = steps(tmp_path / "out")[0]
+    first = steps(out)[0]
     assert first["loss"] == pytest.approx(expect, abs=1e-5)
     averaged = loss_type in ("ipo", "orpo", "simpo")  # LLaMA-Factory logs the per-token average there
     c, r = (c_sum / c_n, r_sum / r_n) if averaged else (c_sum, r_sum)
@@ -81,11 +104,9 @@ def test_first_step_loss_from_transformers_logps(tmp_path, qwen2, loss_type):
     assert first["logps/rejected"] == pytest.approx(float(r.mean()), abs=1e-4)
 
 
-@pytest.mark.parametrize("finetuning", ["full", "lora"])
-def test_rewards_separate_as_dpo_trains(tmp_path, qwen2, finetuning):
-    keys = {"finetuning_type": finetuning, "learning_rate": 5e-3 if finetuning == "full" else 2e-2, "max_steps": 12}
-    run_lf(dpo_file(tmp_path, qwen2, **keys))
-    rows = steps(tmp_path / "out")
+@pytest.mark.parametrize("finetuning", FINETUNING)
+def test_rewards_separate_as_dpo_trains(runs, finetuning):
+    rows = steps(runs[f"rewards-{finetuning}"][1]())
     assert rows[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the reference is the starting model
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     late = rows[-4:]
@@ -94,15 +115,10 @@ def test_rewards_separate_as_dpo_trains(tmp_path, qwen2, finetuning):
     assert sum(r["loss"] for r in late) / 4 < math.log(2) - 0.01
 
 
-def test_zero3_dpo_with_a_sharded_reference_matches_one_process(tmp_path, qwen2):
-    one = dpo_file(tmp_path / "one", qwen2, max_steps=3, gradient_accumulation_steps=2)
-    run_lf(one)
-    ds = tmp_path / "ds3.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    two = dpo_file(tmp_path / "two", qwen2, max_steps=3, gradient_accumulation_steps=1, deepspeed=str(ds))
-    run_lf(two, nproc=2)
-    assert losses(tmp_path / "two" / "out") == pytest.approx(losses(tmp_path / "one" / "out"), abs=1e-5)
-    margins = [[r["rewards/margins"] for r in steps(tmp_path / d / "out")] for d in ("one", "two")]
+def test_zero3_dpo_with_a_sharded_reference_matches_one_process(runs):
+    one, two = runs["one"][1](), runs["two"][1]()
+    assert losses(two) == pytest.approx(losses(one), abs=1e-5)
+    margins = [[r["rewards/margins"] for r in steps(d)] for d in (one, two)]
     assert margins[1] == pytest.approx(margins[0], abs=1e-5)
 
 

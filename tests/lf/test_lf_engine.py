@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers.lf_runs import TINY, end_event, lf_file, losses, metrics, run_lf
+from tests.helpers.lf_runs import TINY, add_lf, end_event, lf_file, losses, metrics, run_lf
 
 
 def reference_loss(path, packed_alone: bool = False) -> float:
@@ -40,10 +40,39 @@ def reference_loss(path, packed_alone: bool = False) -> float:
     return total / count
 
 
-def test_first_step_loss_equals_transformers(tmp_path):
-    path = lf_file(tmp_path, max_steps=1)
-    run_lf(path)
-    assert losses(tmp_path / "out")[0] == pytest.approx(reference_loss(path), abs=1e-5)
+@pytest.fixture(scope="module")
+def runs(engine_runs, tmp_path_factory):
+    """The file's training runs but those that must fail, added at once so that they train in one launch
+    (tests/helpers/engine_runs.py): name -> (its training file, a function giving its output dir)."""
+    tmp = tmp_path_factory.mktemp("lf-engine")
+    files = {
+        "first": lf_file(tmp / "first", max_steps=1),
+        "neat": lf_file(tmp / "neat", max_steps=1, packing=True, neat_packing=True, cutoff_len=512),
+        "crossed": lf_file(tmp / "crossed", max_steps=1, packing=True, cutoff_len=512),
+        # 12 steps with warmup and cosine decay, LLaMA-Factory's defaults elsewhere; the loss curve drawn
+        "sft": lf_file(tmp / "sft", max_steps=12, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_ratio=0.2,
+                       plot_loss=True),
+        "lora": lf_file(tmp / "lora", finetuning_type="lora", lora_rank=4, lora_target="q_proj,v_proj",
+                        learning_rate=1e-2, max_steps=6),
+        "freeze": lf_file(tmp / "freeze", finetuning_type="freeze", freeze_trainable_layers=1, max_steps=2),
+        "straight": lf_file(tmp / "a", max_steps=4, save_steps=2, save_strategy="steps"),
+        "stopped": lf_file(tmp / "b", max_steps=4, save_steps=2, save_strategy="steps"),
+    }
+    side = tmp / "engine.yaml"  # the same run stopped after step 2 by the sidecar's exit interval, then again
+    side.write_text(yaml.safe_dump({"exit_interval": 2}))
+    for name, path in files.items():
+        env = {"AF_PLOT": "1"} if name == "sft" else {"AF_ENGINE_FILE": str(side)} if name == "stopped" else {}
+        add_lf(engine_runs, f"lf-engine/{name}", path, env=env)
+    add_lf(engine_runs, "lf-engine/resumed", files["stopped"], after="lf-engine/stopped")
+    out = {name: (path, lambda n=name: engine_runs[f"lf-engine/{n}"]) for name, path in files.items()}
+    out["resumed"] = (files["stopped"], lambda: engine_runs["lf-engine/resumed"])
+    out["log"] = engine_runs.log
+    return out
+
+
+def test_first_step_loss_equals_transformers(runs):
+    path, out = runs["first"]
+    assert losses(out())[0] == pytest.approx(reference_loss(path), abs=1e-5)
 
 
 def test_model_trains_in_train_mode_and_keeps_its_kernels(tmp_path):
@@ -69,27 +98,21 @@ def test_model_trains_in_train_mode_and_keeps_its_kernels(tmp_path):
     assert hf.model.norm.forward.__func__.__name__ == "_rmsnorm_forward"
 
 
-def test_neat_packing_keeps_packed_samples_apart(tmp_path):
+def test_neat_packing_keeps_packed_samples_apart(runs):
     """neat_packing: each packed sample's loss is the one it has alone (plain transformers, no packing);
     packing without it lets a row's samples see each other, which changes the loss."""
-    path = lf_file(tmp_path / "neat", max_steps=1, packing=True, neat_packing=True, cutoff_len=512)
-    rows = int(re.search(r"(\d+) packed rows", run_lf(path).stdout).group(1))
+    path, out = runs["neat"]
+    out = out()
+    rows = int(re.search(r"(\d+) packed rows", runs["log"]("lf-engine/neat")).group(1))
     assert rows < 32  # several of the 64 samples share each row
-    neat = losses(tmp_path / "neat" / "out")[0]
+    neat = losses(out)[0]
     assert neat == pytest.approx(reference_loss(path, packed_alone=True), abs=1e-5)
-    crossed = lf_file(tmp_path / "crossed", max_steps=1, packing=True, cutoff_len=512)
-    run_lf(crossed)
-    assert abs(losses(tmp_path / "crossed" / "out")[0] - neat) > 1e-4
+    assert abs(losses(runs["crossed"][1]())[0] - neat) > 1e-4
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory):
-    """Full SFT, 12 steps with warmup and cosine decay, LLaMA-Factory's defaults elsewhere."""
-    folder = tmp_path_factory.mktemp("sft")
-    path = lf_file(folder, max_steps=12, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_ratio=0.2,
-                   plot_loss=True)
-    run_lf(path, env={"AF_PLOT": "1"})
-    return folder / "out"
+def sft_run(runs):
+    return runs["sft"][1]()
 
 
 def test_sft_loss_falls_and_follows_hf_schedule(sft_run):
@@ -124,14 +147,11 @@ def test_sft_leaves_what_llamafactory_leaves(sft_run):
     assert end_event(sft_run)["step"] == 12
 
 
-def test_lora_adapter_loads_in_peft_and_base_is_untouched(tmp_path):
+def test_lora_adapter_loads_in_peft_and_base_is_untouched(runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    path = lf_file(tmp_path, finetuning_type="lora", lora_rank=4, lora_target="q_proj,v_proj", learning_rate=1e-2,
-                   max_steps=6)
-    run_lf(path)
-    out = tmp_path / "out"
+    out = runs["lora"][1]()
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8  # LLaMA-Factory's default alpha: 2 × rank
     assert not (out / "model.safetensors").exists()
@@ -145,28 +165,20 @@ def test_lora_adapter_loads_in_peft_and_base_is_untouched(tmp_path):
     assert start["trainable"] < start["parameters"] / 10
 
 
-def test_freeze_trains_only_the_last_layers(tmp_path):
+def test_freeze_trains_only_the_last_layers(runs):
     from safetensors.torch import load_file
 
-    path = lf_file(tmp_path, finetuning_type="freeze", freeze_trainable_layers=1, max_steps=2)
-    run_lf(path)
-    trained, base = load_file(tmp_path / "out" / "model.safetensors"), load_file(TINY / "model.safetensors")
+    trained, base = load_file(runs["freeze"][1]() / "model.safetensors"), load_file(TINY / "model.safetensors")
     last = max(int(k.split(".")[2]) for k in base if k.startswith("model.layers."))
     changed = {k for k in base if not torch.equal(trained[k], base[k])}
     assert changed and all(k.startswith(f"model.layers.{last}.") for k in changed), sorted(changed)
 
 
-def test_resume_continues_the_same_run(tmp_path):
-    straight = lf_file(tmp_path / "a", max_steps=4, save_steps=2, save_strategy="steps")
-    run_lf(straight)
-    # the same run stopped after step 2 by the sidecar's exit interval, then started again
-    stopped = lf_file(tmp_path / "b", max_steps=4, save_steps=2, save_strategy="steps")
-    side = tmp_path / "engine.yaml"
-    side.write_text(yaml.safe_dump({"exit_interval": 2}))
-    run_lf(stopped, env={"AF_ENGINE_FILE": str(side)})
-    assert len(losses(tmp_path / "b" / "out")) == 2
-    run_lf(stopped)
-    assert losses(tmp_path / "b" / "out") == losses(tmp_path / "a" / "out")
+def test_resume_continues_the_same_run(runs):
+    straight, stopped = runs["straight"][1](), runs["stopped"][1]()
+    assert len(losses(stopped)) == 2
+    runs["resumed"][1]()
+    assert losses(stopped) == losses(straight)
 
 
 @pytest.mark.parametrize("change,needle", [
