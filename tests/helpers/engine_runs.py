@@ -12,6 +12,7 @@ of once per job. A few tests per framework and launcher still go through `ascend
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,30 +25,30 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_engine_worker.py"
 
 
-def write_job(spec: dict, job_file: Path, allow_unsupported: bool = False) -> int:
-    """Write `spec` to job_file and plan it as `run` does (a bad job fails here, in the test that adds it);
-    returns its world size."""
+def plan_world(job_file: Path, overrides: list[str], allow_unsupported: bool = False) -> int:
+    """Plan the job file as `run` does (a bad job fails here, in the test that adds it): its world size.
+    Relative paths in a job start at the repository root, where `run` is started in these tests."""
     from ascendfactory.cli import _plan
     from ascendfactory.errors import JobError
 
-    job_file.parent.mkdir(parents=True, exist_ok=True)
-    job_file.write_text(yaml.safe_dump(spec, sort_keys=False))
     try:
-        layout = _plan(job_file, [], allow_unsupported).layout
+        with contextlib.chdir(ROOT):
+            layout = _plan(job_file, overrides, allow_unsupported).layout
     except JobError as err:
         raise AssertionError(err.render()) from None
     return layout.nnodes * layout.devices_per_node
 
 
-def render_case(job_file: Path, allow_unsupported: bool = False) -> dict:
-    """Render the job file into its output_dir as `ascendfactory run` would; returns the case the worker
-    runs: the engine module, its argv and its environment."""
+def render_case(job_file: Path, overrides: list[str], allow_unsupported: bool = False) -> dict:
+    """Render the job file (with `run`'s key=value overrides) into its output_dir as `ascendfactory run`
+    would; returns the case the worker runs: the engine module, its argv and its environment."""
     from ascendfactory.cli import _check_inputs, _render_to
     from ascendfactory.engines import require_ready
 
-    plan, rendered, _ = _render_to(job_file, [], None, allow_unsupported)
-    require_ready(plan.job)
-    _check_inputs(plan)
+    with contextlib.chdir(ROOT):
+        plan, rendered, _ = _render_to(job_file, overrides, None, allow_unsupported)
+        require_ready(plan.job)
+        _check_inputs(plan)
     argv = rendered.argv
     start = next(i for i in range(len(argv) - 1) if argv[i] == "-m" and argv[i + 1] == rendered.engine_module)
     return {"module": rendered.engine_module, "args": argv[start + 2:], "env": rendered.env,
@@ -89,11 +90,18 @@ class EngineRuns(dict):
         self.logs: dict[str, str] = {}
         self.launches = 0
 
-    def add(self, name: str, spec: dict, after: str | None = None, allow_unsupported: bool = False) -> None:
-        """A job file's run, as `ascendfactory run` would start it."""
-        job_file = self.tmp / "jobs" / f"{name}.yaml"
-        world = write_job(spec, job_file, allow_unsupported)
-        self._pend(name, world, after, lambda: render_case(job_file, allow_unsupported))
+    def add(self, name: str, spec: dict | Path, *overrides: str, after: str | None = None,
+            allow_unsupported: bool = False) -> None:
+        """A job's run, as `ascendfactory run <job file> <overrides>` would start it; spec: the job as a dict
+        (written to a job file here) or an existing job file."""
+        if isinstance(spec, dict):
+            job_file = self.tmp / "jobs" / f"{name}.yaml"
+            job_file.parent.mkdir(parents=True, exist_ok=True)
+            job_file.write_text(yaml.safe_dump(spec, sort_keys=False))
+        else:
+            job_file = Path(spec)
+        world = plan_world(job_file, list(overrides), allow_unsupported)
+        self._pend(name, world, after, lambda: render_case(job_file, list(overrides), allow_unsupported))
 
     def add_command(self, name: str, module: str, args: list[str], run_dir: Path, world: int = 1,
                     env: dict | None = None, after: str | None = None) -> None:

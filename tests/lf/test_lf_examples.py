@@ -1,5 +1,6 @@
-"""The bundled LLaMA-Factory examples run through `ascendfactory run` on the CPU: the rendered
-LLaMA-Factory files are what backends.lf trains from, SFT's first step equals plain transformers on
+"""The bundled LLaMA-Factory examples on the CPU (sft.yaml and the freeze job through `ascendfactory run`
+itself, the others rendered as `run` renders them and trained in one launch: tests/helpers/engine_runs.py):
+the rendered LLaMA-Factory files are what backends.lf trains from, SFT's first step equals plain transformers on
 the same tokens, the losses fall, and output_dir holds what LLaMA-Factory leaves."""
 
 import json
@@ -23,6 +24,21 @@ def run_example(name: str, out: Path) -> Path:
     return out
 
 
+EXAMPLES = ("lora", "pt", "dpo", "vl-sft", "vl-dpo")
+
+
+@pytest.fixture(scope="module")
+def examples(engine_runs, tmp_path_factory):
+    """The examples but sft.yaml (run through `ascendfactory run` itself by test_sft_example), rendered as
+    `ascendfactory run <example> output_dir=…` renders them and trained in one launch (tests/helpers/
+    engine_runs.py): name -> a function giving its output dir."""
+    tmp = tmp_path_factory.mktemp("lf-examples")
+    for name in EXAMPLES:
+        engine_runs.add(f"lf-examples/{name}", ROOT / "examples" / "llamafactory" / f"{name}.yaml",
+                        f"output_dir={tmp / name}")
+    return {name: (lambda n=name: engine_runs[f"lf-examples/{n}"]) for name in EXAMPLES}
+
+
 def test_sft_example(tmp_path):
     out = run_example("sft.yaml", tmp_path / "sft")
     run = losses(out)
@@ -31,8 +47,8 @@ def test_sft_example(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "trainer_log.jsonl").is_file()
 
 
-def test_lora_example_packs_neatly_and_writes_an_adapter(tmp_path):
-    out = run_example("lora.yaml", tmp_path / "lora")
+def test_lora_example_packs_neatly_and_writes_an_adapter(examples):
+    out = examples["lora"]()
     run = losses(out)
     assert sum(run[-5:]) / 5 < run[0] - 0.5
     assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "LORA"
@@ -40,8 +56,8 @@ def test_lora_example_packs_neatly_and_writes_an_adapter(tmp_path):
     assert "packed rows" in "".join(p.read_text() for p in (out / "logs").glob("*.log"))
 
 
-def test_pt_example(tmp_path):
-    out = run_example("pt.yaml", tmp_path / "pt")
+def test_pt_example(examples):
+    out = examples["pt"]()
     run = losses(out)
     assert len(run) == 20 and sum(run[-5:]) / 5 < run[0] - 0.5
 
@@ -67,10 +83,10 @@ def tiny_job(model: Path, **fields) -> dict:
             "resources": {"device": "cpu"}, "launcher": "local", **fields}
 
 
-def test_dpo_example_separates_chosen_from_rejected(tmp_path):
-    """The DPO example through `ascendfactory run`: dataset_info.json marks the pairs as ranking data,
+def test_dpo_example_separates_chosen_from_rejected(examples):
+    """The DPO example as `ascendfactory run` renders it: dataset_info.json marks the pairs as ranking data,
     and over the run the implicit rewards' accuracy and margin rise."""
-    out = run_example("dpo.yaml", tmp_path / "dpo")
+    out = examples["dpo"]()
     steps = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
              if "step" in r and "event" not in r]
     assert len(steps) == 20
@@ -89,10 +105,10 @@ def rewards(out: Path) -> tuple[list[float], list[float]]:
     return [r["rewards/accuracies"] for r in rows], [r["rewards/margins"] for r in rows]
 
 
-def test_vl_sft_example_learns_from_images(tmp_path):
-    """The tiny Qwen2.5-VL through `ascendfactory run`: images reach the engine through the rendered
+def test_vl_sft_example_learns_from_images(examples):
+    """The tiny Qwen2.5-VL example as `ascendfactory run` renders it: images reach the engine through the rendered
     dataset_info.json (images column) and media_dir, the vision tower trains, the loss falls."""
-    out = run_example("vl-sft.yaml", tmp_path / "vl-sft")
+    out = examples["vl-sft"]()
     run = losses(out)
     assert len(run) == 20 and run[-1] < 0.7 * run[0]
     info = json.loads((out / "dataset_info.json").read_text())["vl_sft"]
@@ -105,8 +121,8 @@ def test_vl_sft_example_learns_from_images(tmp_path):
     assert type(AutoModelForImageTextToText.from_pretrained(out)).__name__ == "Qwen2_5_VLForConditionalGeneration"
 
 
-def test_vl_dpo_example_separates_chosen_from_rejected(tmp_path):
-    out = run_example("vl-dpo.yaml", tmp_path / "vl-dpo")
+def test_vl_dpo_example_separates_chosen_from_rejected(examples):
+    out = examples["vl-dpo"]()
     acc, margin = rewards(out)
     assert len(acc) == 48
     assert sum(acc[-8:]) / 8 > sum(acc[:8]) / 8 + 0.2

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers.lf_runs import ROOT, losses, run_lf
+from tests.helpers.lf_runs import ROOT, add_lf, losses, run_lf
 
 sys.path.insert(0, str(ROOT / "examples"))
 import make_tiny_vl_model as tiny  # noqa: E402
@@ -261,29 +261,45 @@ def test_lora_all_targets_leave_the_vision_tower_out(models, tmp_path):
 # vl-sft / vl-dpo examples through `ascendfactory run` (rendered files included).
 
 
-def test_lora_saves_an_adapter_peft_loads(tmp_path):
+ZERO = [("qwen2_5_vl", 3), ("gemma3", 2), ("qwen2_vl", 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(engine_runs, models, tmp_path_factory):
+    """The LoRA run and the ZeRO runs (one process, and two under each stage), added at once so that they
+    train in one launch per world size (tests/helpers/engine_runs.py): name -> a function giving its
+    output dir."""
+    tmp = tmp_path_factory.mktemp("lf-vl")
+    add_lf(engine_runs, "lf-vl/lora", vl_file(tmp / "lora", finetuning_type="lora", lora_rank=4, max_steps=3))
+    names = ["lora"]
+    for kind, stage in ZERO:
+        ds = tmp / f"ds_z{stage}.json"
+        ds.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+        keys = dict(max_steps=3, per_device_train_batch_size=2, freeze_multi_modal_projector=False,
+                    model_name_or_path=str(models[kind]), template=TEMPLATE[kind])
+        add_lf(engine_runs, f"lf-vl/{kind}-one", vl_file(tmp / f"{kind}-one", gradient_accumulation_steps=2, **keys))
+        add_lf(engine_runs, f"lf-vl/{kind}-two", vl_file(tmp / f"{kind}-two", gradient_accumulation_steps=1,
+                                                         deepspeed=str(ds), **keys), nproc=2)
+        names += [f"{kind}-one", f"{kind}-two"]
+    return {name: (lambda n=name: engine_runs[f"lf-vl/{n}"]) for name in names}
+
+
+def test_lora_saves_an_adapter_peft_loads(runs):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    out = tmp_path / "out"
-    run_lf(vl_file(tmp_path, finetuning_type="lora", lora_rank=4, max_steps=3))
+    out = runs["lora"]()
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["target_modules"] and not any("visual" in t for t in config["target_modules"])
     model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(BUNDLED), out)
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
-@pytest.mark.parametrize("kind,stage", [("qwen2_5_vl", 3), ("gemma3", 2), ("qwen2_vl", 1)])
-def test_zero_two_processes_match_one(models, kind, stage, tmp_path):
+@pytest.mark.parametrize("kind,stage", ZERO)
+def test_zero_two_processes_match_one(runs, kind, stage):
     """Each VL family under a ZeRO stage (3 and 2: FSDP2 over the language layers, the vision tower and
     projector in the root unit; 1: the distributed optimizer) gives the one-process losses."""
-    ds = tmp_path / f"ds_z{stage}.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
-    keys = dict(max_steps=3, per_device_train_batch_size=2, freeze_multi_modal_projector=False,
-                model_name_or_path=str(models[kind]), template=TEMPLATE[kind])
-    run_lf(vl_file(tmp_path / "one", gradient_accumulation_steps=2, **keys))
-    run_lf(vl_file(tmp_path / "two", gradient_accumulation_steps=1, deepspeed=str(ds), **keys), nproc=2)
-    one, two = losses(tmp_path / "one" / "out"), losses(tmp_path / "two" / "out")
+    one, two = losses(runs[f"{kind}-one"]()), losses(runs[f"{kind}-two"]())
     assert len(one) == len(two) == 3
     assert two == pytest.approx(one, abs=1e-5)
 
