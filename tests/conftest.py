@@ -68,3 +68,36 @@ def one_process(engine_runs):
     from tests.helpers.engine_runs import OneProcess
 
     return OneProcess(engine_runs)
+
+
+# ---------------------------------------------------------------- the cost of each test stays visible
+
+SLOW_TEST_S = 60.0
+_seconds: dict[str, float] = {}
+_why: dict[str, str | None] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Remember, per test, why it may take long: its docstring, or the batch of engine runs it starts."""
+    for item in items:
+        doc = getattr(getattr(item, "function", None), "__doc__", None)
+        batched = "engine_runs" in getattr(item, "fixturenames", ())
+        _why[item.nodeid] = "starts a batch of engine runs (tests/helpers/engine_runs.py)" if batched else \
+            (" ".join(doc.split())[:100] if doc else None)
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every test over 60 s (setup, call and teardown together) with what it says about why; one that says
+    nothing is named as such (batch it, or say why in its docstring)."""
+    slow = sorted(((s, n) for n, s in _seconds.items() if s > SLOW_TEST_S), reverse=True)
+    if not slow:
+        return
+    terminalreporter.section(f"tests over {SLOW_TEST_S:.0f} s")
+    for seconds, nodeid in slow:
+        why = _why.get(nodeid)
+        terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}: " + (why or "NO REASON GIVEN: batch it or say why "
+                                                                            "in its docstring"))

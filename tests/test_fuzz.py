@@ -8,6 +8,7 @@ command-line overrides, alias bombs and deep nesting. `-m slow` runs 20,000 of t
 """
 
 import copy
+import itertools
 import json
 import os
 import random
@@ -135,9 +136,48 @@ def check_clean(case, outcome) -> None:
         assert "Traceback" not in render, render + where
 
 
+class _Sandboxes:
+    """run_cases in a small server process (python -m tests.test_fuzz: ascendfactory, no torch) that forks
+    each case's child. Forking the test process itself costs more than the case once the suite has grown
+    it to gigabytes (the fuzz tests took 84 s inside the whole suite, 31 s alone); the child, its limits
+    and its outcome are the same. One JSON line per request ([cases, parallel]) and per outcome."""
+
+    proc: subprocess.Popen | None = None
+
+    def run(self, cases, parallel: int = 1):
+        if self.proc is None or self.proc.poll() is not None:
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.test_fuzz"], cwd=ROOT, env=env, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        cases = iter(cases)
+        while chunk := [(text, list(overrides)) for text, overrides in itertools.islice(cases, 200)]:
+            self.proc.stdin.write(json.dumps([chunk, parallel]) + "\n")
+            self.proc.stdin.flush()
+            for _ in chunk:
+                line = self.proc.stdout.readline()
+                assert line, "the sandbox server died"
+                index, outcome = json.loads(line)
+                yield chunk[index], outcome
+
+
+def serve() -> None:
+    """The sandbox server's loop (see _Sandboxes): each request's cases through run_cases, outcomes as they
+    come, with the index of their case."""
+    for line in sys.stdin:
+        cases, parallel = json.loads(line)
+        cases = [tuple(case) for case in cases]
+        order = {id(case): i for i, case in enumerate(cases)}
+        for case, outcome in run_cases(cases, parallel):
+            sys.stdout.write(json.dumps([order[id(case)], outcome]) + "\n")
+            sys.stdout.flush()
+
+
+SANDBOXES = _Sandboxes()
+
+
 def validate(text: str, overrides: list[str] | None = None) -> dict:
     case = (text, overrides or [])
-    (_, outcome), = run_cases([case], parallel=1)
+    (_, outcome), = SANDBOXES.run([case])
     check_clean(case, outcome)
     return outcome
 
@@ -275,7 +315,7 @@ def test_every_architecture_override_fails_cleanly():
     cases = [((ROOT / example).read_text(), [f"model_overrides.{key}={value}"])
              for example in ("examples/mindspeed-llm/sft.yaml", "examples/mindspeed-llm/long-seq-moe.yaml")
              for key in ARCH_KEYS for value in ("0", "-1", "2.5", "9223372036854775808", "x", "[1]")]
-    for case, outcome in run_cases(cases):
+    for case, outcome in SANDBOXES.run(cases, parallel=2):
         check_clean(case, outcome)
 
 
@@ -305,7 +345,7 @@ def test_path_the_file_system_cannot_hold_is_one_error_naming_the_field(field, v
 def test_twenty_thousand_mutations_fail_cleanly():
     cases = ((*mutate(EXAMPLES[i % len(EXAMPLES)], i), ) for i in range(20_000))
     bad = []
-    for case, outcome in run_cases(cases, parallel=max(2, os.cpu_count() or 2)):
+    for case, outcome in SANDBOXES.run(cases, parallel=max(2, os.cpu_count() or 2)):
         try:
             check_clean(case, outcome)
         except AssertionError as err:
@@ -446,3 +486,7 @@ def test_deep_nesting_is_refused(depth):
     assert outcome["where"] == ["(yaml)"] and "nested more than 64 levels" in outcome["render"], outcome
     outcome = validate(base + "backend_overrides: {x: " + "[" * 60 + "]" * 60 + "}\n")  # 62 levels: read
     assert "(yaml)" not in outcome.get("where", []), outcome
+
+
+if __name__ == "__main__":
+    serve()
