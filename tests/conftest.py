@@ -73,21 +73,39 @@ def one_process(engine_runs):
 # ---------------------------------------------------------------- the cost of each test stays visible
 
 SLOW_TEST_S = 60.0
+# The files that take longest (seconds in the whole run, most first; --durations shows them), started first:
+# pytest-xdist hands whole files to its two workers in collection order, so the long ones must not come last
+# and leave one worker alone at the end. Within a file the order is unchanged.
+LONGEST_FIRST = (
+    "tests/rl/test_rl_vllm.py", "tests/llm/test_engine_parallel.py", "tests/llm/test_engine_faults.py",
+    "tests/test_slurm.py", "tests/llm/test_engine_expert_parallel.py", "tests/lf/test_lf_engine.py",
+    "tests/llm/test_engine_compose.py", "tests/mm/test_mm_parallel.py",
+    "tests/llm/test_engine_distributed_optimizer.py", "tests/llm/test_engine_runs.py", "tests/llm/test_loading.py", "tests/llm/test_engine_pipeline.py",
+    "tests/parallel/test_tensor_parallel.py", "tests/llm/test_smoke.py", "tests/rl/test_rl_tensor_parallel.py",
+    "tests/rl/test_rl_vl.py",
+)
 _seconds: dict[str, float] = {}
-_why: dict[str, str | None] = {}
+_why: dict[str, str] = {}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Remember, per test, why it may take long: its docstring, or the batch of engine runs it starts."""
+    """The longest files first (stable otherwise); and, per test, why it may take long (its docstring, or
+    the batch of engine runs it starts), carried in its reports to the summary below."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     for item in items:
         doc = getattr(getattr(item, "function", None), "__doc__", None)
         batched = "engine_runs" in getattr(item, "fixturenames", ())
-        _why[item.nodeid] = "starts a batch of engine runs (tests/helpers/engine_runs.py)" if batched else \
-            (" ".join(doc.split())[:100] if doc else None)
+        why = "starts a batch of engine runs (tests/helpers/engine_runs.py)" if batched else \
+            (" ".join(doc.split())[:100] if doc else "")
+        item.user_properties.append(("why_slow", why))
 
 
 def pytest_runtest_logreport(report):
     _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+    why = dict(report.user_properties).get("why_slow")
+    if why is not None:
+        _why[report.nodeid] = why
 
 
 def pytest_terminal_summary(terminalreporter):

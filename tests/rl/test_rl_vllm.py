@@ -235,6 +235,9 @@ def _steps(folder: Path) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_rl_with_vllm_rollout_keeps_vllm_on_the_actors_weights(runs, name):
+    """Its first case starts the module's five runs (1.5-2.5 min): nine processes that each import vLLM (~10
+    CPU-s) and build a vLLM engine. They are not one batched launch: a third vLLM engine built in the same
+    process after two others hung at the start of the MindSpeed-RL run."""
     rc, log, folder = runs[name]
     assert rc == 0, log[-6000:]
     steps = _steps(folder)
