@@ -152,6 +152,13 @@ def test_quickstart_submits_from_a_shell_without_the_venv_and_trains(slurm, tmp_
     assert state["JobState"] == "COMPLETED" and state["NumCPUs"] == "2"  # one CPU per process
 
 
+def _ctrl_c_reaches_it() -> None:
+    """In the child before exec: SIGINT back to its default, so Python turns it into KeyboardInterrupt (the
+    CLI's Ctrl-C). A shell without job control starts background commands with SIGINT ignored, and an
+    ignored signal stays ignored across exec: under such a parent the Ctrl-C tests saw the job run to its end."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_two_jobs_at_once_on_one_node_both_finish(slurm, tmp_path, reference):
     """Both jobs run on n1 at the same time; with one rendezvous port for every job the second would
     join the first's rendezvous and die when the first ends."""
@@ -166,7 +173,7 @@ def test_two_jobs_at_once_on_one_node_both_finish(slurm, tmp_path, reference):
     # b is followed; Ctrl-C and "no" leave it running
     follow = subprocess.Popen([sys.executable, "-m", "ascendfactory", "run", str(jobs[1])], cwd=ROOT,
                               env={**os.environ, **slurm.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True, preexec_fn=_ctrl_c_reaches_it)
     try:
         deadline = time.monotonic() + 120
         while not losses(outs[1]):
@@ -209,7 +216,7 @@ def test_ctrl_c_scancel_then_resume_continues_with_the_same_losses(slurm, tmp_pa
     job = write_job(tmp_path / "job.yaml", tiny_job(out, launcher="slurm", resume="auto", train={"steps": steps}))
     proc = subprocess.Popen([sys.executable, "-m", "ascendfactory", "run", str(job)], cwd=ROOT,
                             env={**os.environ, **slurm.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_ctrl_c_reaches_it)
     try:
         deadline = time.monotonic() + 120
         while len(losses(out)) < 3:
