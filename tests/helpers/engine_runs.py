@@ -173,4 +173,3 @@ class OneProcess:
 
     def __call__(self, spec: dict) -> Path:
         return self.runs[self.name(spec)]
-
