@@ -1,10 +1,11 @@
 """Pipeline-parallel RL actors (the MindSpeed-RL dialect's Megatron backend): the example job
 examples/mindspeed-rl/grpo.yaml, rendered, with actor_config.pipeline_model_parallel_size 2 on 2 processes,
 and pp 2 x tp 2 and pp 2 x dp 2 on 4, equals the 1-process run over 3 steps: losses, rewards, grad norms,
-KL / clip / entropy metrics and the trained weights within 1e-5. Rollout runs on the whole model gathered
-over the stages (the same samples on every pp rank); the old / reference / current log-probs run through
-the stages (hidden states sent stage to stage, the last stage's log-probs broadcast over pp), the update
-backpropagates through them and clips with the norm over every stage (backends/rl/pipeline_parallel.py)."""
+KL / clip / entropy metrics and the trained weights within 1e-5, each layout trained on the one-process run's
+samples (_rl_pp_worker.py says why). Rollout runs on the whole model gathered over the stages (the same
+samples on every pp rank: test_the_rollout_samples_as_one_process); the old / reference / current log-probs
+run through the stages (hidden states sent stage to stage, the last stage's log-probs broadcast over pp), the
+update backpropagates through them and clips with the norm over every stage (backends/rl/pipeline_parallel.py)."""
 
 import json
 from pathlib import Path
@@ -80,23 +81,69 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rl_pp")
     job = rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job")
     tied = rendered("examples/mindspeed-rl/grpo.yaml", tmp / "job_tied")
-    launches = {world: [{"name": n, "file": str(_job(tied if n.endswith("_tied") else job, n, tp, pp, world))}
-                        for n, tp, pp in cases] for world, cases in LAUNCHES.items()}
+    def case(name, tp, pp, world):
+        replay = {} if world == 1 else {"replay": str(tmp / "np1" / _base(name))}
+        return {"name": name, "file": str(_job(tied if name.endswith("_tied") else job, name, tp, pp, world)),
+                **replay}
+    launches = {world: [case(n, tp, pp, world) for n, tp, pp in cases] for world, cases in LAUNCHES.items()}
     launches[2] += _resume_cases(tmp)
-    return Launches("_rl_pp_worker.py", tmp, launches)
+    return _BaseFirst("_rl_pp_worker.py", tmp, launches)
+
+
+def _base(name: str) -> str:
+    return "pp1_tied" if name.endswith("_tied") else "pp1"
+
+
+class _BaseFirst(Launches):
+    """The one-process launch runs before any other: the layouts replay its samples."""
+
+    def __missing__(self, name: str) -> Path:
+        if name not in ("pp1", "pp1_tied"):
+            self["pp1"]
+        return super().__missing__(name)
+
+
+def _drawn(folder: Path, case: str, rank: int) -> list[dict]:
+    """Each generation call's responses as the case's sampler drew them on that rank."""
+    return [json.loads(line) for line in (folder / f"{case}.rollout{rank}.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2tp2", "pp2dp2", "pp2_tied"])
 def test_pipeline_parallel_matches_one_process(runs, name):
     """(pp2_tied: the tied output weight trained by the first and the last stage, its gradient summed over
     both, counted once in the norm.)"""
-    base = "pp1_tied" if name.endswith("_tied") else "pp1"
+    base = _base(name)
     assert_same_training((runs[base], base), (runs[name], name), KEYS)
     # the run does something: the policy moves, the KL term is live, the samples differ, the clipping bites
     one = steps(runs[base], base)
     assert all(r["grad_norm"] > 0 for r in one) and any(abs(r["actor/kl_loss"]) > 0 for r in one[1:])
     if base == "pp1":
         assert len({r["reward_mean"] for r in one}) > 1 and any(r["grad_norm"] > 0.5 for r in one)
+
+
+@pytest.mark.parametrize("name,world,tp,dp", [("pp2", 2, 1, 1), ("pp2tp2", 4, 2, 1), ("pp2dp2", 4, 1, 2)])
+def test_the_rollout_samples_as_one_process(runs, name, world, tp, dp):
+    """The layout's own sampler (before the replay): every pp rank draws its dp rank's contiguous share of the
+    prompts with each sample's stream (seed, step, prompt id), the same on every pp / tp rank of a dp rank, and
+    together they cover the one-process run's prompts and samples, every step. At pp 2 (tp 1, dp 1) the rollout
+    runs the gathered whole model on the whole batch, as one process does: its first step's responses are the
+    one-process ones exactly (same weights, same shapes, same streams). Where tp splits the matmuls or dp
+    halves the batch, logits differ at float noise and a draw may land on the other side of a cumulative
+    probability on some CPUs, so there only the prompts and the sample counts are compared."""
+    one = _drawn(runs["pp1"], "pp1", 0)
+    assert len(one) == 3 and all(len(call) == 8 and all(len(v) == 8 for v in call.values()) for call in one)
+    ranks = [_drawn(runs[name], name, rank) for rank in range(world)]
+    for step, whole in enumerate(one):
+        together = {}
+        for d in range(dp):  # the recipe's rank order: pp outermost, then dp, then tp
+            calls = [ranks[r][step] for r in range(world) if (r // tp) % dp == d]
+            assert all(c == calls[0] for c in calls), (name, step, d)  # every pp / tp rank drew the same
+            assert len(calls[0]) == 8 // dp and not set(calls[0]) & set(together)
+            together.update(calls[0])
+        assert set(together) == set(whole)
+        assert all(len(together[k]) == 8 for k in whole)
+    if name == "pp2":
+        assert ranks[0][0] == one[0]
 
 
 @pytest.mark.parametrize("name,world", [("pp2", 2), ("pp2tp2", 4), ("pp2dp2", 4)])
