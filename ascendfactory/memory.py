@@ -83,7 +83,7 @@ def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_mem
 
     from ascendfactory.frameworks import adapter
 
-    from ascendfactory.layout import MAX_LAYERS
+    from backends.contract.layout import MAX_LAYERS
 
     # the parameter count walks every layer: a layer count the layout rules would refuse stops here too
     if not isinstance(arch.get("num_layers"), int) or not 1 <= arch["num_layers"] <= MAX_LAYERS:

@@ -11,8 +11,8 @@ from typing import Any
 from ascendfactory import catalog
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
-from ascendfactory.layout import Layout, rl_batches
-from ascendfactory.layout import solve as solve_layout
+from backends.contract.layout import Layout, rl_batches
+from backends.contract.layout import solve as solve_layout
 from ascendfactory.matrix import CapabilityReport, require_supported
 from ascendfactory.spec import RL_STAGES, ROLE_INHERITS, TRAINED_ROLES, JobSpec
 
@@ -134,7 +134,7 @@ def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, li
 
 
 def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, list[Problem], list[str]]:
-    """The layout rules of ascendfactory.layout on the job's numbers, plus the job-level rules around them."""
+    """The layout rules of backends.contract.layout on the job's numbers, plus the job-level rules around them."""
     p, r, t, d = job.parallel, job.resources, job.train, job.data
     moe = arch.get("moe")
     layout, broken = solve_layout(
@@ -226,7 +226,7 @@ def _role_layouts(job: JobSpec, arch: dict[str, Any]) -> tuple[dict[str, Layout]
 
 
 def _rl_batch_problems(job: JobSpec, role: str, dp: int, seen: set[tuple[str, str]]) -> list[Problem]:
-    """The RL batch arithmetic (ascendfactory.layout.rl_batches, the engine's own rule) on a trained
+    """The RL batch arithmetic (backends.contract.layout.rl_batches, the engine's own rule) on a trained
     role's data-parallel size; what the actor's already broke is not said again for the critic."""
     rl, t = job.rl, job.train
     world = job.resources.nnodes * job.resources.devices_per_node

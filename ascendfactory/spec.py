@@ -13,7 +13,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from ascendfactory import layout as L
+from backends.contract import layout as L
 from ascendfactory.errors import JobError, Problem, did_you_mean
 from ascendfactory.frameworks import FRAMEWORKS
 from ascendfactory.frameworks.rl import RL_STAGES, TRAINED_ROLES
@@ -26,7 +26,7 @@ ROLES = ("actor", "reference", "critic", "rollout", "reward")
 # ---------------------------------------------------------------- bounded integers
 # Every integer of a job has an upper bound, checked while the file is read: the planner builds
 # lists as long as pp and loops over layers, so a stray 2**63 must stop here. The layout bounds
-# come from ascendfactory.layout (one source of truth); the others sit far above any real run.
+# come from backends.contract.layout (one source of truth); the others sit far above any real run.
 MAX_STEPS = 10 ** 9
 MAX_SAMPLES = 10 ** 12
 MAX_LORA_RANK = 1 << 14
@@ -168,7 +168,7 @@ class DataSpec(_Block):
 
 
 class LayoutSpec(_Block):
-    """How one model is split over the devices (ascendfactory.layout checks it)."""
+    """How one model is split over the devices (backends.contract.layout checks it)."""
     tp: ParallelSize = Field(1, description="tensor parallel size")
     pp: ParallelSize = Field(1, description="pipeline parallel size")
     vpp: bounded(1, L.MAX_PARALLEL, "model chunks per pipeline rank: a divisor of each stage's layers") = Field(

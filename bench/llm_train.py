@@ -81,7 +81,7 @@ def _our_stepper(path: Path):
 
     from backends.common.optim import build_optimizer
     from backends.common.trainer import Part, optimize
-    from backends.llm.models import from_pretrained
+    from backends.models.decoder import from_pretrained
     from backends.llm.recipe import CausalLMWithLoss, causal_lm_loss
 
     model = CausalLMWithLoss(from_pretrained(path)).train()

@@ -131,7 +131,7 @@ def our_stepper(path: Path, every_row: bool = False):
     from backends import kernels
     from backends.common.optim import build_optimizer
     from backends.common.trainer import Loss, Part, optimize
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
     from backends.mm.recipe import VLWithLoss
 
     kernels.configure(default="auto")

@@ -77,7 +77,7 @@ def generator_case(path: Path, new_tokens: int, reps: int, device: str, with_vll
     import torch
     from transformers import AutoModelForCausalLM
 
-    from backends.llm.models import from_pretrained
+    from backends.models.decoder import from_pretrained
     from backends.rl.rollout import generate
 
     ours = from_pretrained(path, device=device)

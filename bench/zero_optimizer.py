@@ -4,7 +4,7 @@ state, against one process's torch.optim.AdamW measured in the same run.
 
     python bench/zero_optimizer.py [--bucket-elems N] [--write]
 
-A ~6.6M-parameter Qwen3-shaped model (backends.llm.models) on the CPU; dp=2 and dp=4 under torchrun
+A ~6.6M-parameter Qwen3-shaped model (backends.models.decoder) on the CPU; dp=2 and dp=4 under torchrun
 (gloo), the baseline in this process. Transient figures come from the profiler's CPU-allocator events
 during clip_grad_norm_ + step (gloo's internal copies included): the largest single allocation and the
 bytes allocated in all. --write replaces the "## Distributed optimizer memory" section of
@@ -30,7 +30,7 @@ HEADING = "## Distributed optimizer memory (bench/zero_optimizer.py)"
 def model():
     import torch
 
-    from backends.llm.models import ModelConfig, build_model
+    from backends.models.decoder import ModelConfig, build_model
 
     torch.manual_seed(0)
     return build_model(ModelConfig(family="qwen3", num_layers=4, hidden_size=256, ffn_hidden_size=768,

@@ -433,8 +433,8 @@ def test_every_number_at_its_bound_at_once_is_still_quick():
 
 
 def test_layout_rules_called_directly_cannot_run_away():
-    """Engines call ascendfactory.layout with their own numbers: bounds hold there too."""
-    from ascendfactory import layout
+    """Engines call backends.contract.layout with their own numbers: bounds hold there too."""
+    from backends.contract import layout
 
     t0 = time.time()
     solved, problems = layout.solve(world=8, heads=32, kv_heads=8, layers=36, pp=2 ** 63, vpp=2 ** 63)

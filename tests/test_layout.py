@@ -141,9 +141,9 @@ def test_every_refusal_reported_at_once(plan_of):
     assert len(info.value.problems) >= 3
 
 
-# ---------------------------------------------------------------------- ascendfactory.layout itself
+# ---------------------------------------------------------------------- backends.contract.layout itself
 
-from ascendfactory import layout as lay  # noqa: E402
+from backends.contract import layout as lay  # noqa: E402
 
 QWEN3_8B = {"heads": 32, "kv_heads": 8, "layers": 36}
 

@@ -1,4 +1,4 @@
-"""The RL batch arithmetic at plan time: ascendfactory.layout.rl_batches (one pure rule), the planner
+"""The RL batch arithmetic at plan time: backends.contract.layout.rl_batches (one pure rule), the planner
 refusing each broken combination by field with its numbers, the examples still planning, and the
 planner agreeing with backends.rl (its config parsing and its start-up checks) on rendered files."""
 
@@ -12,7 +12,7 @@ import yaml
 from ascendfactory import plan as planner
 from ascendfactory.errors import JobError
 from ascendfactory.frameworks import verl as verl_adapter
-from ascendfactory.layout import rl_batches
+from backends.contract.layout import rl_batches
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render, write_files
 from ascendfactory.spec import load_job, parse_job
@@ -210,7 +210,7 @@ def _disagreements(grid, tmp_path, monkeypatch) -> list:
 
 def test_planner_and_engine_refuse_the_same_verl_jobs(tmp_path, monkeypatch):
     """Over a grid of batch sizes, responses and ranks, backends.rl refuses a rendered VeRL file exactly
-    where the planner refuses the job, naming the same numbers (one rule, ascendfactory.layout.rl_batches,
+    where the planner refuses the job, naming the same numbers (one rule, backends.contract.layout.rl_batches,
     with VeRL's own rules on both sides)."""
     monkeypatch.chdir(ROOT)
     assert _disagreements(VERL_GRID, tmp_path, monkeypatch) == []

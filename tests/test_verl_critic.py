@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from ascendfactory.errors import JobError
-from ascendfactory.layout import rl_batches
+from backends.contract.layout import rl_batches
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
 from ascendfactory.spec import load_job, parse_job

@@ -108,7 +108,7 @@ class Adapter:
     # ------------------------------------------------------------------ planning
 
     def plan_problems(self, job, arch: dict[str, Any]) -> list[Problem]:
-        """Rules the framework adds on top of ascendfactory.layout."""
+        """Rules the framework adds on top of backends.contract.layout."""
         return []
 
     # ------------------------------------------------------------------ rendering

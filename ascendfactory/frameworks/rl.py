@@ -37,7 +37,7 @@ class RLAdapter(Adapter):
         return stage in (row["methods"] if isinstance(row.get("methods"), list) else [])
 
     def rl_batch_rules(self, job, world: int, role: str = "actor") -> dict[str, Any]:
-        """This framework's own batch rules for ascendfactory.layout.rl_batches (who, micro_share, world,
+        """This framework's own batch rules for backends.contract.layout.rl_batches (who, micro_share, world,
         rollout_dp, ref_dp, ref_micro) on a trained role's update (actor or critic); none beyond the
         engine's by default."""
         return {}

@@ -11,8 +11,8 @@ import logging
 
 import torch
 
-from ascendfactory.layout import LayoutError
-from ascendfactory.layout import check as check_layout
+from backends.contract.layout import LayoutError
+from backends.contract.layout import check as check_layout
 from backends.common.parallel import data_parallel
 from backends.common.parallel.data_parallel import Parallel
 from backends.common.parallel.mesh import build_mesh

@@ -1,5 +1,5 @@
 """The native decoders' parallel setup (torchtitan's per-model parallelize): the layout checked, the
-mesh built, then context parallel, tensor parallel (backends/llm/tp_plan.py), expert parallel,
+mesh built, then context parallel, tensor parallel (backends/models/decoder/tp_plan.py), expert parallel,
 the pipeline cut and recompute applied from outside the model, each by backends.common.parallel on
 the blocks the model's ModelParts declares. `shard_batch` gives a CP rank its part of a micro-batch.
 """
@@ -11,8 +11,8 @@ from functools import partial
 
 import torch
 
-from ascendfactory.layout import LayoutError
-from ascendfactory.layout import check as check_layout
+from backends.contract.layout import LayoutError
+from backends.contract.layout import check as check_layout
 from backends.common.parallel import data_parallel, expert_parallel
 from backends.common.parallel.data_parallel import Parallel
 from backends.common.parallel.mesh import build_mesh
@@ -25,7 +25,7 @@ log = logging.getLogger("backends.llm")
 def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
     c, p = decoder.config, cfg.parallel
     experts = c.moe.num_experts if c.moe is not None else 0
-    try:  # the planner's rules (ascendfactory.layout), for an engine started by hand with any flags
+    try:  # the planner's rules (backends.contract.layout), for an engine started by hand with any flags
         layout = check_layout(
             world=rt.world, heads=c.num_attention_heads, layers=c.num_layers, experts=experts,
             kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads, tp=p.tp, pp=p.pp,
@@ -63,7 +63,7 @@ def _parallelize(decoder, cfg: LLMConfig, par: Parallel, rt) -> None:
     if layout.cp > 1:
         _apply_context_parallel(decoder, par, cfg)
     if layout.tp > 1:
-        from backends.llm.tp_plan import apply_tensor_parallel
+        from backends.models.decoder.tp_plan import apply_tensor_parallel
 
         apply_tensor_parallel(decoder, mesh["tp"], sequence_parallel=cfg.parallel.sp, experts_elsewhere=layout.ep > 1)
         if layout.ep > 1:  # each tp rank's MoE layers see a sequence shard: the aux loss spans cp × tp

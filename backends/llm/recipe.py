@@ -27,7 +27,7 @@ class CausalLMWithLoss(torch.nn.Module):
     head) is unsharded for exactly this forward, so the chunked loss can read the head weight."""
 
     def __init__(self, decoder: torch.nn.Module):
-        from backends.llm.models.moe import MoE
+        from backends.models.decoder.moe import MoE
 
         super().__init__()
         self.decoder = decoder
@@ -106,9 +106,10 @@ _ARCH_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "nu
 
 def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
     """The decoder on the meta device (no memory yet): the parallel plans are applied to it, then
-    backends.llm.loading.materialize gives each rank its own slices (read from engine.yaml's load_hf,
+    backends.models.decoder.loading.materialize gives each rank its own slices (read from engine.yaml's load_hf,
     or the layout-invariant seeded init)."""
-    from backends.llm import loading, models
+    from backends.models import decoder as models
+    from backends.models.decoder import loading
 
     from backends.llm.config import MODEL_TYPE_HF, check_model_facts
 
@@ -215,7 +216,7 @@ class LLMRecipe(Recipe):
         par = self.par = parallelize.setup(cfg, decoder, rt)
         self.rt, self.decoder = rt, decoder
         self.dataset, self.loader = _build_data(cfg, rt, par)
-        self.accum = par.layout.grad_accum  # ascendfactory.layout checked the batch rule in setup
+        self.accum = par.layout.grad_accum  # backends.contract.layout checked the batch rule in setup
         if self.accum < 1:
             raise ConfigError(f"--global-batch-size {t.global_batch} must be at least micro-batch {t.micro_batch} "
                               f"× data-parallel size {par.layout.dp}")
@@ -242,7 +243,7 @@ class LLMRecipe(Recipe):
     def _load(self, model: CausalLMWithLoss, par, rt) -> torch.nn.Module:
         """The data-parallel wrap and the weights: FSDP2 shards the meta model first, so each rank
         allocates and reads only its shard; DDP (which broadcasts at construction) wraps a loaded one."""
-        from backends.llm import loading
+        from backends.models.decoder import loading
 
         cfg, parts = self.cfg, self.decoder.parts()
         if par.fsdp:
@@ -284,7 +285,7 @@ class LLMRecipe(Recipe):
             self._export_hf()
 
     def _export_hf(self) -> None:
-        from backends.llm import loading
+        from backends.models.decoder import loading
 
         cfg = self.cfg
         # every rank takes part: one parameter gathered at a time, rank 0 writes the shards as they fill

@@ -329,7 +329,7 @@ def _get(tree: Mapping, dotted: str, default=None):
 
 
 def model_facts(vl) -> dict[str, Any]:
-    """The fact names of the key tables on a backends.mm.models VLConfig."""
+    """The fact names of the key tables on a backends.models.qwen2_5_vl VLConfig."""
     t, v = vl.text, vl.vision
     out = {f"text.{k}": getattr(t, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                                                   "max_position_embeddings", "vocab_size", "rope_theta",
@@ -490,8 +490,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
     load_hf = side.get("load_hf")
     if ns.load and (Path(ns.load) / "config.json").is_file():  # MindSpeed-MM's --load of a converted model
         load_hf, ns.load = load_hf or ns.load, None
-    from backends.mm.models import VLConfig
-    from backends.mm.models.config import ConfigError as ModelConfigError
+    from backends.models.qwen2_5_vl import VLConfig
+    from backends.models.qwen2_5_vl.config import ConfigError as ModelConfigError
 
     try:
         if load_hf:

@@ -39,7 +39,7 @@ def apply_recompute(vl, parts, chunks: dict | None = None) -> dict[str, int]:
 
 
 def _text_block_plan(layer, mesh, sp: bool) -> dict:
-    """A TextLayer's styles (Megatron's layout, as backends/llm/tp_plan.py gives the native decoders): q/k/v
+    """A TextLayer's styles (Megatron's layout, as backends/models/decoder/tp_plan.py gives the native decoders): q/k/v
     column parallel by heads, o_proj row parallel; gate/up column, down row; the norms replicated (on sequence
     shards with SP, so their gradients are summed over tp)."""
     from backends.common.parallel.tensor_parallel import RegionEntry, colwise, replicated, rowwise

@@ -1,5 +1,5 @@
 """The MindSpeed-MM-style recipe on the shared trainer: Qwen2.5-VL pre-training / fine-tuning of the native
-model (backends.mm.models) on MindSpeed-MM's mllm data, with per-part freezing (model.json `freeze`) and
+model (backends.models.qwen2_5_vl) on MindSpeed-MM's mllm data, with per-part freezing (model.json `freeze`) and
 recompute (backends/mm/parallelize.py), data parallel (DDP, or the distributed optimizer) through
 backends.common.parallel; the loop, resume, metrics, plot and HF export are backends.common.trainer's.
 """
@@ -92,7 +92,7 @@ def refuse_unbuilt(cfg: MMConfig) -> None:
 
 
 def build_model(cfg: MMConfig):
-    from backends.mm import models
+    from backends.models import qwen2_5_vl as models
 
     if cfg.load_hf:
         return models.from_pretrained(cfg.load_hf)
@@ -108,8 +108,8 @@ class MMRecipe(Recipe):
     def build(self, rt) -> Settings:
         from transformers import AutoImageProcessor, AutoTokenizer
 
-        from ascendfactory.layout import LayoutError
-        from ascendfactory.layout import check as check_layout
+        from backends.contract.layout import LayoutError
+        from backends.contract.layout import check as check_layout
         from backends.common.optim import build_scheduler
         from backends.common.parallel.mesh import build_mesh
         from backends.mm.data import Loader, MLLMDataset
@@ -219,7 +219,7 @@ class MMRecipe(Recipe):
     def export(self, trainer) -> None:
         if not self.cfg.export_hf:
             return
-        from backends.mm.models import hf_state_dict, save_pretrained
+        from backends.models.qwen2_5_vl import hf_state_dict, save_pretrained
 
         tensors = hf_state_dict(self.vl)
         if getattr(self.vl, "tp_info", None) is not None:  # collective: every rank gathers, rank 0 writes

@@ -108,7 +108,7 @@ class RLConfig:
     export_hf: str | None = None               # write the trained actor here as a Hugging Face directory
     kernel_backend: str | None = None
     kernel_overrides: dict = field(default_factory=dict)
-    # the batch rules (ascendfactory.layout.rl_batches, the planner's own): the dialect's key for each
+    # the batch rules (backends.contract.layout.rl_batches, the planner's own): the dialect's key for each
     # number, and its framework's start-up rules (who, micro_share, world, rollout_dp, ref_dp, ref_micro)
     batch_fields: dict = field(default_factory=dict)
     batch_rules: dict = field(default_factory=dict)
@@ -134,11 +134,11 @@ BATCH_NUMBERS = ("train_batch_size", "mini_batch_size", "micro_batch_size", "ppo
 
 
 def batch_problems(cfg: RLConfig | Mapping, dp: int, framework: bool = True) -> list:
-    """The batch arithmetic of one step on `dp` data-parallel ranks: ascendfactory.layout.rl_batches,
+    """The batch arithmetic of one step on `dp` data-parallel ranks: backends.contract.layout.rl_batches,
     the very rule the planner applies, with the dialect's key names and (framework) its framework's own
     start-up rules, so a file the planner refuses is refused here by the same words. `cfg`: an RLConfig
     or a dialect parser's values (algorithm, the BATCH_NUMBERS, batch_fields, batch_rules)."""
-    from ascendfactory.layout import rl_batches
+    from backends.contract.layout import rl_batches
 
     v = cfg if isinstance(cfg, Mapping) else vars(cfg)
     return rl_batches(algorithm=v.get("algorithm", "grpo"), prompts=v["train_batch_size"],
@@ -503,7 +503,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
                                                                     "a positive integer")
     values["expected_world"] = world
     values.update(_verl_fsdp(given, get, want, problems, world, ppo=algorithm == "ppo"))
-    # VeRL's batch rules, as the planner applies them (ascendfactory.layout.rl_batches): FSDP data parallel
+    # VeRL's batch rules, as the planner applies them (backends.contract.layout.rl_batches): FSDP data parallel
     # over every rank (Ulysses sequence parallel is 1 here, so dp is the world)
     values["batch_fields"] = VERL_BATCH_FIELDS
     values["batch_rules"] = {"who": "VeRL", "micro_share": "mini_batch", "world": world if pos(world) else None}

@@ -804,7 +804,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
                              ("save", lambda v: v is None or isinstance(v, str), "a directory")):
         want(actor.get(key), actor.name(key), check, what)
 
-    # ---- the batch rules: ascendfactory.layout.rl_batches, the planner's own (MindSpeed-RL's validate_rl_args)
+    # ---- the batch rules: backends.contract.layout.rl_batches, the planner's own (MindSpeed-RL's validate_rl_args)
     values.update(_batch_rules(tree, actor, model_files, source, rl, gen, integrated, world, problems))
     dp_size = _dp_size(actor, world)
     if dp_size and all(pos(values[k]) for k in BATCH_NUMBERS):
@@ -918,7 +918,7 @@ def _arch_expectations(m) -> list[tuple[str, Any, bool]]:
 
 def _check_architecture(actor: _Role, model_dir: Path, problems: list[str]) -> None:
     from backends.common.checkpoint.hf_io import read_config
-    from backends.llm.models.config import ConfigError, ModelConfig
+    from backends.models.decoder.config import ConfigError, ModelConfig
 
     actor.read.update(ARCH_KEYS)  # implemented: checked against the checkpoint (when there is one)
     if not (model_dir / "config.json").is_file():

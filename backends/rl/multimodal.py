@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backends.mm.models import Qwen2_5_VL, VLConfig, load_hf_state_dict, save_pretrained
-from backends.mm.models import positions as P
+from backends.models.qwen2_5_vl import Qwen2_5_VL, VLConfig, load_hf_state_dict, save_pretrained
+from backends.models.qwen2_5_vl import positions as P
 
 from .config import RLConfig, RLConfigError
 

@@ -75,7 +75,7 @@ class Rollouts:
 
 def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """The LLM engine's Megatron TP plan (no SP: rollout decodes one token per row)."""
-    from backends.llm.tp_plan import apply_tensor_parallel
+    from backends.models.decoder.tp_plan import apply_tensor_parallel
 
     apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
 
@@ -140,13 +140,13 @@ class RLRecipe(Recipe):
     # ------------------------------------------------------------------ build
 
     def build(self, rt: Runtime) -> Settings:
-        from backends.llm.models import from_pretrained
+        from backends.models.decoder import from_pretrained
 
         c = self.cfg
         self.rt = rt
         rollout.check_engine(c.rollout_engine)
         self._layout(rt)
-        broken = batch_problems(c, self.dp)  # the planner's rule (ascendfactory.layout.rl_batches)
+        broken = batch_problems(c, self.dp)  # the planner's rule (backends.contract.layout.rl_batches)
         if broken:
             raise ValueError("; ".join(f"{b.field}: {b.message} ({b.hint})" for b in broken))
         if c.expected_world is not None and c.expected_world != rt.world:
@@ -268,7 +268,7 @@ class RLRecipe(Recipe):
             raise ValueError("tensor / context / pipeline parallel RL actors (the MindSpeed-RL dialect's Megatron "
                              "backend) train GRPO / DAPO without FSDP; PPO's critic and FSDP are data parallel only")
         if c.pp > 1:  # (pp, dp, tp): the stages of a dp rank hold its samples (pipeline_parallel.py)
-            from backends.llm.models.config import ModelConfig
+            from backends.models.decoder.config import ModelConfig
             from backends.common.checkpoint.hf_io import read_config
 
             if c.cp > 1:
@@ -284,7 +284,7 @@ class RLRecipe(Recipe):
             self.grad_group = self.dp_group
             return
         if c.cp > 1:  # (dp, cp, tp): the cp x tp ranks of a dp rank hold its samples (context_parallel.py)
-            from backends.llm.models.config import ModelConfig
+            from backends.models.decoder.config import ModelConfig
             from backends.common.checkpoint.hf_io import read_config
 
             heads = ModelConfig.from_hf(read_config(c.model_path)).num_attention_heads
@@ -329,7 +329,7 @@ class RLRecipe(Recipe):
         """The trained actor as a Hugging Face directory (cfg.export_hf), written by rank 0."""
         if not self.cfg.export_hf:
             return
-        from backends.llm import loading
+        from backends.models.decoder import loading
 
         if self.vision is not None:
             return multimodal.export(self.parts["actor"].model, self.cfg.export_hf, self.cfg.model_path, self.rt.rank)

@@ -3,7 +3,7 @@
     generate(model, prompts, *, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, n=1,
              eos_token_id=None, seed=0, stop=None, decode=None, prompt_ids=None) -> list[list[int]]
 
-`model` is a native decoder (backends.llm.models.from_pretrained) or anything with the same
+`model` is a native decoder (backends.models.decoder.from_pretrained) or anything with the same
 `forward(input_ids, position_ids, cu_seqlens, return_hidden=True)`, `output_weight()` and `parts()`.
 Prompts of different lengths are batched: one packed prefill of each distinct prompt (no padding
 computed; its cache row then copied to its n samples, so a prompt is read once, not n times), then

@@ -31,7 +31,7 @@ from backends.common.parallel.parts import ModelParts
 
 def data_parallel_layout(rt, model) -> data_parallel.Parallel:
     """Every rank in one data-parallel group (tp = pp = cp = 1): the mesh the units shard over."""
-    from ascendfactory.layout import check
+    from backends.contract.layout import check
     from backends.common.parallel.mesh import build_mesh
 
     c = getattr(model.config, "text", model.config)  # a VL model: its text decoder's shape

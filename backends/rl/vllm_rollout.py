@@ -78,9 +78,9 @@ def hf_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     Collective under tensor parallel (every tp rank iterates to the end); an FSDP model must be
     gathered by the caller (sharding.gathered)."""
     from backends.common.parallel.tensor_parallel import full_tensors
-    from backends.llm.loading import hf_name
-    from backends.llm.models.convert import to_hf
-    from backends.mm.models import Qwen2_5_VL, to_hf_layout
+    from backends.models.decoder.loading import hf_name
+    from backends.models.decoder.convert import to_hf
+    from backends.models.qwen2_5_vl import Qwen2_5_VL, to_hf_layout
 
     vl = isinstance(model, Qwen2_5_VL)
     for name, p in model.named_parameters():

@@ -68,7 +68,7 @@ def tensor_parallel(base, ids, labels, ref_loss, ref_grads) -> dict:
 def fully_sharded(base, ids, labels, ref_loss, ref_grads) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ascendfactory.layout import check
+    from backends.contract.layout import check
     from backends.common.parallel import data_parallel
     from backends.common.parallel.recompute import apply_recompute
     from backends.common.parallel.tensor_parallel import tp_loss

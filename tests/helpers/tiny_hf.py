@@ -65,7 +65,7 @@ def make_tiny_hf(family: str, out_dir: str | Path, seed: int = 0, with_tokenizer
 def to_chatglm(tensors: dict, config: dict) -> tuple[dict, dict]:
     """A transformers glm checkpoint (tensors, config.json) rewritten in the original ChatGLM layout
     of THUDM/glm-4-9b-chat (model_type chatglm, ChatGLMModel): written out independently of
-    backends.llm.models.convert, so reading it back tests that mapping."""
+    backends.models.decoder.convert, so reading it back tests that mapping."""
     import torch
 
     c = dict(config)

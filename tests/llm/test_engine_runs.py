@@ -65,7 +65,7 @@ def test_quickstart_trains_exports_and_plots(tmp_path):
     # the export is a HF model transformers loads, giving the logits our engine computes
     from transformers import AutoModelForCausalLM
 
-    from backends.llm.models import from_pretrained
+    from backends.models.decoder import from_pretrained
 
     ids = torch.tensor([[3, 17, 42, 99, 7, 5]])
     theirs = AutoModelForCausalLM.from_pretrained(out / "hf").eval()(ids).logits

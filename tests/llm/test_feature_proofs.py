@@ -46,7 +46,7 @@ def _per_token_loss(logits, labels):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "mixtral", "deepseek_v3"])
 def test_a_changed_document_leaves_the_others_in_its_row_unchanged(tiny_model, family):
-    from backends.llm.models import from_pretrained
+    from backends.models.decoder import from_pretrained
     from backends.llm.recipe import CausalLMWithLoss
 
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def test_dynamic_batches_are_as_wide_as_their_longest_sample(tiny_model, tmp_pat
 
 
 def test_lora_training_changes_only_the_adapters(tiny_model, tmp_path):
-    from backends.llm.models import from_pretrained
+    from backends.models.decoder import from_pretrained
 
     model_dir = tiny_model("qwen3")
     recipe = _recipe(_job(model_dir, tmp_path, finetuning="lora", lora={"rank": 4, "alpha": 8}), tmp_path)

@@ -1,4 +1,4 @@
-"""Per-rank loading (backends.llm.loading) on several CPU processes: each local shard equals the
+"""Per-rank loading (backends.models.decoder.loading) on several CPU processes: each local shard equals the
 same region of the one-process model, each rank reads exactly its share of the checkpoint's bytes,
 and the shard-by-shard HF export reproduces the checkpoint (tests/llm/test_loading_worker.py)."""
 

@@ -1,5 +1,5 @@
 """torchrun worker of tests/llm/test_loading.py (no tests here): builds tiny decoders on the meta
-device, applies a parallel layout on meta, materialises them with backends.llm.loading and
+device, applies a parallel layout on meta, materialises them with backends.models.decoder.loading and
 reports, per case, how every local shard compares with the same region of the one-process model,
 how many bytes each rank read against its share, and whether the shard-by-shard HF export equals
 the source checkpoint.
@@ -30,8 +30,8 @@ def layout_of(name: str, world: int) -> dict:
 def build(case: dict, lay: dict, mesh, seed: int):
     """-> (decoder, reader, par) with the layout applied on meta, then materialised."""
     from backends.common.checkpoint.hf_io import read_config
-    from backends.llm import loading
-    from backends.llm.models import ModelConfig, card_config
+    from backends.models.decoder import loading
+    from backends.models.decoder import ModelConfig, card_config
 
     if case["model_dir"]:
         cfg = ModelConfig.from_hf(read_config(case["model_dir"]))
@@ -47,7 +47,7 @@ def build(case: dict, lay: dict, mesh, seed: int):
     if mesh is not None:
         par.dp_rank = mesh["dp"].get_local_rank()
     if lay["tp"] > 1:
-        from backends.llm.tp_plan import apply_tensor_parallel
+        from backends.models.decoder.tp_plan import apply_tensor_parallel
 
         apply_tensor_parallel(decoder, mesh["tp"])
     if lay["ep"] > 1:
@@ -76,7 +76,8 @@ def build(case: dict, lay: dict, mesh, seed: int):
 
 def one_process(case: dict, seed: int):
     """The whole model on this rank alone: the old whole-checkpoint load, or the seeded init unsharded."""
-    from backends.llm import loading, models
+    from backends.models import decoder as models
+    from backends.models.decoder import loading
 
     if case["model_dir"] and not case["lora"]:
         return models.from_pretrained(case["model_dir"])
@@ -99,8 +100,8 @@ def check(case: dict, lay: dict, mesh, tmp: str) -> dict:
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor
 
-    from backends.llm import loading
-    from backends.llm.models.convert import hf_state_dict
+    from backends.models.decoder import loading
+    from backends.models.decoder.convert import hf_state_dict
 
     seed = 11
     decoder, reader, par = build(case, lay, mesh, seed)

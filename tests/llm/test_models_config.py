@@ -14,8 +14,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 import backends.kernels as K  # noqa: E402
 from backends.kernels.rotary import rotary_attention_factor  # noqa: E402
-from backends.llm import models  # noqa: E402
-from backends.llm.models.config import ConfigError, ModelConfig  # noqa: E402
+from backends.models import decoder as models  # noqa: E402
+from backends.models.decoder.config import ConfigError, ModelConfig  # noqa: E402
 
 CARDS = yaml.safe_load((Path(__file__).resolve().parents[2] / "capability_matrix" / "models.yaml")
                        .read_text(encoding="utf-8"))["models"]

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from backends.common.checkpoint import hf_io  # noqa: E402
 from backends.common.checkpoint.hf_io import read_safetensors, write_hf_dir  # noqa: E402
-from backends.llm import models  # noqa: E402
+from backends.models import decoder as models  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("_models_parity", Path(__file__).with_name("test_models_parity.py"))
 parity = importlib.util.module_from_spec(_spec)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from backends.llm import models  # noqa: E402
+from backends.models import decoder as models  # noqa: E402
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=None, bos_token_id=None,
@@ -237,7 +237,7 @@ def test_hf_parameter_names_for_lora():
 
 def test_mla_padded_value_path_equals_narrow_one():
     """Off the CPU, MLA pads v to the q/k head dim for the fused kernels; the result is the same."""
-    from backends.llm.models.mla import attend_mla
+    from backends.models.decoder.mla import attend_mla
 
     g = torch.Generator().manual_seed(9)
     q, k = torch.randn(1, 10, 4, 24, generator=g), torch.randn(1, 10, 4, 24, generator=g)

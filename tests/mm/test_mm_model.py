@@ -1,4 +1,4 @@
-"""backends.mm.models: the native Qwen2.5-VL against transformers' Qwen2_5_VLForConditionalGeneration
+"""backends.models.qwen2_5_vl: the native Qwen2.5-VL against transformers' Qwen2_5_VLForConditionalGeneration
 (fp32 logits within 1e-4): images of several sizes (several windows, partial windows, full-attention
 blocks), several images per sample, text-only samples, padding, packed documents; the export round trip."""
 
@@ -31,7 +31,7 @@ def pair(tmp_path_factory):
     """(transformers model, its directory, our model loaded from it)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
 
     torch.manual_seed(0)
     hf = Qwen2_5_VLForConditionalGeneration(hf_config()).float().eval()
@@ -137,7 +137,7 @@ def test_vision_tower_matches_transformers_multi_frame(pair):
 
 def test_window_attention_is_used(pair):
     """With window_size large enough for every image, the outputs change: the windows matter."""
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
     import json
 
     hf, path, ours = pair
@@ -156,7 +156,7 @@ def test_window_attention_is_used(pair):
 def test_export_round_trip(pair, tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from backends.mm.models import from_pretrained, save_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained, save_pretrained
 
     hf, _, ours = pair
     out = save_pretrained(ours, tmp_path / "export")
@@ -199,7 +199,7 @@ def test_bundled_tiny_model_matches(tmp_path):
 
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
 
     path = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen2.5-vl"
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).float().eval()

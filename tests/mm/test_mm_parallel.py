@@ -227,7 +227,7 @@ def test_pipeline_split_must_put_the_vision_tower_first(vision, text, frozen, me
 
 def test_tensor_parallel_refuses_vision_heads_that_do_not_split():
     from backends.mm.config import ConfigError
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
     from backends.mm.parallelize import check_tensor_parallel
 
     vl = from_pretrained(TINY)  # vision: 2 heads, FFN 64; text: 4 heads, 2 kv groups
@@ -240,7 +240,7 @@ def test_tensor_parallel_refuses_vision_heads_that_do_not_split():
 def test_vision_padding_for_sequence_parallel_leaves_the_features_unchanged():
     """Under SP the window-ordered patches are padded to a multiple of tp with one more document of zero rows:
     the image features (and their gradients) equal the unpadded tower's."""
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
 
     class Whole:  # a one-rank stand-in for VisionSequence: pads to a multiple of `size`, splits nothing
         def __init__(self, size):

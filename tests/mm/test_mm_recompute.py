@@ -37,7 +37,7 @@ def parts(vision=("none", None, None), text=("none", None, None)) -> dict[str, P
 def run(batch, setting: dict[str, Part]):
     """-> (loss, grads, bytes autograd saved for backward, checkpoints made) of one forward + backward."""
     from backends.mm import parallelize
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
     from backends.mm.recipe import VLWithLoss
 
     vl = from_pretrained(TINY)

@@ -54,7 +54,7 @@ def test_sft_loss_falls_and_freezing_holds(sft_run):
 def test_export_loads_in_transformers(sft_run):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from backends.mm.models import from_pretrained
+    from backends.models.qwen2_5_vl import from_pretrained
 
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(sft_run / "hf").float().eval()
     ours = from_pretrained(sft_run / "hf").eval()

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from backends import kernels  # noqa: E402
-from backends.llm.models import MLAConfig, ModelConfig, MoEConfig, build_model  # noqa: E402
+from backends.models.decoder import MLAConfig, ModelConfig, MoEConfig, build_model  # noqa: E402
 from backends.common.parallel.expert_parallel import (  # noqa: E402
     apply_expert_parallel,
     expert_parameter_names,

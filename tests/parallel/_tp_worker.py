@@ -32,11 +32,11 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor  # noqa: E402
 
 from backends import kernels  # noqa: E402
-from backends.llm.models import MLAConfig, ModelConfig, MoEConfig, build_model  # noqa: E402
+from backends.models.decoder import MLAConfig, ModelConfig, MoEConfig, build_model  # noqa: E402
 from backends.kernels import vocab_parallel_cross_entropy  # noqa: E402
 from backends.common.parallel.recompute import apply_recompute  # noqa: E402
 from backends.common.parallel.tensor_parallel import full_tensors, tp_loss  # noqa: E402
-from backends.llm.tp_plan import apply_tensor_parallel  # noqa: E402
+from backends.models.decoder.tp_plan import apply_tensor_parallel  # noqa: E402
 
 AUX = 0.01
 BASE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2, head_dim=16,

@@ -44,7 +44,7 @@ from backends import kernels  # noqa: E402
 from backends.common.checkpoint.resume import load_checkpoint, save_checkpoint  # noqa: E402
 from backends.common.optim import build_scheduler, param_groups  # noqa: E402
 from backends.common.zero import ShardedAdamW, build_sharded_optimizer  # noqa: E402
-from backends.llm.models import ModelConfig, build_model  # noqa: E402
+from backends.models.decoder import ModelConfig, build_model  # noqa: E402
 
 TOL = 1e-6
 BUCKET = {2: 3000, 4: 5000}  # elements: the model (~110k) needs many buckets; another size at dp=4

@@ -38,7 +38,7 @@ def test_expert_parallel_matches_single_process(tmp_path, nproc):
 
 
 def test_apply_expert_parallel_needs_a_process_group():
-    from backends.llm.models import ModelConfig, MoEConfig, build_model
+    from backends.models.decoder import ModelConfig, MoEConfig, build_model
     from backends.common.parallel.expert_parallel import apply_expert_parallel
 
     if torch.distributed.is_initialized():  # pragma: no cover - pytest runs single-process

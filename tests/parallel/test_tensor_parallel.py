@@ -1,4 +1,4 @@
-"""Tensor + sequence parallelism (backends.common.parallel.tensor_parallel, the native plan in backends.llm.tp_plan) against the single-process model.
+"""Tensor + sequence parallelism (backends.common.parallel.tensor_parallel, the native plan in backends.models.decoder.tp_plan) against the single-process model.
 
 The multi-process checks run tests/parallel/_tp_worker.py under torchrun (gloo, CPU, tp=2 and tp=4)
 on tiny qwen3 (GQA kv=2; kv=1 < tp replicated; packed + full recompute), qwen2 (qkv bias), glm / glm4
@@ -77,8 +77,8 @@ def test_tensor_parallel_matches_single_process(tmp_path, run):
 
 
 def test_check_tensor_parallel_lists_every_problem():
-    from backends.llm.models import ModelConfig, MoEConfig
-    from backends.llm.tp_plan import TPConfigError, check_tensor_parallel
+    from backends.models.decoder import ModelConfig, MoEConfig
+    from backends.models.decoder.tp_plan import TPConfigError, check_tensor_parallel
 
     cfg = ModelConfig(family="qwen3_moe", num_layers=2, hidden_size=32, ffn_hidden_size=30, num_attention_heads=6,
                       num_kv_heads=3, head_dim=8, vocab_size=64, qk_norm=True,
@@ -95,7 +95,7 @@ def test_check_tensor_parallel_lists_every_problem():
 
 def test_tp_loss_without_tensor_parallel_is_the_fused_loss():
     from backends import kernels
-    from backends.llm.models import ModelConfig, build_model
+    from backends.models.decoder import ModelConfig, build_model
     from backends.common.parallel.tensor_parallel import tp_loss
 
     cfg = ModelConfig(family="llama", num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,

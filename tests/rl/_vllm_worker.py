@@ -35,7 +35,7 @@ def main(model_dir: str, out: str) -> None:
     import transformers
 
     from backends import kernels
-    from backends.llm.models import from_pretrained
+    from backends.models.decoder import from_pretrained
     from backends.rl.rollout import generate
     from backends.rl.vllm_rollout import VllmRollout
 

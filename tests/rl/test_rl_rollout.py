@@ -32,7 +32,7 @@ def pair(request, tmp_path_factory):
     """(native model, transformers model) of the bundled tiny Qwen3 and a tiny Qwen2 (q/k/v biases)."""
     import transformers
 
-    from backends.llm.models import from_pretrained
+    from backends.models.decoder import from_pretrained
 
     if request.param == "qwen3":
         path = TINY_QWEN3

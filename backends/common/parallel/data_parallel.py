@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ascendfactory.layout import Layout
+from backends.contract.layout import Layout
 from backends.common.parallel import expert_parallel
 from backends.common.parallel.parts import ModelParts
 

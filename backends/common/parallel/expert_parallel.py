@@ -2,7 +2,7 @@
 
 `apply_expert_parallel(model, ep_group)` gives every MoE block of a model a token dispatcher
 (`AllToAllDispatcher`) and keeps only this rank's E/ep routed experts in it, under the same
-parameter names. The block contract (backends.llm.models.moe.MoE is one): a module with `experts`
+parameter names. The block contract (backends.models.decoder.moe.MoE is one): a module with `experts`
 (stacked `gate_up_proj` [E,H,2I] / `down_proj` [E,I,H], called `experts(x, tokens_per_expert,
 weights=None)`), a `token_dispatcher` attribute it calls as `dispatcher(experts, permuted rows,
 tokens_per_expert)` in place of `experts(...)` when set, and `aux_group` / `aux_token_mask`

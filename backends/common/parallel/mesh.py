@@ -1,12 +1,12 @@
 """The device mesh of a layout: pp × dp × cp × tp (tp innermost, so a TP group shares a node).
 
-The layout comes from ascendfactory.layout, the rules the planner uses, so an engine started by
+The layout comes from backends.contract.layout, the rules the planner uses, so an engine started by
 hand with any flags refuses exactly what `validate` refuses.
 """
 
 from __future__ import annotations
 
-from ascendfactory.layout import Layout
+from backends.contract.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 

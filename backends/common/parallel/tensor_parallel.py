@@ -10,7 +10,7 @@ every parameter for a DTensor on the tp mesh and hangs forward hooks on the modu
 `state_dict()`, `full_tensor()`, DCP and the optimizers see ordinary DTensor parameters. What to
 shard is the model's business: its ModelParts (backends.common.parallel.parts) says where the
 embedding, final norm, head and blocks are, and its `block_plan(block)` maps module names inside a
-block to the styles below (backends/llm/tp_plan.py for the native decoders).
+block to the styles below (backends/models/decoder/tp_plan.py for the native decoders).
 
 Computation inside the modules is local: a forward pre-hook puts each parameter's local shard
 on the module (as an instance attribute that shadows the DTensor parameter; removed again by the

@@ -39,7 +39,7 @@ log = logging.getLogger("backends.llm")
 
 def meta_decoder(model_cfg) -> nn.Module:
     """The CausalLM of a ModelConfig with every parameter on the meta device."""
-    from backends.llm.models import CausalLM
+    from backends.models.decoder import CausalLM
 
     with torch.device("meta"):
         return CausalLM(model_cfg)
@@ -93,7 +93,7 @@ class Loader:
     """The Source of each of a decoder's parameters and persistent buffers (decoder-relative names)."""
 
     def __init__(self, decoder: nn.Module, reader: SliceReader | None, seed: int):
-        from backends.llm.models.convert import Leaves
+        from backends.models.decoder.convert import Leaves
 
         self.decoder, self.reader, self.seed = decoder, reader, seed
         self.cfg = decoder.config
@@ -103,7 +103,7 @@ class Loader:
     def check_checkpoint(self) -> None:
         """Every tensor of the full model is in the checkpoint with its shape, and the checkpoint holds
         nothing the model has no place for (headers only: nothing is read)."""
-        from backends.llm.models.convert import Leaves, check_all_used, hf_source
+        from backends.models.decoder.convert import Leaves, check_all_used, hf_source
 
         full = meta_decoder(self.cfg)
         leaves = Leaves(self.reader, self.cfg)
@@ -120,7 +120,7 @@ class Loader:
             src: Source = Generated(shape, lambda w, n=name, p=part: init_lora_weight(
                 p, w, seeded_generator(self.seed, n)))
         elif self.reader is not None:
-            from backends.llm.models.convert import hf_source
+            from backends.models.decoder.convert import hf_source
 
             src = hf_source(hf_name(name), shape, self.cfg.family, self.leaves)
         else:
@@ -131,14 +131,14 @@ class Loader:
         return src
 
     def _random(self, name: str, shape: tuple[int, ...]) -> Source:
-        from backends.llm.models import init_rule
+        from backends.models.decoder import init_rule
 
         owner_name, _, leaf = name.rpartition(".")
         owner = self.decoder.get_submodule(owner_name) if owner_name else self.decoder
         fill = init_rule(owner, leaf, self.cfg.initializer_range)
         if fill is None:
             raise ValueError(f"no init rule for {name} ({type(owner).__name__}.{leaf}); "
-                             "backends.llm.models.init_rule must say how it starts")
+                             "backends.models.decoder.init_rule must say how it starts")
         seed_name = hf_name(name)  # the same draw with or without a LoRA adapter around it
         return Generated(shape, lambda w: fill(w, seeded_generator(self.seed, seed_name)))
 
@@ -244,7 +244,7 @@ def export_hf(decoder: nn.Module, par, out: str | Path, *, tokenizer_dir: str | 
     import torch.distributed as dist
 
     from backends.common.checkpoint.hf_io import write_hf_dir
-    from backends.llm.models.convert import to_hf
+    from backends.models.decoder.convert import to_hf
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     reference = meta_decoder(decoder.config)  # every rank: the full model's names, in HF order

@@ -106,8 +106,8 @@ def _mlp_plan(mesh: DeviceMesh, sp: bool, fused: bool, exit_region: bool = True)
 def block_plan(layer: nn.Module, mesh: DeviceMesh, sp: bool, experts_elsewhere: bool) -> dict[str, ParallelStyle]:
     """A DecoderLayer's plan. The sub-module plans read the global head counts, so they are built
     before the attention's RegionEntry (which sets the local ones) and applied before it."""
-    from backends.llm.models.layers import FusedMLP
-    from backends.llm.models.moe import MoE
+    from backends.models.decoder.layers import FusedMLP
+    from backends.models.decoder.moe import MoE
 
     tp = mesh.size()
     attn = layer.self_attn
@@ -143,7 +143,7 @@ def block_plan(layer: nn.Module, mesh: DeviceMesh, sp: bool, experts_elsewhere: 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
                           loss_parallel: bool = True, experts_elsewhere: bool = False) -> nn.Module:
-    """Shard a CausalLM (backends.llm.models) over the 1-D `tp_mesh` in place and return it. After
+    """Shard a CausalLM (backends.models.decoder) over the 1-D `tp_mesh` in place and return it. After
     this, model.tp_info describes the layout, the decoder returns its final hidden states as a
     DTensor, and backends.common.parallel.tensor_parallel.tp_loss is the loss.
     experts_elsewhere: the MoE blocks are left to expert parallel (SequenceShardedMoE; needs SP)."""
