@@ -18,6 +18,7 @@ from ascendfactory.render import render, write_files
 from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
 from backends.rl import config as rlconfig
+from backends.rl import dialects
 from tests.helpers.starters import starters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +143,7 @@ def test_feature_jobs_render_mindspeed_rl_keys(name, tmp_path, monkeypatch):
     rl = tree["rl_config"]
     write_files(render(plan, tmp_path), tmp_path)
     if plan.job.stage == "grpo":  # the engine reads what was rendered, with MindSpeed-RL's meanings
-        cfg = rlconfig.load(tmp_path / CONFIG, engine=tmp_path / "engine.yaml")
+        cfg = dialects.load(tmp_path / CONFIG, engine=tmp_path / "engine.yaml")
         assert (cfg.algorithm, cfg.n, cfg.train_batch_size, cfg.micro_batch_size) == ("grpo", 4, 16, 1)
         assert cfg.verifier == {"grpo": "gsm8k", "grpo-clip-higher-math": "math"}[name]
         assert (cfg.clip_low, cfg.clip_high) == ((0.2, 0.28) if name == "grpo-clip-higher-math" else (0.2, 0.2))
@@ -153,7 +154,7 @@ def test_feature_jobs_render_mindspeed_rl_keys(name, tmp_path, monkeypatch):
     else:  # DAPO / PPO in this dialect: refused by name
         with pytest.raises(rlconfig.RLConfigError, match=f"megatron_training.stage: 'ray_{plan.job.stage}' is not "
                                                          "built in this engine"):
-            rlconfig.load(tmp_path / CONFIG, engine=tmp_path / "engine.yaml")
+            dialects.load(tmp_path / CONFIG, engine=tmp_path / "engine.yaml")
     if name == "grpo":
         assert rl["init_kl_coef"] == 0.001 and rl["adv_estimator"] == "group_norm" and "clip_higher_enable" not in rl
         assert rl["verifier_function"] == ["gsm8k"] and tree["megatron_training"]["prompt_type"] == "qwen3"

@@ -155,6 +155,7 @@ def _engine_refuses(numbers, tmp_path, monkeypatch) -> set[str]:
 
     from backends.rl import config as rlconfig
     from backends.rl import mindspeed_rl as msrl
+    from backends.rl import verl as verl_reader
     from backends.rl.recipe import RLRecipe
 
     with monkeypatch.context() as m:
@@ -167,7 +168,7 @@ def _engine_refuses(numbers, tmp_path, monkeypatch) -> set[str]:
             tree, origin = msrl.compose(msrl.read_yaml(out / "mindspeed_rl.yaml"), out / "mindspeed_rl.yaml")
             cfg = msrl.parse_mindspeed_rl(tree, yaml.safe_load((out / "engine.yaml").read_text()), model_files=origin)
         else:
-            cfg = rlconfig.parse_verl(yaml.safe_load((out / "verl_config.yaml").read_text()),
+            cfg = verl_reader.parse_verl(yaml.safe_load((out / "verl_config.yaml").read_text()),
                                       yaml.safe_load((out / "engine.yaml").read_text()))
     except rlconfig.RLConfigError as err:
         problems = str(err).split(": ", 1)[1].split("; ")
@@ -196,9 +197,9 @@ class _Started(Exception):
 
 
 def _disagreements(grid, tmp_path, monkeypatch) -> list:
-    from backends.rl import config as rlconfig
+    from backends.rl import verl as verl_reader
 
-    monkeypatch.setattr(rlconfig, "verl_defaults", functools.cache(rlconfig.verl_defaults))  # read once
+    monkeypatch.setattr(verl_reader, "verl_defaults", functools.cache(verl_reader.verl_defaults))  # read once
     out = []
     for i, numbers in enumerate(grid):
         planned = _planner_refuses(numbers)
@@ -234,6 +235,7 @@ def test_agreement_fails_when_one_side_s_rule_changes(tmp_path, monkeypatch):
     from ascendfactory.frameworks import adapter
     from backends.rl import config as rlconfig
     from backends.rl import recipe
+    from backends.rl import verl as verl_reader
 
     verl, msrl = adapter("verl"), adapter("mindspeed-rl")
     with monkeypatch.context() as m:
@@ -242,7 +244,7 @@ def test_agreement_fails_when_one_side_s_rule_changes(tmp_path, monkeypatch):
     rule = rlconfig.batch_problems
     with monkeypatch.context() as m:  # at both of the engine's checks (reading the file, starting)
         neutral = lambda cfg, dp, framework=True: rule(cfg, dp, framework=False)  # noqa: E731
-        m.setattr(rlconfig, "batch_problems", neutral)
+        m.setattr(verl_reader, "batch_problems", neutral)
         m.setattr(recipe, "batch_problems", neutral)
         assert _disagreements(grid, tmp_path / "engine", monkeypatch)
     assert not _disagreements(grid, tmp_path / "both", monkeypatch)

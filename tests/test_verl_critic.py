@@ -21,6 +21,7 @@ from ascendfactory.plan import make_plan
 from ascendfactory.render import render
 from ascendfactory.spec import load_job, parse_job
 from backends.rl import config as rlconfig
+from backends.rl import verl as verl_reader
 from tests.test_verl_keys import assert_verl_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ def rendered(job, tmp_path):
 
 def refused(tree, side=None) -> str:
     with pytest.raises(rlconfig.RLConfigError) as info:
-        rlconfig.parse_verl(tree, side)
+        verl_reader.parse_verl(tree, side)
     return str(info.value)
 
 
@@ -62,7 +63,7 @@ def test_ppo_example_renders_the_critic_s_micro_batch_and_optimizer(tmp_path, mo
     assert "grad_clip" not in tree["actor_rollout_ref"]["actor"]  # VeRL 0.9.1 reads optim.clip_grad
     # what VeRL fills in from the actor (oc.select) is the actor's: left to it
     assert not {"ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode"} & set(critic)
-    cfg = rlconfig.parse_verl(tree, yaml.safe_load(files["engine.yaml"]))
+    cfg = verl_reader.parse_verl(tree, yaml.safe_load(files["engine.yaml"]))
     assert cfg.critic_micro_batch_size == 8 and cfg.micro_batch_size == 8
     assert (cfg.critic_lr, cfg.critic_weight_decay, cfg.critic_betas, cfg.critic_grad_clip, cfg.critic_warmup_steps) \
         == (job.rl.critic.lr, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.grad_clip, 0)
@@ -73,7 +74,7 @@ def test_critic_micro_batch_of_its_own_renders_and_reads_back(tmp_path):
     tree, side = rendered(ppo_job({"micro_batch": 3}), tmp_path)
     assert tree["critic"]["ppo_micro_batch_size_per_gpu"] == 3
     assert tree["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] == 2
-    cfg = rlconfig.parse_verl(tree, side)
+    cfg = verl_reader.parse_verl(tree, side)
     assert (cfg.critic_micro_batch_size, cfg.micro_batch_size) == (3, 2)
     # each rank's share, 4 prompts x 2 / 2 ranks = 4 responses, is no whole number of critic micro-batches of
     # 3: VeRL's critic engine packs by tokens and does not refuse it, so neither does the planner or the engine
@@ -86,7 +87,7 @@ def test_critic_micro_batch_of_its_own_renders_and_reads_back(tmp_path):
 def test_the_job_s_critic_micro_batch_falls_back_to_the_actor_s(tmp_path):
     tree, side = rendered(ppo_job(micro_batch=4), tmp_path)
     assert tree["critic"]["ppo_micro_batch_size_per_gpu"] == 4
-    assert rlconfig.parse_verl(tree, side).critic_micro_batch_size == 4
+    assert verl_reader.parse_verl(tree, side).critic_micro_batch_size == 4
 
 
 def test_a_critic_without_a_micro_batch_is_refused_by_name(tmp_path):
@@ -110,12 +111,12 @@ def test_a_hand_written_critic_trains_with_verl_s_critic_optimizer(tmp_path):
     tree, side = rendered(ppo_job(), tmp_path)
     del tree["critic"]["optim"]
     tree["actor_rollout_ref"]["actor"]["grad_clip"] = 0.3  # read by nothing in VeRL 0.9.1
-    cfg = rlconfig.parse_verl(tree, side)
+    cfg = verl_reader.parse_verl(tree, side)
     assert (cfg.critic_lr, cfg.critic_weight_decay, cfg.critic_betas, cfg.critic_grad_clip) == (1e-5, 0.01,
                                                                                               (0.9, 0.999), 1.0)
     assert (cfg.weight_decay, cfg.betas, cfg.grad_clip) == (0.0, (0.9, 0.95), 1.0)
     tree["critic"]["optim"] = {"lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.5}
-    cfg = rlconfig.parse_verl(tree, side)
+    cfg = verl_reader.parse_verl(tree, side)
     assert (cfg.critic_warmup_steps, cfg.critic_warmup_ratio) == (0, 0.5)
 
 

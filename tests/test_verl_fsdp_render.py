@@ -14,6 +14,7 @@ from ascendfactory.plan import make_plan
 from ascendfactory.render import render
 from ascendfactory.spec import parse_job
 from backends.rl import config as rlconfig
+from backends.rl import verl as verl_reader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def test_strategy_and_fsdp_size_follow_the_job(parallel, size, reshard, fsdp, st
         assert (critic["fsdp"]["fsdp_size"], critic["fsdp"]["reshard_after_forward"]) == (size, reshard)
     else:
         assert "strategy" not in tree["critic"]
-    cfg = rlconfig.parse_verl(tree, side)       # the engine reads the same layout back
+    cfg = verl_reader.parse_verl(tree, side)       # the engine reads the same layout back
     assert (cfg.fsdp, cfg.reshard_after_forward) == (fsdp, reshard)
 
 

@@ -20,6 +20,7 @@ from ascendfactory.render import render, write_files
 from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
 from backends.rl import config as rlconfig
+from backends.rl import verl as verl_reader
 from tests.helpers.starters import starters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def assert_verl_keys(plan, out: Path) -> tuple[dict, dict]:
     bad = [k for k in keys if k not in known and not k.startswith("reward.reward_kwargs.")]
     assert not bad, bad
     assert not [k for k in keys if k.startswith(WRONG)]
-    assert set(k for k in keys if k.startswith("reward.reward_kwargs.")) <= set(rlconfig.VERL_READ_EXTRA)
+    assert set(k for k in keys if k.startswith("reward.reward_kwargs.")) <= set(verl_reader.VERL_READ_EXTRA)
     assert isinstance(keys["trainer.total_epochs"], int) and keys["trainer.total_epochs"] >= 1
     assert keys["data.val_files"] and keys["data.train_files"]
     if plan.job.stage == "ppo":
@@ -93,7 +94,7 @@ def assert_verl_keys(plan, out: Path) -> tuple[dict, dict]:
 
 
 def test_bundled_defaults_are_verl_s():
-    assert rlconfig.verl_defaults() == yaml.safe_load(DEFAULTS.read_text()) if DEFAULTS.exists() else True
+    assert verl_reader.verl_defaults() == yaml.safe_load(DEFAULTS.read_text()) if DEFAULTS.exists() else True
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -113,7 +114,7 @@ def test_feature_jobs_render_verl_keys_the_engine_reads(name, tmp_path, monkeypa
     monkeypatch.chdir(ROOT)
     plan = make_plan(job(name), check_memory=False)
     tree, files = assert_verl_keys(plan, tmp_path)
-    cfg = rlconfig.parse_verl(tree, yaml.safe_load(files["engine.yaml"]))
+    cfg = verl_reader.parse_verl(tree, yaml.safe_load(files["engine.yaml"]))
     assert cfg.algorithm == plan.job.stage and cfg.n == plan.job.rl.rollout.n
     assert cfg.train_files == [str(tmp_path.resolve() / "train.parquet")]
     if name == "dapo-overlong":
@@ -143,18 +144,18 @@ def test_unknown_and_unimplemented_keys_are_refused_by_name():
                                                                       "tensor_model_parallel_size": 1},
                                   "actor": {"ppo_micro_batch_size_per_gpu": 1}},
             "algorithm": {"adv_estimator": "grpo"}, "trainer": {"val_before_train": False}}
-    rlconfig.parse_verl(base)  # VeRL's defaults fill the rest
+    verl_reader.parse_verl(base)  # VeRL's defaults fill the rest
     with pytest.raises(rlconfig.RLConfigError, match=r"actor_rollout_ref\.actor\.clip_ratio_hihg: not a VeRL 0\.9\.1 "
                                                      r"ppo_trainer key \(did you mean actor_rollout_ref\.actor\."
                                                      r"clip_ratio_high\?\)"):
-        rlconfig.parse_verl({**base, "actor_rollout_ref": {**base["actor_rollout_ref"], "actor": {
+        verl_reader.parse_verl({**base, "actor_rollout_ref": {**base["actor_rollout_ref"], "actor": {
             "ppo_micro_batch_size_per_gpu": 1, "clip_ratio_hihg": 0.3}}})
     # VeRL's key, not built here: refused at any other value than VeRL's default, accepted at it
     with pytest.raises(rlconfig.RLConfigError, match=r"actor_rollout_ref\.actor\.use_torch_compile: VeRL's key, "
                                                      "but this engine does not implement it"):
-        rlconfig.parse_verl({**base, "actor_rollout_ref": {**base["actor_rollout_ref"], "actor": {
+        verl_reader.parse_verl({**base, "actor_rollout_ref": {**base["actor_rollout_ref"], "actor": {
             "ppo_micro_batch_size_per_gpu": 1, "use_torch_compile": False}}})
-    rlconfig.parse_verl({**base, "actor_rollout_ref": {**base["actor_rollout_ref"], "actor": {
+    verl_reader.parse_verl({**base, "actor_rollout_ref": {**base["actor_rollout_ref"], "actor": {
         "ppo_micro_batch_size_per_gpu": 1, "use_torch_compile": True}}})
     for key, value, words in (("trainer.val_before_train", True, "no validation loop"),
                               ("actor_rollout_ref.rollout.tensor_model_parallel_size", 2, "replicated weights"),
@@ -165,7 +166,7 @@ def test_unknown_and_unimplemented_keys_are_refused_by_name():
             node = node.setdefault(part, {})
         node[key.split(".")[-1]] = value
         with pytest.raises(rlconfig.RLConfigError, match=words):
-            rlconfig.parse_verl(tree)
+            verl_reader.parse_verl(tree)
 
 
 # ---------------------------------------------------------------------- through ascendfactory run

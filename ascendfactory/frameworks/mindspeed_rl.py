@@ -23,7 +23,7 @@ MODEL_DIR = "model"
 PROMPT_TYPE = {"qwen2": "qwen", "qwen3": "qwen3", "llama": "llama3", "mistral": "mistral", "mixtral": "mixtral",
                "gemma": "gemma", "deepseek": "deepseek3"}
 # job reward type -> MindSpeed-RL verifier_function name (gsm8k: backends.rl's "#### <n>" verifier;
-# MindSpeed-RL's own registry has no GSM8K verifier, see backends/rl/config.py)
+# MindSpeed-RL's own registry has no GSM8K verifier, see backends/rl/mindspeed_rl/verifiers.py)
 VERIFIER = {"gsm8k": "gsm8k", "math": "math_17k_acc"}
 
 

@@ -8,8 +8,8 @@ the actor, critic and reference are sharded with FSDP2 over the data-parallel ra
 fsdp2; fsdp_size 1 replicates); in the MindSpeed-RL dialect the actor and reference run the LLM engine's
 Megatron TP plan, context parallel and pipeline parallel on a pp x dp x cp x tp mesh
 (tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size; replicated over dp).
-It reads two dialects: VeRL's ppo_trainer tree (backends/rl/config.py)
-and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py). What proves each feature (tests/rl/):
+It reads two dialects: VeRL's ppo_trainer tree (backends/rl/verl.py)
+and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl/). What proves each feature (tests/rl/):
 
 - verl methods:grpo / methods:dapo / methods:ppo: the algorithms on hand-worked cases and against
   VeRL's own functions (test_rl_algos*.py); 2 processes equal 1 over 3 steps for each

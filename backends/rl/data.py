@@ -6,6 +6,7 @@ unless filter_overlong_prompts drops it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .config import RLConfig, RLConfigError
@@ -62,3 +63,16 @@ def load_records(cfg: RLConfig, tokenizer) -> list[dict]:
     if not records:
         raise RLConfigError("the RL data set has no prompts")
     return records
+
+
+def stop_ids(model_path: str, tokenizer) -> list[int]:
+    """The ids a response ends at when the file names none: the model's generation_config.json
+    eos_token_id (Qwen's chat models list <|im_end|> there) and the tokenizer's EOS, as vLLM stops."""
+    ids: list[int] = []
+    gen = Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else list(value or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))

@@ -45,6 +45,7 @@ from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, se
 
 from . import algos, context_parallel, multimodal, pipeline_parallel, rollout, sharding
 from .config import RLConfig, batch_problems
+from .data import load_records, stop_ids
 from .rewards import Scorer, load_function
 
 
@@ -105,22 +106,6 @@ def _average_grads(model: nn.Module, world: int, group=None, members: int | None
     return hook
 
 
-def stop_ids(model_path: str, tokenizer) -> list[int]:
-    """The ids a response ends at when the file names none: the model's generation_config.json
-    eos_token_id (Qwen's chat models list <|im_end|> there) and the tokenizer's EOS, as vLLM stops."""
-    import json
-    from pathlib import Path
-
-    ids: list[int] = []
-    gen = Path(model_path) / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        ids += [value] if isinstance(value, int) else list(value or [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(int(i) for i in ids))
-
-
 def _pad(rows: list[list[int]], value: int = 0) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), max(width, 1)), value, dtype=torch.long)
@@ -160,8 +145,6 @@ class RLRecipe(Recipe):
             c.eos_token_id = stop_ids(c.model_path, self.tokenizer)
         vl = multimodal.is_vl(c.model_path)  # Qwen2.5-VL: image prompts (multimodal.py)
         if c.train_files and not c.records:
-            from .data import load_records
-
             c.records = (multimodal.load_records if vl else load_records)(c, self.tokenizer)
         if not c.records:
             raise ValueError("the RL dataset has no prompts")
@@ -725,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m backends.rl <file>.yaml [key=value ...]` (a VeRL ppo_trainer tree or a MindSpeed-RL file)."""
     from backends.common import trainer
 
-    from .config import RLConfigError, load
+    from .config import RLConfigError
+    from .dialects import load
     from .rewards import RewardError
 
     def make(args: list[str]) -> RLRecipe:

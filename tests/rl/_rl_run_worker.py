@@ -2,7 +2,7 @@
 argv[1] = JSON list of {"name", "algorithm", **RLConfig overrides}, argv[2] = output folder. Each case
 writes <name>.jsonl (metrics) and, from rank 0, <name>.params (the sum and the sum of squares of the
 actor's parameters after the run). A case with "fsdp": true shards the actor, critic and reference; a
-case with "file" (and "overrides") loads that job file instead (backends.rl.config.load). Another worker
+case with "file" (and "overrides") loads that job file instead (backends.rl.dialects.load). Another worker
 (_rl_vl_worker.py) runs main() with its own config and extra files."""
 
 import functools
@@ -38,7 +38,7 @@ def records(count: int = 32) -> list[dict]:
 def tiny_config(case: dict, metrics_file: Path) -> RLConfig:
     """The tiny Qwen3 on the arithmetic prompts with the case's RLConfig keys, or the case's job file."""
     if "file" in case:  # a rendered job file (e.g. MindSpeed-RL's YAML) with dotted overrides, its sidecar beside it
-        from backends.rl.config import load
+        from backends.rl.dialects import load
 
         path = Path(case["file"])
         cfg = load(path, case.get("overrides", []), engine=path.parent / "engine.yaml")

@@ -1,4 +1,4 @@
-"""backends.rl reads MindSpeed-RL's own YAML (backends/rl/mindspeed_rl.py): its key tables are
+"""backends.rl reads MindSpeed-RL's own YAML (backends/rl/mindspeed_rl/): its key tables are
 MindSpeed-RL's (../shared/upstream/mindspeed-rl-config-keys.tsv); the file rendered from
 examples/mindspeed-rl/grpo.yaml parses to the RLConfig of the same job rendered for VeRL where the two
 overlap (the same prompt ids too); an unknown key is refused with a did-you-mean, an unimplemented key
@@ -23,6 +23,7 @@ from ascendfactory.plan import make_plan
 from ascendfactory.render import render, write_files
 from ascendfactory.spec import load_job
 from backends.rl import config as rlconfig
+from backends.rl import dialects
 from backends.rl import mindspeed_rl as msrl
 from backends.rl.config import RLConfigError
 
@@ -116,8 +117,8 @@ def test_rendered_file_parses_like_the_verl_job(msrl_dir, tmp_path):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        ms = rlconfig.load(msrl_dir / "mindspeed_rl.yaml", engine=msrl_dir / "engine.yaml")
-        ve = rlconfig.load(verl_dir / "verl_config.yaml", engine=verl_dir / "engine.yaml")
+        ms = dialects.load(msrl_dir / "mindspeed_rl.yaml", engine=msrl_dir / "engine.yaml")
+        ve = dialects.load(verl_dir / "verl_config.yaml", engine=verl_dir / "engine.yaml")
         ve.records = load_records(ve, transformers.AutoTokenizer.from_pretrained(ve.model_path))
     finally:
         os.chdir(cwd)

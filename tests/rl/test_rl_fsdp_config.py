@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from backends.rl import config as rlconfig
+from backends.rl import verl as rlconfig
 
 BASE = {"actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"name": "hf", "n": 2,
                                                                   "tensor_model_parallel_size": 1},
