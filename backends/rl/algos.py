@@ -80,11 +80,11 @@ def _key(key):
     return key.item() if isinstance(key, torch.Tensor) else key
 
 
-def gae_advantages(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-                   gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE backwards over t: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1},
-    skipping masked positions (they carry V_{t+1} and A_{t+1} through); returns = A + V (before
-    whitening); the advantages are then whitened over the mask."""
+    skipping masked positions (they carry V_{t+1} and A_{t+1} through) -> (advantages, returns = A + V),
+    not whitened."""
     with torch.no_grad():
         mask = response_mask.to(values.dtype)
         next_value = torch.zeros_like(values[:, 0])
@@ -92,14 +92,20 @@ def gae_advantages(token_level_rewards: torch.Tensor, values: torch.Tensor, resp
         adv = torch.zeros_like(values)
         for t in reversed(range(values.shape[1])):
             delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
-            gae = delta + gamma * lam * last
+            step = delta + gamma * lam * last
             m = mask[:, t]
             next_value = values[:, t] * m + (1 - m) * next_value
-            last = gae * m + (1 - m) * last
+            last = step * m + (1 - m) * last
             adv[:, t] = last
-        returns = adv + values
-        adv = masked_whiten(adv, response_mask)
-    return adv, returns
+    return adv, adv + values
+
+
+def gae_advantages(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                   gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """VeRL's compute_gae_advantage_return: gae(), then the advantages whitened over the mask of this
+    batch (the engine whitens over the whole global batch instead: recipe._advantages)."""
+    adv, returns = gae(token_level_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(adv, response_mask), returns
 
 
 # ---------------------------------------------------------------------- losses

@@ -601,8 +601,8 @@ class RLRecipe(Recipe):
         # PPO: GAE per response, whitened over the whole global batch (mean and variance all-reduced)
         stats = torch.zeros(3, dtype=torch.float64)
         for row in rows:
-            adv, ret = _gae(self._token_rewards(r, row)[None], row["values"].float()[None],
-                            torch.ones(1, len(row["responses"])), c.gamma, c.lam)
+            adv, ret = algos.gae(self._token_rewards(r, row)[None], row["values"].float()[None],
+                                 torch.ones(1, len(row["responses"])), c.gamma, c.lam)
             row["advantages"], row["returns"] = adv[0], ret[0]
             stats += torch.tensor([adv.numel(), float(adv.double().sum()), float((adv.double() ** 2).sum())],
                                   dtype=torch.float64)
@@ -669,21 +669,6 @@ class RLRecipe(Recipe):
         loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mb["mask"].float(), c.cliprange_value,
                                           c.loss_agg_mode, **agg)
         return Loss(sum=loss * mb["global_tokens"], metrics={"critic/vf_clipfrac": float(clipfrac) * mb["metric_scale"]})
-
-
-def _gae(rewards, values, mask, gamma, lam):
-    """GAE and returns before whitening (algos.gae_advantages whitens per call; PPO whitens globally)."""
-    next_value = torch.zeros_like(values[:, 0])
-    last = torch.zeros_like(values[:, 0])
-    adv = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        gae = delta + gamma * lam * last
-        m = mask[:, t]
-        next_value = values[:, t] * m + (1 - m) * next_value
-        last = gae * m + (1 - m) * last
-        adv[:, t] = last
-    return adv, adv + values
 
 
 def _merge(actor: list[StepResult], critic: list[StepResult]) -> StepResult:
