@@ -1,6 +1,6 @@
 """What backends.lf implements, by (framework, feature, family); read by `ascendfactory matrix check`.
 
-Imports nothing: the orchestrator reads this module without torch. What proves each feature works,
+Imports only backends.contract: the orchestrator reads this module without torch. What proves each feature works,
 i.e. fails when it is broken (tests/lf/):
 
 - stages:pt / stages:sft: the first-step loss equals a plain transformers forward on the same
@@ -27,6 +27,8 @@ and the vl-sft / vl-dpo examples in test_lf_examples.py):
   picks as LLaMA-Factory does (auto / sdpa: SDPA, disabled: eager), same numbers either way.
 """
 
+from backends.contract import refusals
+
 TEXT_FAMILIES = ["qwen2", "qwen3", "llama", "glm"]
 VL_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "gemma3"]
 ALL = TEXT_FAMILIES + VL_FAMILIES
@@ -51,9 +53,5 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
 
 
 def unbuilt(framework: str, fields: dict[str, object]) -> list[str]:
-    """The UNBUILT reasons that `fields` (dotted job field → value) trigger, each naming its settings."""
-    out = []
-    for conditions, why in UNBUILT.get(framework, []):
-        if all(fields.get(field) == want for field, want in conditions.items()):
-            out.append(" with ".join(f"{f}: {fields[f]}" for f in conditions) + f": {why}")
-    return out
+    """The UNBUILT reasons that `fields` (dotted job field -> value) trigger, each naming its settings."""
+    return refusals.unbuilt(UNBUILT.get(framework, []), fields)

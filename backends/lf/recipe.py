@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from backends import kernels
-from backends.common.distributed import barrier
+from backends.common import kit
 from backends.common.parallel import data_parallel
 from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
 from backends.lf.config import LFConfig, LFConfigError, parse_config
@@ -64,6 +64,12 @@ def build_scheduler(optimizer, cfg: LFConfig, total: int):
     except TypeError as err:
         raise LFConfigError(f"lr_scheduler_kwargs {kwargs}: {cfg.lr_scheduler_type} does not take them ({err})") \
             from None
+
+
+def job_fields(cfg: LFConfig) -> dict[str, object]:
+    """The job-file fields (dotted) LLaMA-Factory's keys came from, as capabilities.LIMITS / UNBUILT name them."""
+    return {"stage": cfg.stage, "finetuning": cfg.finetuning_type, "data.packing": bool(cfg.packing),
+            "train.precision": "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"}
 
 
 def resume_setting(cfg: LFConfig, save_dir: Path) -> str | None:
@@ -121,7 +127,10 @@ class LFRecipe(Recipe):
         from backends.lf import model as lfmodel
         from backends.lf import parallel
 
+        from backends.lf import capabilities
+
         cfg = self.cfg
+        kit.refuse_unbuilt(capabilities, "llamafactory", job_fields(cfg), LFConfigError, "backends.lf")
         seed_everything(cfg.seed)
         overrides = {**lfmodel.attention_override(cfg.flash_attn), **cfg.engine.get("kernels.overrides", {})}
         kernels.configure(default=cfg.engine.get("kernels.backend"), overrides=overrides or None)
@@ -222,11 +231,7 @@ class LFRecipe(Recipe):
             return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples,
                               lf_rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
-        # rank 0 tokenizes and writes the cache; the others wait, then read the same files
-        dataset = build() if rt.is_main else None
-        barrier()
-        if dataset is None:
-            dataset = build()
+        dataset = kit.rank_zero_first(rt.is_main, build)
         if cfg.stage == "dpo":
             loader = PairLoader(dataset, cfg.per_device_train_batch_size, dp_rank=par.dp_rank, dp_world=par.layout.dp,
                                 seed=cfg.seed, pad_id=pad_id(tokenizer))
@@ -261,10 +266,7 @@ class LFRecipe(Recipe):
         if any(e.formatting == "alpaca" for e in entries) and not all(e.formatting == "alpaca" for e in entries):
             raise LFConfigError("dataset: image datasets of both formattings in one run are not built; convert "
                                 "them to one formatting")
-        dataset = build() if rt.is_main else None
-        barrier()
-        if dataset is None:
-            dataset = build()
+        dataset = kit.rank_zero_first(rt.is_main, build)
         loader = VLLoader(dataset, plugin, cfg.per_device_train_batch_size, dp_rank=par.dp_rank,
                           dp_world=par.layout.dp, seed=cfg.seed, pad_id=pad_id(tokenizer))
         log.info("data: %s; dynamic batches with images (%s plugin)", dataset.summary(), plugin.kind)

@@ -1,6 +1,6 @@
 """What backends.llm implements, by (framework, feature, family); read by `ascendfactory matrix check`.
 
-Imports nothing: the orchestrator reads this module without torch. Every family × feature declared
+Imports only backends.contract: the orchestrator reads this module without torch. Every family × feature declared
 here runs one optimizer step through `ascendfactory run` in tests/llm/test_smoke.py (without
 --allow-unsupported, except where the documented table marks the cell ❌). What proves each feature
 works, i.e. fails when it is broken:
@@ -21,6 +21,9 @@ works, i.e. fails when it is broken:
   test_engine_pipeline.py, test_engine_compose.py);
 - moe_parallel: ep over 2 and 4 processes equals one (test_engine_expert_parallel.py).
 """
+
+from backends.contract import refusals
+from backends.contract.refusals import ABOVE_ONE
 
 FAMILIES = ["qwen2", "qwen3", "llama", "glm", "glm4", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 
@@ -51,32 +54,23 @@ LIMITS: dict[str, dict[str, int]] = {
 }
 
 # Combinations of settings this build refuses although each setting runs on its own: job fields
-# (dotted, as in the job file) → the value that triggers it (">1": any value above 1), and why.
+# (dotted, as in the job file) → the value that triggers it (ABOVE_ONE: any whole number above 1), and why.
 # `run` refuses such a job before launching (exit 2); the engine refuses its flags again at start,
 # reading this same table through backends.llm.recipe.job_fields.
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
     "mindspeed-llm": [
-        ({"parallel.ep": ">1", "parallel.tp": ">1", "parallel.sp": False},
+        ({"parallel.ep": ABOVE_ONE, "parallel.tp": ABOVE_ONE, "parallel.sp": False},
          "expert parallel with tp routes each tp rank's sequence shard; set parallel.sp: true (as Megatron asks)"),
-        ({"parallel.ep": ">1", "parallel.moe_dispatcher": "allgather"},
+        ({"parallel.ep": ABOVE_ONE, "parallel.moe_dispatcher": "allgather"},
          "expert parallel here dispatches tokens with all-to-all; use moe_dispatcher alltoall"),
-        ({"parallel.pp": ">1", "data.dynamic_seq_len": True},
+        ({"parallel.pp": ABOVE_ONE, "data.dynamic_seq_len": True},
          "pipeline stages exchange one fixed micro-batch shape; dynamic sequence length changes it"),
-        ({"parallel.pp": ">1", "parallel.cp": ">1", "data.packing": True},
+        ({"parallel.pp": ABOVE_ONE, "parallel.cp": ABOVE_ONE, "data.packing": True},
          "per-document context-parallel padding changes the micro-batch shape, which pipeline stages fix"),
     ],
 }
 
 
 def unbuilt(framework: str, fields: dict[str, object]) -> list[str]:
-    """The UNBUILT reasons that `fields` (dotted job field → value) trigger, each naming its settings."""
-    def hit(want, have) -> bool:
-        return (isinstance(have, int) and not isinstance(have, bool) and have > 1) if want == ">1" else have == want
-
-    out = []
-    for conditions, why in UNBUILT.get(framework, []):
-        if all(hit(want, fields.get(field)) for field, want in conditions.items()):
-            settings = " with ".join(f"{f} {fields[f]}" if c == ">1" else f"{f}: {str(fields[f]).lower()}"
-                                     for f, c in conditions.items())
-            out.append(f"{settings}: {why}")
-    return out
+    """The UNBUILT reasons that `fields` (dotted job field -> value) trigger, each naming its settings."""
+    return refusals.unbuilt(UNBUILT.get(framework, []), fields)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from backends import kernels
-from backends.common.distributed import barrier
+from backends.common import kit
 from backends.common.parallel import data_parallel
 from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
 from backends.llm import parallelize
@@ -69,17 +69,9 @@ def job_fields(cfg: LLMConfig) -> dict[str, object]:
 def refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
     """The settings and combinations capabilities.LIMITS / UNBUILT say this build cannot run (the
     orchestrator's `run` checks the same tables before launching)."""
-    from backends.llm.capabilities import LIMITS, unbuilt
+    from backends.llm import capabilities
 
-    p = cfg.parallel
-    asked = [f"{field}={getattr(p, field.split('.')[1])} (this build runs up to {limit})"
-             for field, limit in LIMITS["mindspeed-llm"].items() if getattr(p, field.split(".")[1]) > limit]
-    if asked:
-        raise ConfigError("this build of backends.llm does not implement: " + ", ".join(asked))
-    refused = unbuilt("mindspeed-llm", job_fields(cfg))
-    if refused:
-        raise ConfigError("this build of backends.llm does not combine " + "; ".join(refused)
-                          + ". Change one of those settings")
+    kit.refuse_unbuilt(capabilities, "mindspeed-llm", job_fields(cfg), ConfigError, "backends.llm")
 
 
 def kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
@@ -147,12 +139,8 @@ def _build_data(cfg: LLMConfig, rt, par):
     cache_root = Path(d.prefix).parent
     source = d.input or d.prefix
     template = prompt_template(d.template, tokenizer, cfg.enable_thinking) if d.fmt != "text" else d.template
-    # rank 0 tokenizes and writes the cache; the others wait, then read the same files
-    if rt.is_main:
-        dataset = preprocess(source, d.fmt, tokenizer, template, d.seq_len, cache_root, max_samples=d.max_samples)
-    barrier()
-    if not rt.is_main:
-        dataset = preprocess(source, d.fmt, tokenizer, template, d.seq_len, cache_root, max_samples=d.max_samples)
+    dataset = kit.rank_zero_first(rt.is_main, lambda: preprocess(source, d.fmt, tokenizer, template, d.seq_len,
+                                                                 cache_root, max_samples=d.max_samples))
     mode = "packed" if d.packing else "dynamic" if d.dynamic else "padded"
     loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
                               dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.train.seed, shuffle=d.shuffle,
@@ -165,27 +153,13 @@ def _build_data(cfg: LLMConfig, rt, par):
 
 
 def resume_setting(cfg: LLMConfig) -> str | None:
-    """--load is the checkpoints root (resume: auto), a step_N checkpoint (that one), or absent (never).
-    Resuming restores everything: Megatron's partial loads (--finetune, --no-load-optim, --no-load-rng)
-    from an engine checkpoint are not built and are refused when there is one to load."""
-    from backends.common.checkpoint.resume import MARKER, list_checkpoints, resolve_resume
-
-    if not cfg.load:
-        return None
-    path = Path(cfg.load)
-    one = path.name.startswith("step_") or (path / MARKER).exists()
-    found = one or bool(list_checkpoints(path))
-    if cfg.load_args.exit_on_missing and not found:
-        raise ConfigError(f"--exit-on-missing-checkpoint: no checkpoint under --load {cfg.load}")
-    partial = [flag for flag, on in (("--finetune", cfg.load_args.finetune), ("--no-load-optim",
-               cfg.load_args.no_load_optim), ("--no-load-rng", cfg.load_args.no_load_rng)) if on]
-    if found and partial:
-        raise ConfigError(f"{' '.join(partial)} with --load {cfg.load}: loading part of an engine checkpoint is not "
-                          f"built; drop {' '.join(partial)} to resume it whole, or start from a Hugging Face "
-                          f"directory (--load <dir> --enable-hf2mg-convert --model-type-hf <type>)")
-    if one:
-        return str(resolve_resume(str(path), path))  # one clear error if it is not a complete checkpoint
-    return "auto"
+    """Megatron's --load rule (kit.megatron_resume). Resuming restores everything: Megatron's partial loads
+    (--finetune, --no-load-optim, --no-load-rng) of an engine checkpoint are not built and are refused."""
+    a = cfg.load_args
+    partial = tuple(flag for flag, on in (("--finetune", a.finetune), ("--no-load-optim", a.no_load_optim),
+                                          ("--no-load-rng", a.no_load_rng)) if on)
+    return kit.megatron_resume(cfg.load, cfg.save, exit_on_missing=a.exit_on_missing, partial=partial,
+                               error=ConfigError)
 
 
 class LLMRecipe(Recipe):

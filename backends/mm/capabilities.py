@@ -1,6 +1,6 @@
 """What backends.mm implements, by (framework, feature, family); read by `ascendfactory matrix check`.
 
-Imports nothing heavy. Declared only what a test proves:
+Imports only backends.contract. Declared only what a test proves:
 - pretrain_full (qwen2_5_vl): the native model's logits equal transformers' (tests/mm/test_mm_model.py), and
   the pt / sft examples train through `ascendfactory run` with the loss falling, resume and export
   (tests/mm/test_mm_runs.py).
@@ -19,6 +19,8 @@ Imports nothing heavy. Declared only what a test proves:
   the last vision layer's stage, or leaves a stage empty, is refused by name.
 """
 
+from backends.contract import refusals
+
 IMPLEMENTS = {
     "mindspeed-mm": {
         "pretrain_full": ["qwen2_5_vl"],
@@ -33,3 +35,8 @@ PENDING: dict[str, dict[str, str]] = {"mindspeed-mm": {}}
 LIMITS: dict[str, dict[str, int]] = {"mindspeed-mm": {}}
 
 UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {"mindspeed-mm": []}
+
+
+def unbuilt(framework: str, fields: dict[str, object]) -> list[str]:
+    """The UNBUILT reasons that `fields` (dotted job field -> value) trigger, each naming its settings."""
+    return refusals.unbuilt(UNBUILT.get(framework, []), fields)

@@ -12,6 +12,7 @@ import math
 import torch
 
 from backends import kernels
+from backends.common import kit
 from backends.common.parallel import data_parallel
 from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
 from backends.mm import parallelize
@@ -81,14 +82,17 @@ def freeze_parts(model: torch.nn.Module, parts) -> list[str]:
     return frozen
 
 
-def refuse_unbuilt(cfg: MMConfig) -> None:
-    from backends.mm.capabilities import LIMITS
-
+def job_fields(cfg: MMConfig) -> dict[str, object]:
+    """The job-file fields (dotted) these flags came from, as capabilities.LIMITS / UNBUILT name them."""
     p = cfg.parallel
-    asked = [f"{field}={getattr(p, field.split('.')[1])} (this build runs up to {limit})"
-             for field, limit in LIMITS["mindspeed-mm"].items() if getattr(p, field.split(".")[1]) > limit]
-    if asked:
-        raise ConfigError("this build of backends.mm does not implement: " + ", ".join(asked))
+    return {"parallel.tp": p.tp, "parallel.sp": p.sp, "parallel.pp": p.pp,
+            "parallel.distributed_optimizer": p.distributed_optimizer, "train.precision": cfg.train.precision}
+
+
+def refuse_unbuilt(cfg: MMConfig) -> None:
+    from backends.mm import capabilities
+
+    kit.refuse_unbuilt(capabilities, "mindspeed-mm", job_fields(cfg), ConfigError, "backends.mm")
 
 
 def build_model(cfg: MMConfig):
@@ -170,16 +174,7 @@ class MMRecipe(Recipe):
                         metrics_file=cfg.metrics_file)
 
     def _resume(self) -> str | None:
-        from pathlib import Path
-
-        from backends.common.checkpoint.resume import MARKER, list_checkpoints, resolve_resume
-
-        if not self.cfg.load:
-            return None
-        path = Path(self.cfg.load)
-        if path.name.startswith("step_") or (path / MARKER).exists():
-            return str(resolve_resume(str(path), path))
-        return "auto" if list_checkpoints(path) or path == Path(self.cfg.save or "") else None
+        return kit.megatron_resume(self.cfg.load, self.cfg.save, error=ConfigError)
 
     def next_micro_batches(self) -> list[dict]:
         dev, p = self.rt.device, self.cfg.parallel

@@ -1,5 +1,5 @@
 """What backends.rl implements, by (framework, feature, family); read by `ascendfactory matrix check`
-and by `run` before launch. Imports nothing: the orchestrator reads it without torch.
+and by `run` before launch. Imports only backends.contract: the orchestrator reads it without torch.
 
 The engine trains the native text decoders of backends.llm and, in the VeRL dialect, backends.mm's
 Qwen2.5-VL with image prompts (families below) with the in-repo KV-cache generator or vLLM as the rollout,
@@ -61,6 +61,8 @@ Not built: SGLang rollout, Megatron EP actors and pipeline x context
 parallel (megatron_backend is TP and PP, long_seq CP), reward models, and DAPO / PPO in the MindSpeed-RL dialect:
 PENDING below, and `run` refuses such jobs before launch (UNBUILT / LIMITS).
 """
+
+from backends.contract import refusals
 
 TEXT_FAMILIES = ["qwen2", "qwen3"]
 
@@ -132,9 +134,5 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
 
 
 def unbuilt(framework: str, fields: dict[str, object]) -> list[str]:
-    out = []
-    for conditions, why in UNBUILT.get(framework, []):
-        if all(want(fields.get(field), fields) if callable(want) else fields.get(field) == want
-               for field, want in conditions.items()):
-            out.append(" with ".join(f"{f}: {fields[f]}" for f in conditions) + f": {why}")
-    return out
+    """The UNBUILT reasons that `fields` (dotted job field -> value) trigger, each naming its settings."""
+    return refusals.unbuilt(UNBUILT.get(framework, []), fields)

@@ -23,6 +23,7 @@ ALGORITHMS = ("grpo", "dapo", "ppo")
 class RLConfig:
     model_path: str
     algorithm: str = "grpo"                    # grpo | dapo | ppo
+    framework: str = "verl"                    # the dialect it was read from: verl | mindspeed-rl
     # data
     records: list[dict] = field(default_factory=list)   # {"prompt_ids", "ground_truth", "data_source"}
     max_prompt_length: int = 512

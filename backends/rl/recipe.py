@@ -39,12 +39,13 @@ import torch.distributed as dist
 from torch import nn
 
 from backends import kernels
+from backends.common import kit
 from backends.common.distributed import Runtime, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 
 from . import algos, context_parallel, multimodal, pipeline_parallel, rollout, sharding
-from .config import RLConfig, batch_problems
+from .config import RLConfig, RLConfigError, batch_problems
 from .data import load_records, stop_ids
 from .rewards import Scorer, load_function
 
@@ -106,6 +107,14 @@ def _average_grads(model: nn.Module, world: int, group=None, members: int | None
     return hook
 
 
+def job_fields(cfg: RLConfig) -> dict[str, object]:
+    """The job-file fields (dotted) the dialect's keys came from, as capabilities.LIMITS / UNBUILT name them
+    (the rollout's own layout is not in RLConfig: the readers refuse what it cannot run)."""
+    return {"stage": cfg.algorithm, "rl.rollout.engine": cfg.rollout_engine,
+            "rl.reward.type": "function" if cfg.reward_function else cfg.verifier, "parallel.tp": cfg.tp,
+            "parallel.pp": cfg.pp, "parallel.cp": cfg.cp, "rl.actor.parallel.tp": cfg.tp}
+
+
 def _pad(rows: list[list[int]], value: int = 0) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), max(width, 1)), value, dtype=torch.long)
@@ -125,10 +134,11 @@ class RLRecipe(Recipe):
     # ------------------------------------------------------------------ build
 
     def build(self, rt: Runtime) -> Settings:
-        from backends.models.decoder import from_pretrained
+        from backends.rl import capabilities
 
         c = self.cfg
         self.rt = rt
+        kit.refuse_unbuilt(capabilities, c.framework, job_fields(c), RLConfigError, "backends.rl")
         rollout.check_engine(c.rollout_engine)
         self._layout(rt)
         broken = batch_problems(c, self.dp)  # the planner's rule (backends.contract.layout.rl_batches)
@@ -169,8 +179,9 @@ class RLRecipe(Recipe):
                              max_response_length=c.overlong_max_length or c.max_new_tokens)
         from backends.common.parallel.recompute import apply_recompute
 
-        if vl:
-            from_pretrained = multimodal.from_pretrained
+        from backends.models import decoder
+
+        from_pretrained = multimodal.from_pretrained if vl else decoder.from_pretrained
         actor = from_pretrained(c.model_path, device=rt.device)
         self.vision = multimodal.Vision(actor.config, c.records) if vl else None
         if vl and c.freeze_vision_tower:
@@ -693,7 +704,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m backends.rl <file>.yaml [key=value ...]` (a VeRL ppo_trainer tree or a MindSpeed-RL file)."""
     from backends.common import trainer
 
-    from .config import RLConfigError
     from .dialects import load
     from .rewards import RewardError
 

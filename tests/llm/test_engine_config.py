@@ -227,11 +227,31 @@ def test_partial_loads_of_an_engine_checkpoint_are_refused(tmp_path):
     for flag in ("--finetune", "--no-load-optim", "--no-load-rng"):
         with pytest.raises(ConfigError, match=f"^{flag} with --load"):
             resume_setting(parse_args(BASE + ["--load", str(tmp_path), flag], engine=CARD))
-    assert resume_setting(parse_args(BASE + ["--load", str(tmp_path)], engine=CARD)) == "auto"
     empty = tmp_path / "none"
-    assert resume_setting(parse_args(BASE + ["--load", str(empty), "--finetune"], engine=CARD)) == "auto"
+    assert resume_setting(parse_args(BASE + ["--load", str(empty), "--finetune"], engine=CARD)) is None
     with pytest.raises(ConfigError, match="--exit-on-missing-checkpoint"):
         resume_setting(parse_args(BASE + ["--load", str(empty), "--exit-on-missing-checkpoint"], engine=CARD))
+
+
+def test_load_reads_its_own_folder_as_megatron_does(tmp_path):
+    """--load is where the checkpoint comes from, whatever --save says: the root that is --save too resumes
+    "auto" (the trainer's newest intact one there), another root its newest complete checkpoint, a root
+    without one starts afresh (backends.common.kit.megatron_resume; tests/mm/test_mm_dialect.py: the MM engine's)."""
+    from backends.common.checkpoint.resume import MARKER
+    from backends.llm.recipe import resume_setting
+
+    for step in (2, 4):
+        (tmp_path / "old" / f"step_{step}").mkdir(parents=True)
+        for name in (MARKER, ".metadata", "rank_0.pt"):  # what resolve_resume looks for in a complete one
+            (tmp_path / "old" / f"step_{step}" / name).write_text("{}")
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    assert resume_setting(parse_args(BASE + ["--load", old, "--save", old], engine=CARD)) == "auto"
+    assert resume_setting(parse_args(BASE + ["--load", old, "--save", new], engine=CARD)) == str(
+        tmp_path / "old" / "step_4")
+    assert resume_setting(parse_args(BASE + ["--load", new, "--save", new], engine=CARD)) == "auto"
+    assert resume_setting(parse_args(BASE + ["--load", new, "--save", old], engine=CARD)) is None
+    assert resume_setting(parse_args(BASE + ["--load", f"{old}/step_2", "--save", new], engine=CARD)) == str(
+        tmp_path / "old" / "step_2")
 
 
 def test_hf2mg_load_checks_the_model_type_and_architecture_flags(tiny_model):

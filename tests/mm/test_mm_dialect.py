@@ -130,6 +130,24 @@ def _parse_with(tmp_path, model_edit=None, data_edit=None, extra=(), engine=None
                       engine=engine or {"model_id": "qwen2.5-vl-3b"})
 
 
+def test_load_follows_megatrons_rule(tmp_path, upstream):
+    """--load as the LLM engine reads it (one rule, backends.common.kit.megatron_resume): the root that is --save
+    too resumes "auto", another root its newest complete checkpoint, a root without one starts afresh."""
+    from backends.common.checkpoint.resume import MARKER
+    from backends.mm.recipe import MMRecipe
+
+    for step in (2, 4):
+        (tmp_path / "old" / f"step_{step}").mkdir(parents=True)
+        for name in (MARKER, ".metadata", "rank_0.pt"):  # what resolve_resume looks for in a complete one
+            (tmp_path / "old" / f"step_{step}" / name).write_text("{}")
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    recipe = MMRecipe.__new__(MMRecipe)
+    for load, save, want in ((old, new, str(tmp_path / "old" / "step_4")), (old, old, "auto"), (new, old, None),
+                             (f"{old}/step_2", new, str(tmp_path / "old" / "step_2"))):
+        recipe.cfg = _parse_with(tmp_path, extra=["--load", load, "--save", save])
+        assert recipe._resume() == want, (load, save)
+
+
 @pytest.mark.parametrize("edit,extra,message", [
     (lambda m: [m["text_decoder"].update(pipeline_num_layers=[20, 20]),
                 m["image_encoder"]["vision_encoder"].update(pipeline_num_layers=[32, 0])],

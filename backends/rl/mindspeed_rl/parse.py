@@ -321,7 +321,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
 
     save_interval = actor.get("save_interval")
     values = dict(
-        model_path=model_path, algorithm="grpo", records=records, max_prompt_length=max_prompt,
+        model_path=model_path, algorithm="grpo", framework="mindspeed-rl", records=records, max_prompt_length=max_prompt,
         shuffle=not actor.get("no_shuffle"), data_seed=seed,
         rollout_engine=side.get("rollout_engine") or "hf", n=n,
         gpu_memory_utilization=want(gen("gpu_memory_utilization"), "generate_config.gpu_memory_utilization",
