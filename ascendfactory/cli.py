@@ -46,7 +46,7 @@ def _escape(text: str) -> str:
 
 
 def _load(job_file: Path, overrides: Optional[List[str]]):
-    from ascendfactory.spec import load_job
+    from ascendfactory.job_file import load_job
 
     return load_job(job_file, overrides or [])
 
@@ -85,8 +85,8 @@ def validate(args: List[str] = typer.Argument(..., help="job files, then key.sub
                                              metavar="JOB... [KEY=VALUE...]"),
              allow_unsupported: bool = ALLOW) -> None:
     """Check job files: schema, capability matrix, layout and memory. Exit 2 if any fails."""
+    from ascendfactory.job_file import load_job
     from ascendfactory.plan import make_plan
-    from ascendfactory.spec import load_job
 
     job_files, overrides = _split_overrides(args)
     con, failed = _console(), 0
@@ -415,7 +415,7 @@ def matrix_check(framework: Optional[str] = typer.Option(None, "--framework", "-
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of the job file (for editor completion)."""
-    from ascendfactory.spec import json_schema
+    from ascendfactory.job_file import json_schema
 
     typer.echo(json.dumps(json_schema(), indent=2))
 
