@@ -46,7 +46,7 @@ def _escape(text: str) -> str:
 
 
 def _load(job_file: Path, overrides: Optional[List[str]]):
-    from ascendfactory.spec import load_job
+    from ascendfactory.job_file import load_job
 
     return load_job(job_file, overrides or [])
 
@@ -85,8 +85,8 @@ def validate(args: List[str] = typer.Argument(..., help="job files, then key.sub
                                              metavar="JOB... [KEY=VALUE...]"),
              allow_unsupported: bool = ALLOW) -> None:
     """Check job files: schema, capability matrix, layout and memory. Exit 2 if any fails."""
+    from ascendfactory.job_file import load_job
     from ascendfactory.plan import make_plan
-    from ascendfactory.spec import load_job
 
     job_files, overrides = _split_overrides(args)
     con, failed = _console(), 0
@@ -184,7 +184,8 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
     k8s: kubectl apply); returns the engine's (or the Slurm job's) exit code."""
     from ascendfactory.engines import require_ready
     from ascendfactory.errors import Problem
-    from ascendfactory.launch import run_with_progress
+    from ascendfactory.launch import (apply_k8s, cluster_command, run_with_progress, shell_join,
+                                      submit_and_follow_slurm)
 
     try:
         p, rendered, written = _render_to(job_file, overrides, None, allow_unsupported)
@@ -193,18 +194,19 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
         _warn(rendered.warnings)
         cluster = p.job.launcher in ("slurm", "k8s", "modelarts")
         if dry_run:
-            command = _cluster_command(p.job.launcher, rendered.run_dir) if cluster else rendered.argv
+            command = cluster_command(p.job.launcher, rendered.run_dir) if cluster else rendered.argv
             verb = {"slurm": "submit with", "k8s": "apply with", "modelarts": "boot command"}.get(p.job.launcher,
                                                                                               "launch with")
             con.print("dry run: rendered " + ", ".join(x.name for x in written) + f"; {verb}: "
-                      + _escape(_shell_join(command)))
+                      + _escape(shell_join(command)))
             return
         if p.job.launcher == "slurm":
             require_ready(p.job)
             _check_inputs(p)
-            _submit_slurm(p, rendered, follow)  # raises typer.Exit
+            raise typer.Exit(submit_and_follow_slurm(rendered.run_dir, p.job.train.steps, follow, con,
+                                                     ask_cancel=_ask_cancel))
         if p.job.launcher == "k8s":
-            _apply_k8s(rendered)  # raises typer.Exit
+            raise typer.Exit(apply_k8s(rendered.run_dir, con))
         if cluster:
             raise JobError(f"launcher {p.job.launcher} is submitted, not run here",
                            [Problem("launcher", f"{rendered.run_dir / 'launch.sh'} is ready",
@@ -267,112 +269,13 @@ def preprocess(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
                                                        if summary.get("truncated") else ""))
 
 
-def _shell_join(argv: list[str]) -> str:
-    import shlex
-
-    return " ".join(shlex.quote(a) for a in argv)
-
-
-def _cluster_command(launcher: str, run_dir: Path) -> list[str]:
-    from ascendfactory.launch import sbatch_argv
-
-    if launcher == "slurm":
-        return sbatch_argv(run_dir / "launch.sh")
-    if launcher == "k8s":
-        return ["kubectl", "apply", "-f", str(run_dir / "launch.yaml")]
-    return ["bash", str(run_dir / "launch.sh")]
-
-
-def _apply_k8s(rendered) -> None:
-    """kubectl apply -f launch.yaml (the ConfigMap of the engine files and the PyTorchJob) when kubectl is
-    here; otherwise print the command to run where it is. Always ends in typer.Exit."""
-    import shutil
-    import subprocess
-
-    command = _cluster_command("k8s", rendered.run_dir)
-    con = _console()
-    if shutil.which("kubectl") is None:
-        con.print("kubectl is not on PATH here; apply the manifest where it is: " + _escape(_shell_join(command)))
-        raise typer.Exit(0)
-    con.print(_escape(_shell_join(command)))
-    res = subprocess.run(command, capture_output=True, text=True)
-    con.print(_escape((res.stdout + res.stderr).strip()))
-    if res.returncode == 0:
-        name = yaml_name = None
-        try:
-            import yaml
-
-            for doc in yaml.safe_load_all((rendered.run_dir / "launch.yaml").read_text()):
-                if doc and doc.get("kind") == "PyTorchJob":
-                    name, yaml_name = doc["metadata"]["name"], doc["metadata"]["namespace"]
-        except (OSError, ValueError, KeyError):
-            pass
-        if name:
-            con.print(f"follow it with: kubectl -n {yaml_name} get pytorchjob {name}; "
-                      f"kubectl -n {yaml_name} logs -f {name}-master-0")
-    raise typer.Exit(res.returncode)
-
-
-def _submit_slurm(p, rendered, follow: bool) -> None:
-    """sbatch the rendered script, print the job id, then (unless --no-follow) follow metrics.jsonl on the
-    shared run directory until the job ends. Ctrl-C asks whether to scancel. Always ends in typer.Exit."""
-    import shutil
-
-    from ascendfactory.errors import Problem
-    from ascendfactory.launch import SubmitError, follow_slurm, submit_slurm
-
-    script = rendered.run_dir / "launch.sh"
-    if shutil.which("sbatch") is None:
-        raise JobError("sbatch is not on PATH here: nothing was submitted",
-                       [Problem("launcher", f"{script} is ready",
-                                hint=f"on a Slurm login node run: {_shell_join(_cluster_command('slurm', rendered.run_dir))}")])
+def _ask_cancel(job_id: str) -> bool:
+    """Ctrl-C while `run` follows a Slurm job: scancel it? No (or no terminal to ask on) leaves it running."""
     try:
-        job_id = submit_slurm(script)
-    except SubmitError as err:
-        raise JobError("sbatch refused the job", [Problem("launcher", _one_line(str(err)),
-                                                          hint=f"the script is {script}")]) from None
-    con = _console()
-    out_file = rendered.run_dir / f"slurm-{job_id}.out"
-    print(f"submitted Slurm job {job_id}", flush=True)
-    con.print(f"output: {_escape(str(out_file))}; worker logs: {_escape(str(rendered.run_dir / 'logs'))}")
-    if not follow:
-        con.print(f"follow it with: squeue -j {job_id}  (or tail -f {_escape(str(rendered.run_dir / 'metrics.jsonl'))}); "
-                  f"cancel with: scancel {job_id}")
-        raise typer.Exit(0)
-
-    def ask_cancel(jid: str) -> bool:
-        try:
-            return typer.confirm(f"\ncancel Slurm job {jid} (scancel)? The workers checkpoint before they stop",
-                                 default=False)
-        except (typer.Abort, EOFError):
-            return False
-
-    try:
-        outcome = follow_slurm(job_id, rendered.run_dir / "metrics.jsonl", p.job.train.steps, console=con,
-                               ask_cancel=ask_cancel)
-    except KeyboardInterrupt:
-        con.print(f"\nleft Slurm job {job_id} running; cancel with: scancel {job_id}")
-        raise typer.Exit(130)
-    step = f"step {outcome.last_step}" if outcome.last_step is not None else "no step"
-    if outcome.state == "DETACHED":
-        con.print(f"left Slurm job {job_id} running (at {step}); cancel with: scancel {job_id}")
-        raise typer.Exit(0)
-    if outcome.state == "COMPLETED":
-        con.print(f"[green]finished[/]: Slurm job {job_id} completed at {step}; output in {_escape(str(out_file))}")
-        raise typer.Exit(0)
-    saved = ""
-    if outcome.preempted is not None:
-        ckpt = outcome.preempted.get("checkpoint")
-        saved = (f"; checkpoint {_escape(str(ckpt))}" if ckpt else "; no checkpoint") + \
-            " (submit the same job again with resume: auto to continue)"
-    con.print(f"[red]Slurm job {job_id} {outcome.state.lower()}[/] at {step}"
-              + (f", exit code {outcome.exit_code}" if outcome.exit_code else "") + saved
-              + f"; see {_escape(str(out_file))}")
-    raise typer.Exit(130 if outcome.cancelled_here else (outcome.exit_code or 1))
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
+        return typer.confirm(f"\ncancel Slurm job {job_id} (scancel)? The workers checkpoint before they stop",
+                             default=False)
+    except (typer.Abort, EOFError):
+        return False
 
 
 def _check_inputs(p) -> None:
@@ -512,7 +415,7 @@ def matrix_check(framework: Optional[str] = typer.Option(None, "--framework", "-
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of the job file (for editor completion)."""
-    from ascendfactory.spec import json_schema
+    from ascendfactory.job_file import json_schema
 
     typer.echo(json.dumps(json_schema(), indent=2))
 

@@ -1,4 +1,5 @@
-"""Run a rendered launch as an argv list, with live progress from metrics.jsonl."""
+"""Start what `run` rendered: a local launch with live progress from metrics.jsonl, a Slurm job submitted
+and followed, a kubectl apply; and an engine's preprocess step."""
 
 from __future__ import annotations
 
@@ -220,3 +221,105 @@ def follow_slurm(job_id: str, metrics: Path, total_steps: int | None, console=No
                 progress.start()
                 progress.update(task, status="[yellow]scancel sent: the workers checkpoint and stop…")
     return SlurmOutcome(state, exit_code, last_step, preempted, cancelled)
+
+
+# ---------------------------------------------------------------- cluster launchers as `run` drives them
+def shell_join(argv: list[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def cluster_command(launcher: str, run_dir: Path) -> list[str]:
+    """The command that starts a cluster job from its run directory (`run --dry-run` prints it)."""
+    if launcher == "slurm":
+        return sbatch_argv(run_dir / "launch.sh")
+    if launcher == "k8s":
+        return ["kubectl", "apply", "-f", str(run_dir / "launch.yaml")]
+    return ["bash", str(run_dir / "launch.sh")]
+
+
+def apply_k8s(run_dir: Path, console) -> int:
+    """kubectl apply -f launch.yaml (the ConfigMap of the engine files and the PyTorchJob) when kubectl is
+    here; otherwise print the command to run where it is. → the exit code for `run`."""
+    import shutil
+
+    from rich.markup import escape
+
+    command = cluster_command("k8s", run_dir)
+    if shutil.which("kubectl") is None:
+        console.print("kubectl is not on PATH here; apply the manifest where it is: " + escape(shell_join(command)))
+        return 0
+    console.print(escape(shell_join(command)))
+    res = subprocess.run(command, capture_output=True, text=True)
+    console.print(escape((res.stdout + res.stderr).strip()))
+    if res.returncode == 0:
+        name = yaml_name = None
+        try:
+            import yaml
+
+            for doc in yaml.safe_load_all((run_dir / "launch.yaml").read_text()):
+                if doc and doc.get("kind") == "PyTorchJob":
+                    name, yaml_name = doc["metadata"]["name"], doc["metadata"]["namespace"]
+        except (OSError, ValueError, KeyError):
+            pass
+        if name:
+            console.print(f"follow it with: kubectl -n {yaml_name} get pytorchjob {name}; "
+                          f"kubectl -n {yaml_name} logs -f {name}-master-0")
+    return res.returncode
+
+
+def submit_and_follow_slurm(run_dir: Path, total_steps: int | None, follow: bool, console,
+                            ask_cancel=None) -> int:
+    """sbatch the rendered script, print the job id, then (unless follow is False) follow metrics.jsonl on
+    the shared run directory until the job ends; Ctrl-C calls ask_cancel (see follow_slurm). A missing or
+    refusing sbatch raises JobError; otherwise → the exit code for `run`."""
+    import shutil
+
+    from rich.markup import escape
+
+    from ascendfactory.errors import JobError, Problem
+
+    script = run_dir / "launch.sh"
+    if shutil.which("sbatch") is None:
+        raise JobError("sbatch is not on PATH here: nothing was submitted",
+                       [Problem("launcher", f"{script} is ready",
+                                hint=f"on a Slurm login node run: {shell_join(cluster_command('slurm', run_dir))}")])
+    try:
+        job_id = submit_slurm(script)
+    except SubmitError as err:
+        raise JobError("sbatch refused the job", [Problem("launcher", _one_line(str(err)),
+                                                          hint=f"the script is {script}")]) from None
+    out_file = run_dir / f"slurm-{job_id}.out"
+    print(f"submitted Slurm job {job_id}", flush=True)
+    console.print(f"output: {escape(str(out_file))}; worker logs: {escape(str(run_dir / 'logs'))}")
+    if not follow:
+        console.print(f"follow it with: squeue -j {job_id}  (or tail -f {escape(str(run_dir / 'metrics.jsonl'))}); "
+                      f"cancel with: scancel {job_id}")
+        return 0
+    try:
+        outcome = follow_slurm(job_id, run_dir / "metrics.jsonl", total_steps, console=console,
+                               ask_cancel=ask_cancel)
+    except KeyboardInterrupt:
+        console.print(f"\nleft Slurm job {job_id} running; cancel with: scancel {job_id}")
+        return 130
+    step = f"step {outcome.last_step}" if outcome.last_step is not None else "no step"
+    if outcome.state == "DETACHED":
+        console.print(f"left Slurm job {job_id} running (at {step}); cancel with: scancel {job_id}")
+        return 0
+    if outcome.state == "COMPLETED":
+        console.print(f"[green]finished[/]: Slurm job {job_id} completed at {step}; output in {escape(str(out_file))}")
+        return 0
+    saved = ""
+    if outcome.preempted is not None:
+        ckpt = outcome.preempted.get("checkpoint")
+        saved = (f"; checkpoint {escape(str(ckpt))}" if ckpt else "; no checkpoint") + \
+            " (submit the same job again with resume: auto to continue)"
+    console.print(f"[red]Slurm job {job_id} {outcome.state.lower()}[/] at {step}"
+                  + (f", exit code {outcome.exit_code}" if outcome.exit_code else "") + saved
+                  + f"; see {escape(str(out_file))}")
+    return 130 if outcome.cancelled_here else (outcome.exit_code or 1)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,20 +1,15 @@
 """The job spec: one pydantic model for every framework, with errors a person can act on.
 
-`load_job(path, overrides)` reads YAML, applies `key.sub=value` overrides and validates. Every
-problem of the file is collected into one JobError (dotted path, YAML line, did-you-mean).
+Reading a job file and reporting its problems is ascendfactory/job_file.py.
 """
 
 
-from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from backends.contract import layout as L
-from ascendfactory.errors import JobError, Problem, did_you_mean
 from ascendfactory.frameworks import FRAMEWORKS
 from ascendfactory.frameworks.rl import RL_STAGES, TRAINED_ROLES
 
@@ -37,6 +32,14 @@ MAX_ARCH_NUMBER = 1 << 40       # any architecture number in model_overrides
 def _out_of_range(value: int, lo: int, hi: int, hint: str) -> PydanticCustomError:
     return PydanticCustomError("int_out_of_range", "{shown} is out of range: allowed whole numbers {lo} … {hi}",
                                {"shown": L.show_number(value), "lo": lo, "hi": hi, "hint": hint})
+
+
+def show_value(value: Any) -> str:
+    """A value as an error message shows it: huge numbers by size, long text cut."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return L.show_number(value)
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 NAME_MAX = 255   # bytes in one path component (Linux)
@@ -466,7 +469,7 @@ class JobSpec(_Block):
             elif number is None and lo == 0:
                 continue  # an optional feature switched off (sliding_window: null)
             elif isinstance(number, bool) or not isinstance(number, int) or not lo <= number <= hi:
-                problems.append(f"{key}: {_short(number)} is out of range: allowed whole numbers {lo} … {hi}")
+                problems.append(f"{key}: {show_value(number)} is out of range: allowed whole numbers {lo} … {hi}")
         if problems:
             raise ValueError("; ".join(problems) + " (architecture numbers are sizes and counts of the model)")
         return value
@@ -479,7 +482,7 @@ class JobSpec(_Block):
         model_id = resolve_model(value)
         if model_id is None:
             close = closest_models(value)
-            raise ValueError(f"unknown model {_short(value)}" + (f"; did you mean {', '.join(close)}?" if close else
+            raise ValueError(f"unknown model {show_value(value)}" + (f"; did you mean {', '.join(close)}?" if close else
                                                              "; run `ascendfactory models` for the list"))
         return model_id
 
@@ -586,232 +589,3 @@ def _inherit(base: dict[str, Any], block: Optional[BaseModel]) -> dict[str, Any]
         if key in out and key not in given and any(d in given for d in deps):
             del out[key]
     return {**out, **given}
-
-
-# ---------------------------------------------------------------- loading and error reporting
-
-def _line_index(text: str) -> dict[tuple, int]:
-    """Map each key path in the YAML text to its 1-based line number."""
-    try:
-        root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except yaml.YAMLError:
-        return {}
-    out: dict[tuple, int] = {}
-
-    def walk(node, path):
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = k.value
-                out[path + (key,)] = k.start_mark.line + 1
-                walk(v, path + (key,))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                out[path + (i,)] = v.start_mark.line + 1
-                walk(v, path + (i,))
-
-    if root is not None:
-        walk(root, ())
-    return out
-
-
-def _block_fields(loc: tuple) -> list[str]:
-    """Field names valid at the parent of `loc` (for did-you-mean on an unknown key)."""
-    model: Any = JobSpec
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
-        if field is None:
-            return []
-        ann = field.annotation
-        for candidate in (ann, *getattr(ann, "__args__", ())):
-            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-                model = candidate
-                break
-        else:
-            return []
-    return list(model.model_fields) if hasattr(model, "model_fields") else []
-
-
-def _short(value: Any) -> str:
-    """A value as an error message shows it: huge numbers by size, long text cut."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return L.show_number(value)
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _problems_from(err: ValidationError, lines: dict[tuple, int], overridden: set[tuple]) -> list[Problem]:
-    problems = []
-    for e in err.errors():
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        # a key with a newline or control character would break the one-line location: show its repr
-        where = ".".join(p if isinstance(p, str) and len(p) <= 60 and p.isprintable() else _short(p) for p in loc)
-        line = None if loc in overridden else lines.get(loc)
-        if line is None and loc not in overridden:
-            for i in range(len(loc) - 1, 0, -1):
-                if loc[:i] in lines:
-                    line = lines[loc[:i]]
-                    break
-        origin = " (from a command-line override)" if loc in overridden else ""
-        hint = None
-        if e["type"] == "int_out_of_range":
-            ctx = e["ctx"]
-            msg, hint = e["msg"] + origin, ctx["hint"]
-        elif e["type"] == "extra_forbidden":
-            msg = f"unknown key {_short(loc[-1])}{origin}"
-            options = _block_fields(loc)
-            guess = did_you_mean(loc[-1], options)
-            hint = f"did you mean '{guess}'?" if guess else (
-                "allowed here: " + ", ".join(options) if options else None)
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        elif e["type"] == "literal_error":
-            expected = e.get("ctx", {}).get("expected", "")
-            got = e.get("input")
-            msg = f"{_short(got)} is not allowed{origin}; expected {expected}"
-            choices = [c.strip(" '") for c in str(expected).replace(" or ", ",").split(",")]
-            guess = did_you_mean(got, choices)
-            hint = f"did you mean '{guess}'?" if guess else None
-        else:
-            msg = e["msg"].removeprefix("Value error, ") + origin
-            if e["type"] not in ("value_error", "assertion_error") and "input" in e and not isinstance(e["input"], dict):
-                msg += f" (got {_short(e['input'])})"
-        problems.append(Problem(where or "(job)", msg, line=line, hint=hint))
-    return sorted(problems, key=lambda p: (p.line is None, p.line or 0))
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise JobError("Bad override", [Problem(item, "overrides look like key.sub=value",
-                                                hint="e.g. train.lr=2e-5 parallel.tp=2")])
-    key, _, raw = item.partition("=")
-    path = [p for p in key.strip().split(".") if p]
-    if not path:
-        raise JobError("Bad override", [Problem(item, "empty key")])
-    try:
-        _yaml_guard(raw)
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except (yaml.YAMLError, ValueError, OverflowError):
-        value = raw
-    return path, value
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> set[tuple]:
-    touched = set()
-    for item in overrides:
-        path, value = parse_override(item)
-        node = data
-        for part in path[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[path[-1]] = value
-        touched.add(tuple(path))
-    return touched
-
-
-def read_job_text(path: str | Path) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise JobError(f"Job file not found: {p}", [Problem("(file)", f"{p} does not exist",
-                                                            hint="check the path, or create one with `ascendfactory init`")])
-    if p.is_dir():
-        raise JobError(f"Not a job file: {p}", [Problem("(file)", f"{p} is a directory; pass the YAML file")])
-    try:
-        return p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise JobError(f"Cannot read job file {p}", [Problem("(file)", str(exc))]) from None
-
-
-# A job file is a few kB of YAML. These bounds stop what would exhaust memory or the stack before
-# anything is built: aliases that expand to billions of nodes ("billion laughs"), nesting deeper
-# than the recursive composer survives, megabytes of text.
-MAX_JOB_CHARS = 1 << 20
-MAX_YAML_DEPTH = 64
-MAX_YAML_NODES = 100_000   # after expanding every alias
-
-
-def _yaml_guard(text: str) -> None:
-    """Walk the event stream (iterative, builds nothing) and refuse a document too big or deep."""
-    if len(text) > MAX_JOB_CHARS:
-        raise JobError("The job file is too large", [Problem(
-            "(file)", f"{len(text)} characters; a job file is at most {MAX_JOB_CHARS}",
-            hint="keep data in data files; a job file names them")])
-    anchors: dict[str, int] = {}
-    sizes: list[list] = []  # open collections: [anchor, expanded size so far]
-    total = 0
-
-    def refuse(what: str, event, hint: str) -> None:
-        raise JobError("The job file's YAML is refused", [Problem(
-            "(yaml)", what, line=event.start_mark.line + 1 if event.start_mark else None, hint=hint)])
-
-    for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            sizes.append([event.anchor, 1])
-            total += 1
-            if len(sizes) > MAX_YAML_DEPTH:
-                refuse(f"nested more than {MAX_YAML_DEPTH} levels deep", event, "flatten the structure")
-            continue
-        if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            anchor, size = sizes.pop()
-        elif isinstance(event, yaml.ScalarEvent):
-            anchor, size = event.anchor, 1
-            total += 1
-        elif isinstance(event, yaml.AliasEvent):
-            anchor, size = None, anchors.get(event.anchor, 1)
-            total += size
-        else:
-            continue
-        if anchor is not None:
-            anchors[anchor] = size
-        if sizes:
-            sizes[-1][1] += size
-        if total > MAX_YAML_NODES:
-            refuse(f"expands to more than {MAX_YAML_NODES} values (anchors and aliases count once per use)",
-                   event, "write the job without deeply repeated aliases")
-
-
-def _load_yaml(text: str, source: str) -> Any:
-    from ascendfactory.catalog import load_yaml_unique
-
-    try:
-        _yaml_guard(text)
-        return load_yaml_unique(text) if text.strip() else {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        what = getattr(exc, "problem", None) or str(exc)
-        raise JobError(f"{source} is not valid YAML", [Problem("(yaml)", str(what), line=line,
-                                                               hint="fix the YAML syntax at that line")]) from None
-    except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than Python reads
-        raise JobError(f"{source} holds a value that cannot be read", [Problem(
-            "(yaml)", str(exc), hint="look for a number thousands of digits long")]) from None
-
-
-def parse_job(text: str, overrides: list[str] | None = None, source: str = "job") -> JobSpec:
-    data = _load_yaml(text, source)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise JobError(f"{source} must be a YAML mapping of keys (model:, framework:, data:, …)",
-                       [Problem("(job)", f"the file holds a {type(data).__name__}, not a mapping")])
-    overridden = apply_overrides(data, overrides or [])
-    lines = _line_index(text)
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as err:
-        problems = _problems_from(err, lines, overridden)
-        n = len(problems)
-        raise JobError(f"{source}: {n} problem{'s' if n != 1 else ''} in the job file", problems) from None
-
-
-def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    return parse_job(read_job_text(path), overrides, source=str(path))
-
-
-def json_schema() -> dict:
-    schema = JobSpec.model_json_schema()
-    schema["title"] = "AscendFactory job"
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    return schema

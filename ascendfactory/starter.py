@@ -94,8 +94,8 @@ def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int
 
 
 def starter_job(model: str, framework: str, stage: str) -> str:
+    from ascendfactory.job_file import parse_job
     from ascendfactory.plan import make_plan
-    from ascendfactory.spec import parse_job
 
     model_id = catalog.require_model(model, where="--model")
     if stage not in _DATA:

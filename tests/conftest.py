@@ -40,8 +40,8 @@ def job_text():
 
 @pytest.fixture
 def plan_of(job_text):
+    from ascendfactory.job_file import parse_job
     from ascendfactory.plan import make_plan
-    from ascendfactory.spec import parse_job
 
     def make(allow_unsupported=False, check_memory=False, **changes):
         return make_plan(parse_job(job_text(**changes)), allow_unsupported=allow_unsupported,

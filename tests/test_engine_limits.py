@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from ascendfactory.cli import app
 from ascendfactory.engines import engine_info, over_limits, unbuilt_combinations
-from ascendfactory.spec import parse_job
+from ascendfactory.job_file import parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from ascendfactory.job_file import load_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
-from ascendfactory.spec import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.yaml"))

@@ -58,7 +58,8 @@ def test_columns_match_the_tables():
 
 def test_spec_accepts_exactly_the_registered_frameworks(job_text):
     from ascendfactory.errors import JobError
-    from ascendfactory.spec import JobSpec, parse_job
+    from ascendfactory.job_file import parse_job
+    from ascendfactory.spec import JobSpec
 
     assert set(JobSpec.model_json_schema()["properties"]["framework"]["enum"]) == set(FRAMEWORKS)
     with pytest.raises(JobError, match="did you mean 'verl'"):

@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from ascendfactory.errors import JobError
+from ascendfactory.job_file import parse_job
 from ascendfactory.plan import effective_yaml, make_plan
-from ascendfactory.spec import JobSpec, parse_job
+from ascendfactory.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("examples/**/*.yaml")

@@ -17,9 +17,9 @@ import yaml
 
 from ascendfactory.errors import JobError
 from ascendfactory.frameworks import FRAMEWORKS
+from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import config_map_key, render
-from ascendfactory.spec import load_job, parse_job
 from tests.helpers.tiny_runs import ROOT, cli, losses, tiny_job, write_job
 
 CRD = ROOT.parent / "shared" / "upstream" / "kubeflow-training-operator-1.9-pytorchjobs-crd.yaml"

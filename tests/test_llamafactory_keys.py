@@ -15,9 +15,9 @@ import yaml
 
 from ascendfactory import catalog
 from ascendfactory.frameworks import adapter
+from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
-from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
 from tests.helpers.starters import starters
 

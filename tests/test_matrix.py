@@ -6,8 +6,8 @@ import pytest
 
 from ascendfactory import catalog
 from ascendfactory.errors import JobError
+from ascendfactory.job_file import parse_job
 from ascendfactory.matrix import check, features_used, frameworks_serving
-from ascendfactory.spec import parse_job
 
 
 def test_unsupported_cell_is_refused_with_cell_and_command(job_text):

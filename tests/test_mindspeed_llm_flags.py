@@ -12,9 +12,9 @@ import yaml
 
 from ascendfactory import catalog
 from ascendfactory.errors import JobError
+from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import SIDECAR_ENV, SIDECAR_NAME, render
-from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
 from tests.helpers.starters import starters
 from tests.helpers.megatron_flags import TSV_NAME, FlagError, check, problems, read_tsv, upstream_parser

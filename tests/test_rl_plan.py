@@ -13,9 +13,9 @@ from ascendfactory import plan as planner
 from ascendfactory.errors import JobError
 from ascendfactory.frameworks import verl as verl_adapter
 from backends.contract.layout import rl_batches
+from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render, write_files
-from ascendfactory.spec import load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 RL_EXAMPLES = sorted((ROOT / "examples" / "verl").glob("*.yaml")) + sorted((ROOT / "examples" / "mindspeed-rl").glob("*.yaml"))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
+from ascendfactory.job_file import parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
-from ascendfactory.spec import parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from ascendfactory.job_file import parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
-from ascendfactory.spec import parse_job
 from tests.helpers.slurm import SlurmCluster, SlurmUnavailable, missing_tools
 from tests.helpers.tiny_runs import ROOT, cli, logs_of, losses, records, tiny_job, write_job
 

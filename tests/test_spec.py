@@ -3,7 +3,7 @@
 import pytest
 
 from ascendfactory.errors import JobError
-from ascendfactory.spec import json_schema, load_job, parse_job
+from ascendfactory.job_file import json_schema, load_job, parse_job
 
 BAD = """\
 model: qwen3-8b

@@ -17,9 +17,9 @@ import yaml
 
 from ascendfactory.errors import JobError
 from backends.contract.layout import rl_batches
+from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
-from ascendfactory.spec import load_job, parse_job
 from backends.rl import config as rlconfig
 from backends.rl import verl as verl_reader
 from tests.test_verl_keys import assert_verl_keys

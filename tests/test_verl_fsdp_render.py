@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from ascendfactory.errors import JobError
+from ascendfactory.job_file import parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
-from ascendfactory.spec import parse_job
 from backends.rl import config as rlconfig
 from backends.rl import verl as verl_reader
 

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from ascendfactory.frameworks import adapter
+from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render, write_files
-from ascendfactory.spec import load_job, parse_job
 from ascendfactory.starter import starter_job
 from backends.rl import config as rlconfig
 from backends.rl import verl as verl_reader

@@ -160,7 +160,7 @@ class OneProcess:
         self.names: dict[str, str] = {}
 
     def name(self, spec: dict) -> str:
-        from ascendfactory.spec import parse_job
+        from ascendfactory.job_file import parse_job
 
         spec = {k: v for k, v in spec.items() if k != "output_dir"}
         assert spec.get("launcher") == "local", "a reference run is a one-process run"

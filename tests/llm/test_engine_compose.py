@@ -179,9 +179,9 @@ def test_every_refused_combination_has_a_case():
 def test_refused_combination_stops_run_and_engine(tmp_path, tiny_model, fields):
     """`run` exits 2 before launching anything, naming the job fields; the engine started by hand with
     the rendered flags refuses with the same words (one table: capabilities.UNBUILT)."""
+    from ascendfactory.job_file import parse_job
     from ascendfactory.plan import make_plan
     from ascendfactory.render import render
-    from ascendfactory.spec import parse_job
     from backends.llm.capabilities import UNBUILT
     from backends.llm.config import ConfigError, parse_args
     from backends.llm.recipe import refuse_unbuilt_parallelism

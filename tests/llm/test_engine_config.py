@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
-from ascendfactory.spec import load_job, parse_job
 from backends.llm.config import ConfigError, lora_targets, parse_args, read_engine_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -111,9 +111,9 @@ def test_checkpoints_reshard_between_ep2_and_ep1(runs):
 
 def _engine_args(spec: dict, tmp_path) -> tuple[list[str], str]:
     """The rendered flags, and the engine.yaml (written) that goes with them."""
+    from ascendfactory.job_file import parse_job
     from ascendfactory.plan import make_plan
     from ascendfactory.render import render, write_files
-    from ascendfactory.spec import parse_job
 
     plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
     rendered = render(plan, tmp_path / "render")

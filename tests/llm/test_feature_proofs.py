@@ -97,8 +97,8 @@ def test_a_changed_document_leaves_the_others_in_its_row_unchanged(tiny_model, f
 
 def _recipe(job: dict, tmp_path: Path):
     """The engine's recipe for `job`, from the flags and engine.yaml that `run` would write."""
+    from ascendfactory.job_file import parse_job
     from ascendfactory.plan import make_plan
-    from ascendfactory.spec import parse_job
     from backends.llm.recipe import LLMRecipe
     from tests.llm.test_engine_config import _parsed
 

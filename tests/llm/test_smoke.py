@@ -103,8 +103,8 @@ def _documented_refusal(job: dict) -> list[str]:
     """[] for a job the capability matrix allows; ["--allow-unsupported"] only where the documented
     table marks the cell ❌ (MindSpeed-LLM lacks it, our engine still runs it) and that is the one reason."""
     from ascendfactory.errors import JobError
+    from ascendfactory.job_file import parse_job
     from ascendfactory.plan import make_plan
-    from ascendfactory.spec import parse_job
 
     try:
         make_plan(parse_job(yaml.safe_dump(job)), check_memory=False)

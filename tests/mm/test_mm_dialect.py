@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ascendfactory.job_file import parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import SIDECAR_NAME, render
-from ascendfactory.spec import parse_job
 from tests.helpers.megatron_flags import TSV_NAME, problems, upstream_parser
 
 ROOT = Path(__file__).resolve().parents[2]

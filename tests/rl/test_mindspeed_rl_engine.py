@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ascendfactory.job_file import load_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render, write_files
-from ascendfactory.spec import load_job
 from backends.rl import config as rlconfig
 from backends.rl import dialects
 from backends.rl import mindspeed_rl as msrl

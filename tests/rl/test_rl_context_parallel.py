@@ -54,7 +54,7 @@ def test_context_parallel_matches_one_process(runs, name):
 
 
 def _msrl_job(parallel: dict, world: int):
-    from ascendfactory.spec import parse_job
+    from ascendfactory.job_file import parse_job
 
     spec = yaml.safe_load((ROOT / "examples" / "mindspeed-rl" / "grpo.yaml").read_text())
     spec.update(parallel=parallel, launcher="torchrun", resources={"device": "cpu", "devices_per_node": world})

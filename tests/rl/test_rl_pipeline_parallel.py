@@ -187,7 +187,7 @@ def test_resume_and_export_under_pipeline_parallel(runs, tmp_path_factory):
 
 
 def _msrl_job(parallel: dict, world: int):
-    from ascendfactory.spec import parse_job
+    from ascendfactory.job_file import parse_job
 
     spec = yaml.safe_load((ROOT / "examples" / "mindspeed-rl" / "grpo.yaml").read_text())
     spec.update(parallel=parallel, launcher="torchrun", resources={"device": "cpu", "devices_per_node": world})
