@@ -90,3 +90,36 @@ def gather_floats(value: float, device: torch.device) -> list[float]:
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return [float(x) for x in out]
+
+
+def all_gather_rows(columns: dict[str, list], group, device: torch.device, floats=()) -> dict[str, list]:
+    """Every rank's rows of `group`, concatenated in group-rank order, as device tensors on the wire (no
+    pickled objects). Each column is a list with one value per row: a number, or a list of numbers (ragged:
+    sent right-padded to the group's widest row, with its lengths). Every rank holds the same number of
+    rows. The columns named in `floats` travel as float64 (a Python float exactly), the others as int64."""
+    names = list(columns)
+    rows = len(next(iter(columns.values()), []))
+    ragged = [n for n in names if rows and isinstance(columns[n][0], (list, tuple))]
+    widths = torch.tensor([max((len(v) for v in columns[n]), default=0) for n in ragged] or [0], device=device)
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=group)
+    world = dist.get_world_size(group)
+    out: dict[str, list] = {}
+    for name in names:
+        values = columns[name]
+        dtype = torch.float64 if name in floats else torch.int64
+        if name in ragged:
+            width = int(widths[ragged.index(name)])
+            local = torch.zeros(rows, width + 1, dtype=dtype, device=device)  # column 0: the row's length
+            for i, v in enumerate(values):
+                local[i, 0] = len(v)
+                local[i, 1:len(v) + 1] = torch.tensor(v, dtype=dtype)
+        else:
+            local = torch.tensor(values, dtype=dtype, device=device)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=group)
+        whole = torch.cat(parts).cpu()
+        if name in ragged:
+            out[name] = [row[1:1 + int(row[0])].tolist() for row in whole]
+        else:
+            out[name] = whole.tolist()
+    return out

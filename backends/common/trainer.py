@@ -42,11 +42,39 @@ log = logging.getLogger("backends.trainer")
 
 @dataclass
 class Loss:
-    """What a recipe's loss returns for one micro-batch."""
-    sum: torch.Tensor                       # summed over the micro-batch's `n_tokens` loss terms
+    """What a recipe's loss returns for one micro-batch: a token sum (the trainer divides by the global count of
+    loss terms: SFT, pretraining, DPO) or a term the recipe normalised itself over the whole global batch (its
+    share of the step loss: every rank's and micro-batch's `mean` sum to it; RL's VeRL-style aggregations)."""
+    sum: torch.Tensor | None = None         # summed over the micro-batch's `n_tokens` loss terms
     extra: torch.Tensor | None = None       # a per-micro-batch mean term (e.g. coefficient × MoE aux loss),
     #                                         averaged over the micro-batches and added as is
-    metrics: dict[str, Any] = field(default_factory=dict)  # logged: mean over micro-batches and ranks
+    metrics: dict[str, Any] = field(default_factory=dict)  # logged: weighted mean over micro-batches and ranks
+    mean: torch.Tensor | None = None        # this micro-batch's share of the step loss, already normalised
+    weight: float = 1.0                     # this micro-batch's weight in the metric means (e.g. its tokens)
+
+
+@dataclass(frozen=True)
+class Scales:
+    """How one micro-batch's Loss enters the backward pass and the logged step loss (the loss contract in one
+    place, for the plain accumulation and for the pipeline runners alike)."""
+    token: float    # on Loss.sum: grad_world / the global loss terms (x the fp16 loss scale in a runner)
+    extra: float    # on Loss.extra: 1 / micro-batches (x the loss scale in a runner)
+    mean: float     # on Loss.mean: grad_world (x the loss scale): the gradient sync averages over grad_world
+    denom: float    # the global loss terms: the logged loss is the summed token loss over it
+
+    def terms(self, out: Loss) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what backward runs on, the micro-batch's logged loss in summed-token units, float64)."""
+        backward, logged = [], []
+        if out.sum is not None:
+            backward.append(out.sum.float() * self.token)
+            logged.append(out.sum.detach().to(torch.float64))
+        if out.mean is not None:
+            backward.append(out.mean.float() * self.mean)
+            logged.append(out.mean.detach().to(torch.float64) * self.denom)
+        if out.extra is not None:
+            backward.append(out.extra.float() * self.extra)
+        return sum(backward[1:], backward[0]), sum(logged[1:], logged[0]) if logged else torch.zeros(
+            (), dtype=torch.float64, device=backward[0].device)
 
 
 @dataclass
@@ -61,9 +89,9 @@ class Part:
     grad_clip: float = 0.0
     after_backward: Callable[[], None] | None = None   # e.g. a gradient all-reduce no wrapper does
     clip: Callable[[float], torch.Tensor] | None = None  # clip(limit) -> norm where ranks hold different params
-    # forward_backward(micro_batches, token_scale, extra_scale) -> (summed token loss, metrics) replaces the
-    # plain accumulation (a pipeline schedule); it scales each micro-batch's loss sum by token_scale and
-    # its extra term by extra_scale before backward
+    # forward_backward(micro_batches, scales) -> (logged loss in summed-token units, weighted metric sums, their
+    # weight) replaces the plain accumulation (a pipeline schedule); each micro-batch's Loss goes through
+    # scales.terms before backward
     forward_backward: Callable | None = None
     scaler: Any = None            # torch.amp.GradScaler for fp16
 
@@ -154,23 +182,24 @@ def _no_sync(model: torch.nn.Module, last: bool):
     return contextlib.nullcontext()
 
 
-def _accumulate(part: Part, micro_batches, loss_fn, device, token_scale):
-    """Forward + backward of every micro-batch (gradients accumulate) -> (summed token loss, metric sums)."""
+def _accumulate(part: Part, micro_batches, loss_fn, device, scales: Scales):
+    """Forward + backward of every micro-batch (gradients accumulate) -> (logged loss in summed-token units,
+    weighted metric sums, their weight)."""
     loss_sum_total = torch.zeros((), dtype=torch.float64, device=device)
     metric_sums: dict[str, float] = {}
+    weight = 0.0
     n = len(micro_batches)
     for i, mb in enumerate(micro_batches):
         with _no_sync(part.model, i == n - 1):
             with autocast_for(device, part.precision):
                 out = loss_fn(part.model, mb)
-            loss = out.sum.float() * token_scale
-            if out.extra is not None:
-                loss = loss + out.extra.float() / n
+            loss, logged = scales.terms(out)
             (part.scaler.scale(loss) if part.scaler is not None else loss).backward()
-        loss_sum_total += out.sum.detach().to(torch.float64)
+        loss_sum_total += logged
+        weight += out.weight
         for key, value in out.metrics.items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + float(value) / n
-    return loss_sum_total, metric_sums
+            metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * out.weight
+    return loss_sum_total, metric_sums, weight
 
 
 def _agree_on_overflow(scaler, optimizer) -> None:
@@ -202,14 +231,16 @@ def optimize(part: Part, micro_batches: list[dict], loss_fn: Callable[[torch.nn.
     local = torch.tensor(_counts(micro_batches), dtype=torch.float64, device=device)
     global_valid, global_tokens, global_real = all_reduce_sum(local, part.grad_group).tolist()
     denom = max(global_valid, 1.0)
-    token_scale = part.grad_world / denom
+    n = len(micro_batches)
     if part.forward_backward is not None:  # e.g. a pipeline schedule that runs the micro-batches itself
         # fp16: the loss scale rides in the scales (scaler.scale of a one also starts the scaler)
         scale = float(part.scaler.scale(torch.ones((), device=device))) if part.scaler is not None else 1.0
-        loss_sum_total, metric_sums = part.forward_backward(micro_batches, token_scale * scale,
-                                                            scale / len(micro_batches))
+        scales = Scales(token=part.grad_world / denom * scale, extra=scale / n, mean=part.grad_world * scale,
+                        denom=denom)
+        loss_sum_total, metric_sums, weight = part.forward_backward(micro_batches, scales)
     else:
-        loss_sum_total, metric_sums = _accumulate(part, micro_batches, loss_fn, device, token_scale)
+        scales = Scales(token=part.grad_world / denom, extra=1 / n, mean=part.grad_world, denom=denom)
+        loss_sum_total, metric_sums, weight = _accumulate(part, micro_batches, loss_fn, device, scales)
     if part.after_backward is not None:
         part.after_backward()
     optimizer, scaler = part.optimizer, part.scaler
@@ -236,11 +267,11 @@ def optimize(part: Part, micro_batches: list[dict], loss_fn: Callable[[torch.nn.
     optimizer.zero_grad(set_to_none=True)
     loss = float(all_reduce_sum(loss_sum_total, part.grad_group)) / denom
     metrics = {}
-    if metric_sums:  # each rank's mean over its micro-batches, then the mean over the ranks
+    if metric_sums:  # the weighted mean over every rank's micro-batches (equal weights: the plain mean)
         keys = sorted(metric_sums)
-        summed = all_reduce_sum(torch.tensor([metric_sums[k] for k in keys], dtype=torch.float64, device=device),
-                                part.grad_group)
-        metrics = {k: float(v) / part.grad_world for k, v in zip(keys, summed.tolist())}
+        summed = all_reduce_sum(torch.tensor([metric_sums[k] for k in keys] + [weight], dtype=torch.float64,
+                                             device=device), part.grad_group).tolist()
+        metrics = {k: float(v) / summed[-1] for k, v in zip(keys, summed[:-1])}
     return StepResult(loss=loss, grad_norm=float(norm), tokens=int(global_tokens), valid_tokens=int(global_valid),
                       seconds=time.perf_counter() - start, real_tokens=int(global_real), metrics=metrics)
 

@@ -236,10 +236,10 @@ class LLMRecipe(Recipe):
     def loss(self, model, mb: dict) -> Loss:
         return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff)
 
-    def _pipeline_step(self, micro_batches, token_scale, extra_scale):
+    def _pipeline_step(self, micro_batches, scales):
         coeff = self.cfg.train.moe_aux_loss_coeff
-        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, token_scale, extra_scale * coeff)
-        return loss_sum, ({"aux_loss": aux} if aux is not None and coeff else {})
+        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, scales.token, scales.extra * coeff)
+        return loss_sum, ({"aux_loss": aux} if aux is not None and coeff else {}), 1.0  # aux: this rank's mean
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict()}

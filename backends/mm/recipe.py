@@ -191,9 +191,9 @@ class MMRecipe(Recipe):
             out.append({k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in mb.items()})
         return out
 
-    def _pipeline_step(self, micro_batches, token_scale, extra_scale):
-        loss_sum, _ = self.par.pipeline.forward_backward(micro_batches, token_scale, extra_scale)
-        return loss_sum, {}
+    def _pipeline_step(self, micro_batches, scales):
+        loss_sum, _ = self.par.pipeline.forward_backward(micro_batches, scales.token, scales.extra)
+        return loss_sum, {}, 1.0
 
     def loss(self, model, mb: dict) -> Loss:
         return Loss(model(mb["input_ids"], mb["labels"], mb["cu_seqlens"], mb["pixel_values"], mb["image_grid_thw"]))

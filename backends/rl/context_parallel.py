@@ -51,18 +51,15 @@ class CPLayout:
     tp_mesh: Any              # the tp sub-mesh, or None at tp 1
 
 
-def setup(device_type: str, world: int, dp: int, cp: int, tp: int, algo: str, heads: int) -> CPLayout:
-    """The (dp, cp, tp) mesh and its groups; every rank calls it (the groups are collective)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def setup(mesh, algo: str, heads: int) -> CPLayout:
+    """The context-parallel groups of the engine's (pp, dp, cp, tp) mesh; every rank calls it (the groups are
+    collective)."""
     if algo not in ALGOS:
         raise ValueError(f"context-parallel algorithm {algo!r}: the RL actors run {' or '.join(ALGOS)}")
-    if dp * cp * tp != world:
-        raise ValueError(f"dp {dp} x cp {cp} x tp {tp} is not the {world} ranks")
+    cp, tp = mesh["cp"].size(), mesh["tp"].size()
     if algo == "ulysses" and heads % (tp * cp):
         raise ValueError(f"Ulysses context parallel splits each tp rank's {heads // tp} attention heads over the "
                          f"{cp} cp ranks: they must divide; use ring attention or another cp")
-    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
     return CPLayout(size=cp, rank=mesh["cp"].get_local_rank(), algo=algo, group=mesh["cp"].get_group(),
                     grad_group=mesh["dp", "cp"]._flatten("dp_cp").get_group(), dp_group=mesh["dp"].get_group(),
                     tp_mesh=mesh["tp"] if tp > 1 else None)

@@ -76,20 +76,15 @@ def split(num_layers: int, pp: int) -> list[list[int]]:
     return [list(range(s * per, (s + 1) * per)) for s in range(pp)]
 
 
-def setup(device_type: str, world: int, dp: int, pp: int, tp: int, num_layers: int, tied: bool) -> PPLayout:
-    """The (pp, dp, tp) mesh and its groups; every rank calls it (the groups are collective)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def setup(mesh, num_layers: int, tied: bool) -> PPLayout:
+    """The pipeline groups of the engine's (pp, dp, cp, tp) mesh; every rank calls it (the groups are collective)."""
     from backends.common.parallel.pipeline import tied_embedding_groups
 
-    if pp * dp * tp != world:
-        raise ValueError(f"pp {pp} x dp {dp} x tp {tp} is not the {world} ranks")
-    stages = split(num_layers, pp)
-    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
     pp_mesh = mesh["pp"]
     return PPLayout(size=pp, rank=pp_mesh.get_local_rank(), group=pp_mesh.get_group(),
-                    ranks=[int(r) for r in pp_mesh.mesh.tolist()], stages=stages, dp_group=mesh["dp"].get_group(),
-                    tp_mesh=mesh["tp"] if tp > 1 else None,
+                    ranks=[int(r) for r in pp_mesh.mesh.tolist()], stages=split(num_layers, pp),
+                    dp_group=mesh["dp"].get_group(), tp_mesh=mesh["tp"] if tp > 1 else None,
                     tied_group=tied_embedding_groups(mesh, pp) if tied else None)
 
 
@@ -225,16 +220,16 @@ def forward(model: nn.Module, micro: list[dict], pl: PPLayout,
 
 
 def forward_backward(model: nn.Module, pl: PPLayout, loss_fn, precision: str):
-    """Part.forward_backward for the actor: (micro_batches, token_scale, extra_scale) -> (summed token loss,
-    metric means over the micro-batches), the same on every pp rank; each stage's gradients in .grad."""
+    """Part.forward_backward for the actor: (micro_batches, scales) -> (logged loss in summed-token units,
+    weighted metric sums, their weight), the same on every pp rank; each stage's gradients in .grad."""
     from backends.common.trainer import autocast_for
 
-    def run(micro: list[dict], token_scale: float, extra_scale: float):
+    def run(micro: list[dict], scales):
         device = micro[0]["input_ids"].device
-        n = len(micro)
         saved = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         metrics: dict[str, float] = {}
+        weight = 0.0
         with autocast_for(device, precision):
             for mb in micro:  # every micro-batch forward through the stages ...
                 x_in = None
@@ -248,12 +243,11 @@ def forward_backward(model: nn.Module, pl: PPLayout, loss_fn, precision: str):
                     saved.append((x_in, hidden))
                     continue
                 out = loss_fn(model, {**mb, "hidden": hidden})
-                loss = out.sum.float() * token_scale
-                if out.extra is not None:
-                    loss = loss + out.extra.float() * extra_scale
-                loss_sum += out.sum.detach().to(torch.float64)
+                loss, logged = scales.terms(out)
+                loss_sum += logged
+                weight += out.weight
                 for key, value in out.metrics.items():
-                    metrics[key] = metrics.get(key, 0.0) + float(value) / n
+                    metrics[key] = metrics.get(key, 0.0) + float(value) * out.weight
                 saved.append((x_in, loss))
         for x_in, out in saved:  # ... then backward, in the same order, the input gradients sent back
             if pl.last:
@@ -264,9 +258,9 @@ def forward_backward(model: nn.Module, pl: PPLayout, loss_fn, precision: str):
                 _send(x_in.grad, pl, pl.rank - 1)
         _sync_tied(model, pl)
         dist.all_reduce(loss_sum, group=pl.group)  # the last stage's; zero elsewhere
-        shared = [metrics]
+        shared = [metrics, weight]
         dist.broadcast_object_list(shared, src=pl.ranks[-1], group=pl.group)
-        return loss_sum, shared[0]
+        return loss_sum, shared[0], shared[1]
 
     return run
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from backends import kernels
 from backends.common import kit
-from backends.common.distributed import Runtime, all_reduce_sum
+from backends.common.distributed import Runtime, all_gather_rows, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 
@@ -105,6 +105,20 @@ def _average_grads(model: nn.Module, world: int, group=None, members: int | None
             offset += g.numel()
 
     return hook
+
+
+def _text_shape(model_path: str):
+    """The (text) decoder's config of an HF directory: heads, kv heads, layers for the layout rules."""
+    from backends.common.checkpoint.hf_io import read_config
+    from backends.models import family_of
+
+    if family_of(model_path) == "qwen2_5_vl":
+        from backends.models.qwen2_5_vl import VLConfig
+
+        return VLConfig.from_hf(read_config(model_path)).text
+    from backends.models.decoder import ModelConfig
+
+    return ModelConfig.from_hf(read_config(model_path))
 
 
 def job_fields(cfg: RLConfig) -> dict[str, object]:
@@ -187,7 +201,7 @@ class RLRecipe(Recipe):
         if vl and c.freeze_vision_tower:
             multimodal.freeze_vision(actor)
         actor.train()
-        par = sharding.data_parallel_layout(rt, actor) if c.fsdp and rt.world > 1 else None
+        par = sharding.fsdp_layout(self.layout, self.mesh) if c.fsdp and self.mesh is not None else None
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
@@ -242,54 +256,46 @@ class RLRecipe(Recipe):
                            enforce_eager=c.enforce_eager, images_per_prompt=self.vision.most_images() if vl else 0)
 
     def _layout(self, rt: Runtime) -> None:
-        """dp x cp x tp ranks (tp innermost, as the LLM engine's mesh): the cp x tp ranks of one dp rank hold the
-        same samples, so batches, counts and loss scaling go over the dp group only; the gradient all-reduce
-        over dp, or under CP over dp x cp (the cp ranks' partial gradients summed)."""
+        """The engines' one mesh (backends.common.parallel.mesh: pp x dp x cp x tp, tp innermost, built from the
+        layout the planner checks): the pp x cp x tp ranks of one dp rank hold the same samples, so batches,
+        counts and loss scaling go over the dp group; the gradient all-reduce over dp, or under CP over dp x cp
+        (the cp ranks' partial gradients summed). Actor and reference share it; the critic and FSDP are data
+        parallel on it."""
+        from backends.common.parallel.mesh import build_mesh
+        from backends.contract.layout import LayoutError
+        from backends.contract.layout import check as check_layout
+
         c = self.cfg
-        self.tp_mesh, self.dp_group, self.tp, self.cp, self.pp = None, None, c.tp, None, None
-        self.grad_group = None  # the gradient all-reduce's group: dp, or dp x cp under CP
+        self.tp, self.cp, self.pp, self.mesh, self.tp_mesh = c.tp, None, None, None, None
         if c.ref_tp not in (None, 1, c.tp):
-            raise ValueError(f"the reference's tensor parallel size {c.ref_tp} must be 1 or the actor's {c.tp}")
-        if c.tp < 1 or c.cp < 1 or c.pp < 1 or rt.world % (c.tp * c.cp * c.pp):
-            raise ValueError(f"tensor x context x pipeline parallel size {c.tp} x {c.cp} x {c.pp} does not divide "
-                             f"the {rt.world} ranks")
-        # pp outermost (the LLM engine's mesh order): the dp rank is the middle coordinate
-        self.dp = rt.world // (c.tp * c.cp * c.pp)
-        self.dp_rank = (rt.rank // (c.tp * c.cp)) % self.dp
-        if c.tp == 1 and c.cp == 1 and c.pp == 1:
+            raise RLConfigError(f"the reference's tensor parallel size {c.ref_tp} must be 1 or the actor's {c.tp}")
+        if (c.tp, c.cp, c.pp) != (1, 1, 1) and (c.fsdp or c.algorithm == "ppo"):
+            raise RLConfigError("tensor / context / pipeline parallel RL actors (the MindSpeed-RL dialect's Megatron "
+                                "backend) train GRPO / DAPO without FSDP; PPO's critic and FSDP are data parallel only")
+        if c.pp > 1 and c.cp > 1:
+            raise RLConfigError("pipeline x context parallel RL actors are not built; set the context or the "
+                                "pipeline parallel size to 1")
+        if c.pp > 1 and multimodal.is_vl(c.model_path):
+            raise RLConfigError("pipeline parallel RL actors train the text decoders; a vision-language actor runs "
+                                "pp 1")
+        shape = _text_shape(c.model_path)
+        try:
+            self.layout = check_layout(world=rt.world, heads=shape.num_attention_heads, kv_heads=shape.num_kv_heads,
+                                       layers=shape.num_layers, tp=c.tp, cp=c.cp, pp=c.pp, cp_algo=c.cp_algo)
+        except LayoutError as err:
+            raise RLConfigError(str(err)) from None
+        self.dp, self.dp_rank, self.dp_group, self.grad_group = self.layout.dp, 0, None, None
+        if rt.world == 1:
             return
-        if c.fsdp or c.algorithm == "ppo":
-            raise ValueError("tensor / context / pipeline parallel RL actors (the MindSpeed-RL dialect's Megatron "
-                             "backend) train GRPO / DAPO without FSDP; PPO's critic and FSDP are data parallel only")
-        if c.pp > 1:  # (pp, dp, tp): the stages of a dp rank hold its samples (pipeline_parallel.py)
-            from backends.models.decoder.config import ModelConfig
-            from backends.common.checkpoint.hf_io import read_config
-
-            if c.cp > 1:
-                raise ValueError("pipeline x context parallel RL actors are not built; set the context or the "
-                                 "pipeline parallel size to 1")
-            if multimodal.is_vl(c.model_path):
-                raise ValueError("pipeline parallel RL actors train the text decoders; a vision-language actor "
-                                 "runs pp 1")
-            m = ModelConfig.from_hf(read_config(c.model_path))
-            self.pp = pipeline_parallel.setup(rt.device.type, rt.world, self.dp, c.pp, c.tp, m.num_layers,
-                                              m.tie_word_embeddings)
-            self.tp_mesh, self.dp_group = self.pp.tp_mesh, self.pp.dp_group
-            self.grad_group = self.dp_group
-            return
-        if c.cp > 1:  # (dp, cp, tp): the cp x tp ranks of a dp rank hold its samples (context_parallel.py)
-            from backends.models.decoder.config import ModelConfig
-            from backends.common.checkpoint.hf_io import read_config
-
-            heads = ModelConfig.from_hf(read_config(c.model_path)).num_attention_heads
-            self.cp = context_parallel.setup(rt.device.type, rt.world, self.dp, c.cp, c.tp, c.cp_algo, heads)
-            self.tp_mesh, self.dp_group, self.grad_group = self.cp.tp_mesh, self.cp.dp_group, self.cp.grad_group
-            return
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(rt.device.type, (self.dp, c.tp), mesh_dim_names=("dp", "tp"))
-        self.tp_mesh, self.dp_group = mesh["tp"], mesh["dp"].get_group()
+        mesh = self.mesh = build_mesh(self.layout, rt.device.type)
+        self.dp_rank, self.dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
         self.grad_group = self.dp_group
+        self.tp_mesh = mesh["tp"] if c.tp > 1 else None
+        if c.pp > 1:  # the stages of a dp rank hold its samples (pipeline_parallel.py)
+            self.pp = pipeline_parallel.setup(mesh, shape.num_layers, shape.tie_word_embeddings)
+        if c.cp > 1:  # the cp x tp ranks of a dp rank hold its samples (context_parallel.py)
+            self.cp = context_parallel.setup(mesh, c.cp_algo, shape.num_attention_heads)
+            self.grad_group = self.cp.grad_group
 
     def _part(self, model: nn.Module, lr: float, critic: bool = False) -> Part:
         """The actor's (or the critic's: its own optimizer settings where the config gives them) optimizer,
@@ -385,13 +391,15 @@ class RLRecipe(Recipe):
         self.cursor += c.train_batch_size
         if rt.world == 1:
             return mine
-        everyone = [None] * rt.world
-        dist.all_gather_object(everyone, mine)
-        # one copy per dp rank (its pp x cp x tp ranks generated the same): pp rank 0, cp / tp rank 0
-        everyone = everyone[:self.dp * c.cp * c.tp:c.cp * c.tp]
-        return Rollouts([x for r in everyone for x in r.prompts], [x for r in everyone for x in r.responses],
-                        [x for r in everyone for x in r.scores], [x for r in everyone for x in r.groups],
-                        {k: [x for r in everyone for x in r.extra[k]] for k in mine.extra})
+        if self.dp == 1:  # the pp x cp x tp ranks of the one dp rank generated the same
+            return mine
+        # the dp ranks' shares, from the peers at this rank's pp / cp / tp coordinate (they generated the same)
+        columns = {"prompts": mine.prompts, "responses": mine.responses, "scores": mine.scores,
+                   "groups": mine.groups, **{f"extra.{k}": v for k, v in mine.extra.items()}}
+        floats = {"scores", *(f"extra.{k}" for k in mine.extra if k != "record")}
+        every = all_gather_rows(columns, self.dp_group, rt.device, floats)
+        return Rollouts(every["prompts"], every["responses"], every["scores"], every["groups"],
+                        {k: every[f"extra.{k}"] for k in mine.extra})
 
     def _collect(self, step: int) -> tuple[Rollouts, dict]:
         """Roll out (DAPO: several rounds, keeping the groups whose rewards differ, the first
@@ -496,7 +504,6 @@ class RLRecipe(Recipe):
             out = sharding.lockstep(out, self.rt.device)
         for m in out:
             m["global_tokens"], m["global_seqs"] = tokens, seqs
-            m["metric_scale"] = m["n_tokens"] / tokens * len(out) * self.dp
         return out
 
     def _logprobs(self, model, mb: dict, entropy: bool = False):
@@ -638,9 +645,6 @@ class RLRecipe(Recipe):
                 tokens, seqs = all_reduce_sum(counts, self.dp_group).tolist()
                 for m in micro:
                     m["global_tokens"], m["global_seqs"] = tokens, seqs
-                    # the trainer logs the mean of a metric over micro-batches and ranks: scaled so, the log
-                    # shows its token-weighted mean over the whole mini-batch, whatever the layout
-                    m["metric_scale"] = m["n_tokens"] / tokens * len(micro) * self.dp
                 if "critic" in self.parts:
                     critic_results.append(trainer.optimize(self.parts["critic"],
                                                            self._critic_micro(mine, micro, tokens, seqs),
@@ -653,7 +657,7 @@ class RLRecipe(Recipe):
         c = self.cfg
         if mb.get("padding"):
             hidden = model(mb["input_ids"], return_hidden=True, **mb.get("vision", {}))
-            return Loss(sum=sharding.zero_touch(hidden, model.output_weight()))
+            return Loss(sum=sharding.zero_touch(hidden, model.output_weight()), weight=0.0)
         mask = mb["mask"].float()
         agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
         logp, ent = self._logprobs(model, mb, entropy=True)
@@ -668,18 +672,18 @@ class RLRecipe(Recipe):
             kl = algos.kl_penalty(logp, mb["ref_logp"], c.kl_loss_type)
             loss = loss + c.kl_loss_coef * algos.agg_loss(kl, mask, c.loss_agg_mode, **agg)
             metrics["actor/kl_loss"] = float(algos.masked_mean(kl.detach(), mask))
-        # the trainer divides by the global token count: hand it the mini-batch share times that count
-        return Loss(sum=loss * mb["global_tokens"], metrics={k: v * mb["metric_scale"] for k, v in metrics.items()})
+        # normalised over the whole mini-batch already (agg_loss with its global counts); metrics token-weighted
+        return Loss(mean=loss, metrics=metrics, weight=mb["n_tokens"])
 
     def _critic_loss(self, model, mb: dict) -> Loss:
         c = self.cfg
         if mb.get("padding"):
-            return Loss(sum=sharding.zero_touch(model(mb["input_ids"], **mb.get("vision", {}))))
+            return Loss(sum=sharding.zero_touch(model(mb["input_ids"], **mb.get("vision", {}))), weight=0.0)
         agg = {"global_tokens": mb["global_tokens"], "global_seqs": mb["global_seqs"]}
         vpreds = self._values(model, mb)
         loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mb["mask"].float(), c.cliprange_value,
                                           c.loss_agg_mode, **agg)
-        return Loss(sum=loss * mb["global_tokens"], metrics={"critic/vf_clipfrac": float(clipfrac) * mb["metric_scale"]})
+        return Loss(mean=loss, metrics={"critic/vf_clipfrac": float(clipfrac)}, weight=mb["n_tokens"])
 
 
 def _merge(actor: list[StepResult], critic: list[StepResult]) -> StepResult:

@@ -29,14 +29,9 @@ from backends.common.parallel import data_parallel
 from backends.common.parallel.parts import ModelParts
 
 
-def data_parallel_layout(rt, model) -> data_parallel.Parallel:
-    """Every rank in one data-parallel group (tp = pp = cp = 1): the mesh the units shard over."""
-    from backends.contract.layout import check
-    from backends.common.parallel.mesh import build_mesh
-
-    c = getattr(model.config, "text", model.config)  # a VL model: its text decoder's shape
-    layout = check(world=rt.world, heads=c.num_attention_heads, kv_heads=c.num_kv_heads, layers=c.num_layers)
-    return data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=True)
+def fsdp_layout(layout, mesh) -> data_parallel.Parallel:
+    """Every rank in one data-parallel group (tp = pp = cp = 1) of the engine's mesh: what the units shard over."""
+    return data_parallel.from_mesh(layout, mesh, fsdp=True)
 
 
 def shard(model: nn.Module, parts: ModelParts, par: data_parallel.Parallel,
