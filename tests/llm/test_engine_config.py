@@ -140,7 +140,8 @@ def test_recompute_method_and_num_layers_are_honoured_or_refused():
     with selective granularity they are refused instead of ignored."""
     from backends.common.parallel.data_parallel import single_process
     from backends.common.parallel.recompute import Recomputed
-    from backends.models import decoder as models, parallelize
+    from backends.llm import parallelize
+    from backends.models import decoder as models
     from tests.helpers.tiny_hf import _COMMON, TINY
 
     cfg = models.ModelConfig.from_hf({"model_type": "qwen3", **_COMMON, **TINY["qwen3"][2], "num_hidden_layers": 4})
