@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.common import engine_file as ef
+from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED_LLM, CP_ALGO_NAMES
 
 HANDLER_FORMATS = {
     "GeneralPretrainHandler": "text",
@@ -28,7 +29,6 @@ HANDLER_FORMATS = {
     "SharegptStyleInstructionHandler": "sharegpt",
     "AlpacaStylePairwiseHandler": "pairwise",
 }
-CP_ALGOS = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid"}
 # MindSpeed-LLM --prompt-type names that the engine's chat templates spell differently
 PROMPT_TYPE_TEMPLATES = {"deepseek3": "deepseek"}
 # where MindSpeed-LLM's configs/finetune/templates.json differs from LLaMA-Factory 0.9.5, which the named
@@ -219,7 +219,7 @@ def _parser() -> _Parser:
     a("--num-layers-per-virtual-pipeline-stage", type=int)
     a("--sequence-parallel", action="store_true")
     a("--context-parallel-size", type=int, default=1)
-    a("--context-parallel-algo", choices=sorted(CP_ALGOS), default="megatron_cp_algo")
+    a("--context-parallel-algo", choices=sorted(CP_ALGO_NAMES), default=CP_ALGO_DEFAULT_MINDSPEED_LLM)
     # general: a per-document mask (packed rows); the packed path always applies each document's causal mask
     a("--attention-mask-type", "--cp-attention-mask-type", choices=["causal", "general"], default="causal")
     a("--ulysses-degree-in-cp", type=int)
@@ -594,7 +594,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, pp_layers=ns.num_layer_list,
             vpp_layers=ns.num_layers_per_virtual_pipeline_stage,
             sp=ns.sequence_parallel and ns.tensor_model_parallel_size > 1,  # Megatron turns it off at tp 1
-            cp=ns.context_parallel_size, cp_algo=CP_ALGOS[ns.context_parallel_algo],
+            cp=ns.context_parallel_size, cp_algo=CP_ALGO_NAMES[ns.context_parallel_algo],
             ulysses_degree=ns.ulysses_degree_in_cp, ep=ns.expert_model_parallel_size,
             moe_dispatcher=ns.moe_token_dispatcher_type, distributed_optimizer=ns.use_distributed_optimizer,
             fsdp=ns.use_torch_fsdp2, recompute=ns.recompute_granularity or "none",

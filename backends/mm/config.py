@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.common import engine_file as ef
+from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED, CP_ALGO_FLAGS
 
 
 class ConfigError(ValueError):
@@ -136,7 +137,7 @@ def _parser() -> _Parser:
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--context-parallel-size", type=int, default=1)
-    a("--context-parallel-algo", choices=["ulysses_cp_algo"], default="ulysses_cp_algo")
+    a("--context-parallel-algo", choices=[CP_ALGO_FLAGS["ulysses"]], default=CP_ALGO_DEFAULT_MINDSPEED)
     a("--sequence-parallel", action="store_true")
     a("--use-distributed-optimizer", action="store_true")
     a("--recompute-granularity", choices=["full", "selective"])
