@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.common import engine_file as ef
+from backends.contract.lora import MODULE_LINEARS
 from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED_LLM, CP_ALGO_NAMES
 
 HANDLER_FORMATS = {
@@ -34,16 +35,6 @@ PROMPT_TYPE_TEMPLATES = {"deepseek3": "deepseek"}
 # where MindSpeed-LLM's configs/finetune/templates.json differs from LLaMA-Factory 0.9.5, which the named
 # templates follow: its `qwen` keeps Qwen2's default system prompt
 PROMPT_TYPE_SYSTEMS = {"qwen": "You are a helpful assistant."}
-# MindSpeed-LLM's LoRA target names (Megatron modules) → the HF linears of the native decoders that
-# make them up; a name this model lacks (linear_qb without q_lora_rank) matches nothing, as in PEFT.
-MINDSPEED_LORA_TARGETS = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"),
-    "linear_qb": ("q_b_proj",),
-    "linear_kvb": ("kv_b_proj",),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj", "gate_up_proj"),
-    "linear_fc2": ("down_proj",),
-}
 
 
 class ConfigError(ValueError):
@@ -435,11 +426,11 @@ def lora_targets(targets: list[str], linear_names: list[str]) -> list[str]:
     leaves = {name.rsplit(".", 1)[-1] for name in linear_names}
     out: list[str] = []
     for target in targets:
-        names = [n for n in MINDSPEED_LORA_TARGETS.get(target, (target,)) if n in leaves or n == target]
+        names = [n for n in MODULE_LINEARS.get(target, (target,)) if n in leaves or n == target]
         out += [n for n in names if n not in out]
     if not out:
         raise ConfigError(f"--lora-target-modules {' '.join(targets)}: none of them is a linear layer of this model "
-                          f"(MindSpeed-LLM names: {' '.join(MINDSPEED_LORA_TARGETS)})")
+                          f"(MindSpeed-LLM names: {' '.join(MODULE_LINEARS)})")
     return out
 
 
