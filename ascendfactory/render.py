@@ -20,6 +20,7 @@ from ascendfactory.frameworks import adapter
 from ascendfactory.frameworks.base import one_line
 from ascendfactory.plan import Plan
 from ascendfactory.resources import templates_dir
+from backends.contract.megatron import CP_ALGO_FLAGS
 
 # the chat template a family's chat models use where its name is not the family's own: GLM-4-9B-Chat
 # (family glm) speaks the template LLaMA-Factory and backends.common.data name glm4
@@ -78,6 +79,7 @@ def _environment(kind: str):
     )
     env.filters["raw"] = lambda v: Raw(str(v))
     env.filters["raw_comment"] = _raw_comment
+    env.globals["megatron_cp_algo"] = CP_ALGO_FLAGS  # parallel.cp_algo → --context-parallel-algo
     return env
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ascendfactory.errors import Problem
+from backends.contract.layout import CP_ALGOS
 
 PARALLEL_DIMS = ("tp", "pp", "cp", "ep")
 
@@ -58,7 +59,7 @@ class Adapter:
     config_name: str = ""                 # its name in the run directory
     preprocess_module: str | None = None  # a separate tokenize step, where the framework has one
     sidecar_template: str = ""            # engine.yaml: what the engine needs beyond the upstream file
-    cp_algos: tuple[str, ...] = ("ring", "ulysses", "hybrid")
+    cp_algos: tuple[str, ...] = CP_ALGOS   # parallel.cp_algo values the framework offers
     rollout_engines: tuple[str, ...] = ()
     finetuning_methods: tuple[str, ...] = ("full", "lora")
     model_parallel: bool = True           # offers tp / pp / ep (the starter searches them)

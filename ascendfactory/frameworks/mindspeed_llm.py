@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_template
+from backends.contract.lora import FUSED_ALIASES, lora_groups
 
 # data.template (the engine's chat templates, backends.common.data.templates) → MindSpeed-LLM's
 # --prompt-type of the same format (both follow LLaMA-Factory's templates of those names)
@@ -13,22 +14,6 @@ PROMPT_TYPES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "g
                 "deepseek": "deepseek3", "deepseek3": "deepseek3"}
 # the record formats the engine's preprocessing reads (backends.common.data.formats.FORMATS)
 DATA_FORMATS = ("alpaca", "sharegpt", "text")
-# MindSpeed-LLM names a decoder layer's linears by their Megatron modules; LoRA targets use those
-# names. linear_qkv is one fused module (q, k, v; MLA: the down-projections), linear_fc1 is gate + up.
-_DENSE_GROUPS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",)}
-_MLP_GROUPS = {"linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-_FUSED_ALIASES = {"gate_up_proj": "linear_fc1"}  # GLM-4's HF checkpoints keep gate and up fused
-
-
-def lora_groups(arch: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-    """{MindSpeed-LLM module: the HF linears it holds} for this architecture, in layer order."""
-    mla = arch.get("mla")
-    if not mla:
-        return {**_DENSE_GROUPS, **_MLP_GROUPS}
-    groups = {"linear_qkv": ("q_a_proj" if mla.get("q_lora_rank") else "q_proj", "kv_a_proj_with_mqa")}
-    if mla.get("q_lora_rank"):
-        groups["linear_qb"] = ("q_b_proj",)
-    return {**groups, "linear_kvb": ("kv_b_proj",), "linear_proj": ("o_proj",), **_MLP_GROUPS}
 
 
 def lora_target_modules(targets: list[str], arch: dict[str, Any]) -> tuple[list[str], str | None]:
@@ -38,7 +23,7 @@ def lora_target_modules(targets: list[str], arch: dict[str, Any]) -> tuple[list[
     if [t.lower() for t in targets] in (["all"], ["all-linear"]):
         return list(groups), None
     owner = {hf: group for group, names in groups.items() for hf in names}
-    owner.update({alias: group for alias, group in _FUSED_ALIASES.items() if group in groups})
+    owner.update({alias: group for alias, group in FUSED_ALIASES.items() if group in groups})
     given = set(targets)
     for name in targets:
         if name not in groups and name not in owner:
@@ -47,7 +32,7 @@ def lora_target_modules(targets: list[str], arch: dict[str, Any]) -> tuple[list[
     wanted = {name if name in groups else owner[name] for name in targets}
     for group in wanted:
         whole = group in given or set(groups[group]) <= given or \
-            any(_FUSED_ALIASES.get(name) == group for name in given)
+            any(FUSED_ALIASES.get(name) == group for name in given)
         if not whole:
             return [], (f"adapts {', '.join(groups[group])} together, as one module ({group}); "
                         f"name all of them or {group}")

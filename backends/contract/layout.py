@@ -13,7 +13,10 @@ import operator
 from dataclasses import dataclass
 from typing import Sequence
 
-CP_ALGOS = ("ring", "ulysses", "hybrid")
+from backends.contract.megatron import CP_ALGO_NAMES
+
+# our names of the context-parallel algorithms (parallel.cp_algo): ring, ulysses, hybrid
+CP_ALGOS = tuple(CP_ALGO_NAMES.values())
 
 # Upper bounds of the numbers a layout is made of. Rules below build lists as long as pp and
 # loop over layers, so every number is held against these first: a typo such as pp: 2**63 is one

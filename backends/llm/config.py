@@ -13,7 +13,6 @@ with no effect on the numbers are accepted (NO_EFFECT), and what is not built is
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from backends.common import engine_file as ef
+from backends.common import megatron_args
+from backends.contract import megatron
+from backends.contract.lora import MODULE_LINEARS
+from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED_LLM, CP_ALGO_NAMES
 
 HANDLER_FORMATS = {
     "GeneralPretrainHandler": "text",
@@ -28,22 +31,11 @@ HANDLER_FORMATS = {
     "SharegptStyleInstructionHandler": "sharegpt",
     "AlpacaStylePairwiseHandler": "pairwise",
 }
-CP_ALGOS = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid"}
 # MindSpeed-LLM --prompt-type names that the engine's chat templates spell differently
 PROMPT_TYPE_TEMPLATES = {"deepseek3": "deepseek"}
 # where MindSpeed-LLM's configs/finetune/templates.json differs from LLaMA-Factory 0.9.5, which the named
 # templates follow: its `qwen` keeps Qwen2's default system prompt
 PROMPT_TYPE_SYSTEMS = {"qwen": "You are a helpful assistant."}
-# MindSpeed-LLM's LoRA target names (Megatron modules) → the HF linears of the native decoders that
-# make them up; a name this model lacks (linear_qb without q_lora_rank) matches nothing, as in PEFT.
-MINDSPEED_LORA_TARGETS = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"),
-    "linear_qb": ("q_b_proj",),
-    "linear_kvb": ("kv_b_proj",),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj", "gate_up_proj"),
-    "linear_fc2": ("down_proj",),
-}
 
 
 class ConfigError(ValueError):
@@ -169,13 +161,15 @@ def prompt_template(template: str | None, tokenizer, enable_thinking: bool | Non
                             default_system=PROMPT_TYPE_SYSTEMS.get(template))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print usage and exit 2; raise one clear error instead
-        raise ConfigError(message)
+# backends.llm's defaults where they are not Megatron-LM's (linear, 0.01, 0.999, 1.0, 100): an omitted flag
+# has always read as these here
+DEFAULTS = {"--lr-decay-style": "cosine", "--weight-decay": 0.0, "--adam-beta2": 0.95, "--clip-grad": 0.0,
+            "--log-interval": 1}
 
 
-def _parser() -> _Parser:
-    p = _Parser(prog="python -m backends.llm", add_help=True, allow_abbrev=False)
+def _parser() -> megatron_args.Parser:
+    """MindSpeed-LLM's flags: the Megatron ones backends.mm reads too (backends.contract.megatron), then its own."""
+    p = megatron_args.Parser("python -m backends.llm", ConfigError, add_help=True)
     a = p.add_argument
     # model
     a("--tokenizer-type", choices=["PretrainedFromHF"])
@@ -191,7 +185,7 @@ def _parser() -> _Parser:
     a("--max-position-embeddings", type=int)
     a("--rotary-base", type=int)
     a("--position-embedding-type", choices=["rope"], default="rope")
-    a("--normalization", choices=["RMSNorm"], default="RMSNorm")
+    megatron_args.add(p, megatron.MODEL)  # --vocab-size --make-vocab-size-divisible-by --normalization --use-flash-attn
     a("--swiglu", action="store_true")
     a("--disable-bias-linear", action="store_true")
     a("--untie-embeddings-and-output-weights", action="store_true")
@@ -213,24 +207,16 @@ def _parser() -> _Parser:
     a("--qk-pos-emb-head-dim", type=int)
     a("--v-head-dim", type=int)
     # parallel
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--pipeline-model-parallel-size", type=int, default=1)
+    megatron_args.add(p, megatron.PARALLEL)
     a("--num-layer-list", type=lambda s: [int(x) for x in s.split(",")])
     a("--num-layers-per-virtual-pipeline-stage", type=int)
-    a("--sequence-parallel", action="store_true")
-    a("--context-parallel-size", type=int, default=1)
-    a("--context-parallel-algo", choices=sorted(CP_ALGOS), default="megatron_cp_algo")
+    a("--context-parallel-algo", choices=sorted(CP_ALGO_NAMES), default=CP_ALGO_DEFAULT_MINDSPEED_LLM)
     # general: a per-document mask (packed rows); the packed path always applies each document's causal mask
     a("--attention-mask-type", "--cp-attention-mask-type", choices=["causal", "general"], default="causal")
     a("--ulysses-degree-in-cp", type=int)
     a("--expert-model-parallel-size", type=int, default=1)
-    a("--use-distributed-optimizer", action="store_true")
     a("--use-torch-fsdp2", action="store_true")
-    a("--recompute-granularity", choices=["full", "selective"])
-    a("--recompute-method", choices=["uniform", "block"])
-    a("--recompute-num-layers", type=int)
     # kernels
-    a("--use-flash-attn", action="store_true")
     a("--use-fused-rmsnorm", action="store_true")
     a("--use-fused-swiglu", action="store_true")
     a("--use-fused-rotary-pos-emb", action="store_true")
@@ -249,49 +235,32 @@ def _parser() -> _Parser:
     a("--pad-to-multiple-of", type=int, default=8)
     a("--no-shuffle", action="store_true")
     a("--max-samples", type=int)
-    a("--seq-length", type=int, required=True)
+    megatron_args.add(p, megatron.SEQUENCE)  # required: after --data-path in argparse's message
     # training
-    a("--micro-batch-size", type=int, default=1)
-    a("--global-batch-size", type=int, required=True)
-    a("--train-iters", type=int)
-    a("--lr", type=float, required=True)
-    a("--min-lr", type=float, default=0.0)
-    a("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
-    a("--lr-warmup-iters", type=int, default=0)
-    a("--weight-decay", type=float, default=0.0)
-    a("--adam-beta1", type=float, default=0.9)
-    a("--adam-beta2", type=float, default=0.95)
-    a("--clip-grad", type=float, default=0.0)
-    a("--bf16", action="store_true")
-    a("--fp16", action="store_true")
-    a("--seed", type=int, default=1234)
-    a("--log-interval", type=int, default=1)
-    a("--save-interval", type=int)
-    a("--exit-interval", type=int)  # Megatron: save and stop after this many iterations (pre-emptible jobs)
-    a("--save")
-    a("--load")
+    megatron_args.add(p, megatron.BATCH)
+    megatron_args.add(p, megatron.OPTIMIZER, DEFAULTS)
+    megatron_args.add(p, megatron.PRECISION)
+    megatron_args.add(p, megatron.RUN, DEFAULTS)
     # LoRA
     a("--lora-r", type=int)
     a("--lora-alpha", type=int, default=32)
     a("--lora-target-modules", nargs="+", default=["all"])
-    _published_script_flags(a)
+    _published_script_flags(p)
     return p
 
 
-def _published_script_flags(a) -> None:
+def _published_script_flags(p: megatron_args.Parser) -> None:
     """The rest of what MindSpeed-LLM's published pretrain / tune scripts pass (types as upstream)."""
+    a = p.add_argument
     # the model: the native decoder of the family stands for every Megatron build of it
     a("--use-mcore-models", action="store_true")
     a("--spec", nargs="*")
     a("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
     a("--use-rotary-position-embeddings", action="store_true")
-    a("--make-vocab-size-divisible-by", type=int, default=128)
-    a("--vocab-size", type=int)
     a("--enable-hf2mg-convert", action="store_true")
     a("--model-type-hf")
     a("--tokenizer-not-use-fast", action="store_false", dest="tokenizer_use_fast")
     a("--enable-thinking", type=_true_false_none)
-    a("--distributed-backend", choices=["nccl", "gloo"], default="nccl")
     a("--hidden-dropout", type=float)
     a("--attention-dropout", type=float)
     # facts about the architecture: checked against the model (config.json or card), see MODEL_FACTS
@@ -312,24 +281,18 @@ def _published_script_flags(a) -> None:
     a("--rope-scaling-mscale-all-dim", type=float, default=0.0)
     a("--rope-scaling-original-max-position-embeddings", type=int)
     # schedule, data split, evaluation, checkpoints
-    a("--lr-warmup-fraction", type=float)
     a("--lr-decay-iters", type=int)
     a("--split")
-    a("--eval-interval", type=int, default=1000)
-    a("--eval-iters", type=int, default=100)
     a("--stage", choices=["sft", "dpo", "ray_ppo", "ray_online_dpo", "ray_grpo"])
     a("--no-pad-to-seq-lengths", action="store_true")
-    a("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp"], default="torch_dist")
     a("--no-load-optim", action="store_true")
     a("--no-load-rng", action="store_true")
     a("--exit-on-missing-checkpoint", action="store_true")
     a("--dataloader-type", choices=["single", "cyclic", "external"])
     a("--initial-loss-scale", type=float)
     # how a step is scheduled, overlapped or fused: no effect on the numbers (see NO_EFFECT)
-    for flag in NO_EFFECT:
-        a(flag, action="store_true")
+    megatron_args.add_no_effect(p, NO_EFFECT)
     a("--manual-gc-interval", type=int, default=0)
-    a("--num-workers", type=int, default=2)
     a("--shape-order", choices=["SBH", "BSH", "BSND", "BNSD"], default="SBH")
     a("--workers", type=int, default=1)  # preprocess_data.py's, in scripts that list data and training flags together
 
@@ -340,13 +303,13 @@ def _true_false_none(text: str):
 
 # switches for fusions, overlap, memory placement and logging: the engine computes the same loss
 # whichever way they are set (its kernels are chosen by kernels.* in engine.yaml and --use-flash-attn /
-# --use-fused-*), so they are accepted and have nothing to change
-NO_EFFECT = ("--no-gradient-accumulation-fusion", "--gemm-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+# --use-fused-*), so they are accepted and have nothing to change; these besides the ones backends.mm
+# accepts too (backends.contract.megatron.NO_EFFECT)
+NO_EFFECT = ("--no-gradient-accumulation-fusion", "--gemm-gradient-accumulation-fusion",
              "--attention-softmax-in-fp32", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
-             "--overlap-grad-reduce", "--overlap-param-gather", "--use-ascend-coc", "--coc-fused-kernel",
-             "--use-ascend-mc2", "--reuse-fp32-param", "--swap-attention", "--recompute-activation-function",
-             "--no-shared-storage", "--manual-gc", "--log-throughput", "--lora-fusion", "--padded-samples",
-             "--no-save-optim", "--no-save-rng")
+             "--use-ascend-coc", "--coc-fused-kernel", "--use-ascend-mc2", "--reuse-fp32-param", "--swap-attention",
+             "--recompute-activation-function", "--no-shared-storage", "--manual-gc", "--log-throughput",
+             "--lora-fusion", "--padded-samples")
 # flag → the native model's attribute it states; a model that differs is refused (build_decoder)
 MODEL_FACTS = {"--norm-epsilon": "rms_norm_eps", "--moe-router-topk-scaling-factor": "moe.routed_scaling_factor",
                "--norm-topk-prob": "moe.norm_topk_prob", "--moe-router-num-groups": "moe.n_group",
@@ -363,7 +326,7 @@ MODEL_TYPE_HF = {"qwen3": ("qwen3",), "qwen3-moe": ("qwen3_moe",), "qwen25": ("q
 
 
 def supported_flags() -> list[str]:
-    return sorted(opt for action in _parser()._actions for opt in action.option_strings if opt.startswith("--"))
+    return megatron_args.supported_flags(_parser())
 
 
 # flags earlier renders used that no upstream parser defines: their settings live in the sidecar
@@ -371,23 +334,7 @@ _IN_ENGINE_FILE = {"--model-id": "model_id", "--model-family": "model_family", "
                    "--kernel-backend": "kernels.backend", "--kernel-override": "kernels.overrides",
                    "--metrics-file": "metrics_file", "--export-hf": "export_hf", "--train-epochs": "train_epochs",
                    "--lora-dropout": "lora.dropout", "--lora-merge-on-export": "lora.merge_on_export"}
-
-
-def _check_unknown(unknown: list[str]) -> None:
-    flags = [u for u in unknown if u.startswith("--")]
-    if not unknown:
-        return
-    known = supported_flags()
-    lines = []
-    for flag in flags or unknown:
-        name = flag.split("=", 1)[0]
-        close = difflib.get_close_matches(name, known, n=1)
-        if name in _IN_ENGINE_FILE:
-            lines.append(f"{name} (not a MindSpeed-LLM flag: engine.yaml's {_IN_ENGINE_FILE[name]})")
-        else:
-            lines.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
-    raise ConfigError("unsupported MindSpeed-LLM flag(s): " + ", ".join(lines)
-                      + ". Supported flags: " + " ".join(known))
+_HINTS = {flag: f"not a MindSpeed-LLM flag: engine.yaml's {key}" for flag, key in _IN_ENGINE_FILE.items()}
 
 
 @dataclass
@@ -435,11 +382,11 @@ def lora_targets(targets: list[str], linear_names: list[str]) -> list[str]:
     leaves = {name.rsplit(".", 1)[-1] for name in linear_names}
     out: list[str] = []
     for target in targets:
-        names = [n for n in MINDSPEED_LORA_TARGETS.get(target, (target,)) if n in leaves or n == target]
+        names = [n for n in MODULE_LINEARS.get(target, (target,)) if n in leaves or n == target]
         out += [n for n in names if n not in out]
     if not out:
         raise ConfigError(f"--lora-target-modules {' '.join(targets)}: none of them is a linear layer of this model "
-                          f"(MindSpeed-LLM names: {' '.join(MINDSPEED_LORA_TARGETS)})")
+                          f"(MindSpeed-LLM names: {' '.join(MODULE_LINEARS)})")
     return out
 
 
@@ -538,8 +485,7 @@ def check_model_facts(config, checks: dict[str, tuple[str, Any]], source: str) -
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
     """The flags, plus the sidecar (`engine`: a mapping or a path; None: the file $AF_ENGINE_FILE names)."""
-    ns, unknown = _parser().parse_known_args(argv)
-    _check_unknown(unknown)
+    ns = megatron_args.parse(_parser(), argv, "MindSpeed-LLM", _HINTS)
     refused = refusals(ns)
     if refused:
         raise ConfigError("this build of backends.llm does not implement: " + "; ".join(refused))
@@ -594,7 +540,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, pp_layers=ns.num_layer_list,
             vpp_layers=ns.num_layers_per_virtual_pipeline_stage,
             sp=ns.sequence_parallel and ns.tensor_model_parallel_size > 1,  # Megatron turns it off at tp 1
-            cp=ns.context_parallel_size, cp_algo=CP_ALGOS[ns.context_parallel_algo],
+            cp=ns.context_parallel_size, cp_algo=CP_ALGO_NAMES[ns.context_parallel_algo],
             ulysses_degree=ns.ulysses_degree_in_cp, ep=ns.expert_model_parallel_size,
             moe_dispatcher=ns.moe_token_dispatcher_type, distributed_optimizer=ns.use_distributed_optimizer,
             fsdp=ns.use_torch_fsdp2, recompute=ns.recompute_granularity or "none",

@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from backends.common.megatron_args import Parser
 from backends.llm.config import HANDLER_FORMATS, PROMPT_TYPE_TEMPLATES, ConfigError, parse_args, prompt_template
 
 # the handlers whose records this engine trains on (pairwise data: llamafactory's dpo)
@@ -28,18 +29,13 @@ PROMPT_TYPES = ("default", "empty", "trl", "chatglm2", "chatglm3", "chatglm3_sys
                 "intern2", "hunyuan", "qwen3", "magistral", "plm", "qwen_lf", "gpt_oss", "deepseek4")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
 def _bool(values: dict):
     return lambda text: values[text.lower()]
 
 
-def upstream_parser() -> _Parser:
+def upstream_parser() -> Parser:
     """preprocess_data.py's flags, with upstream's types, choices and defaults."""
-    p = _Parser(prog="python -m backends.llm.preprocess", allow_abbrev=False)
+    p = Parser("python -m backends.llm.preprocess", ConfigError)
     a = p.add_argument
     a("--input", required=True)
     a("--handler-name", default="")

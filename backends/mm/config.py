@@ -10,7 +10,6 @@ when its value asks for something this engine does not build. An unknown key is 
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 from collections.abc import Mapping
@@ -19,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from backends.common import engine_file as ef
+from backends.common import megatron_args
+from backends.contract import megatron
+from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED, CP_ALGO_FLAGS
 
 
 class ConfigError(ValueError):
@@ -116,83 +118,35 @@ class MMConfig:
 # ------------------------------------------------------------------------------------------ flags
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(message)
-
-
-# switches that cannot change the numbers (fusions, workers, timeouts, logging, what a save skips)
+# switches that cannot change the numbers (fusions, workers, timeouts, logging, what a save skips), besides
+# the ones backends.llm accepts too (backends.contract.megatron.NO_EFFECT)
 NO_EFFECT = ("--use-mcore-models", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb",
-             "--no-masked-softmax-fusion", "--no-load-optim", "--no-load-rng", "--no-save-optim", "--no-save-rng",
-             "--log-tps", "--swiglu", "--variable-seq-lengths", "--overlap-grad-reduce", "--overlap-param-gather")
+             "--no-load-optim", "--no-load-rng", "--log-tps", "--swiglu", "--variable-seq-lengths")
 
 
-def _parser() -> _Parser:
-    p = _Parser(prog="python -m backends.mm", allow_abbrev=False)
+def _parser() -> megatron_args.Parser:
+    """MindSpeed-MM's flags: its own and the Megatron ones backends.llm reads too (backends.contract.megatron)."""
+    p = megatron_args.Parser("python -m backends.mm", ConfigError)
     a = p.add_argument
     a("--mm-data", required=True)
     a("--mm-model", required=True)
     a("--mm-tool")
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--pipeline-model-parallel-size", type=int, default=1)
-    a("--context-parallel-size", type=int, default=1)
-    a("--context-parallel-algo", choices=["ulysses_cp_algo"], default="ulysses_cp_algo")
-    a("--sequence-parallel", action="store_true")
-    a("--use-distributed-optimizer", action="store_true")
-    a("--recompute-granularity", choices=["full", "selective"])
-    a("--recompute-method", choices=["uniform", "block"])
-    a("--recompute-num-layers", type=int)
-    a("--micro-batch-size", type=int, default=1)
-    a("--global-batch-size", type=int, required=True)
+    megatron_args.add(p, megatron.PARALLEL)
+    a("--context-parallel-algo", choices=[CP_ALGO_FLAGS["ulysses"]], default=CP_ALGO_DEFAULT_MINDSPEED)
+    megatron_args.add(p, megatron.BATCH)
     a("--tokenizer-type", choices=["NullTokenizer"])
-    a("--vocab-size", type=int)
-    a("--seq-length", type=int, required=True)
-    a("--make-vocab-size-divisible-by", type=int, default=128)
-    a("--normalization", choices=["RMSNorm"], default="RMSNorm")
-    a("--use-flash-attn", action="store_true")
-    a("--lr", type=float, required=True)
-    a("--min-lr", type=float, default=0.0)
-    a("--lr-decay-style", choices=["cosine", "linear", "constant"], default="linear")
-    a("--lr-warmup-fraction", type=float)
-    a("--lr-warmup-iters", type=int, default=0)
-    a("--weight-decay", type=float, default=0.01)
-    a("--train-iters", type=int)
-    a("--clip-grad", type=float, default=1.0)
-    a("--adam-beta1", type=float, default=0.9)
-    a("--adam-beta2", type=float, default=0.999)
-    a("--seed", type=int, default=1234)
-    a("--bf16", action="store_true")
-    a("--fp16", action="store_true")
-    a("--load")
-    a("--save")
-    a("--save-interval", type=int)
-    a("--exit-interval", type=int)
-    a("--log-interval", type=int, default=100)
-    a("--eval-interval", type=int, default=1000)
-    a("--eval-iters", type=int, default=100)
-    a("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp"], default="torch_dist")
-    a("--num-workers", type=int, default=2)
+    megatron_args.add(p, megatron.SEQUENCE)  # required: between --global-batch-size and --lr in argparse's message
+    megatron_args.add(p, megatron.MODEL)
+    megatron_args.add(p, megatron.OPTIMIZER)
+    megatron_args.add(p, megatron.PRECISION)
+    megatron_args.add(p, megatron.RUN)
     a("--distributed-timeout-minutes", type=int, default=10)
-    a("--distributed-backend", choices=["nccl", "gloo"], default="nccl")
-    for flag in NO_EFFECT:
-        a(flag, action="store_true")
+    megatron_args.add_no_effect(p, NO_EFFECT)
     return p
 
 
 def supported_flags() -> list[str]:
-    return sorted(o for action in _parser()._actions for o in action.option_strings if o.startswith("--"))
-
-
-def _check_unknown(unknown: list[str]) -> None:
-    if not unknown:
-        return
-    known = supported_flags()
-    names = []
-    for flag in [u for u in unknown if u.startswith("--")] or unknown:
-        name = flag.split("=", 1)[0]
-        close = difflib.get_close_matches(name, known, n=1)
-        names.append(name + (f" (did you mean {close[0]}?)" if close else ""))
-    raise ConfigError("unsupported MindSpeed-MM flag(s): " + ", ".join(names) + ". Supported flags: " + " ".join(known))
+    return megatron_args.supported_flags(_parser())
 
 
 # ------------------------------------------------------------------------------------------ JSON keys
@@ -465,8 +419,7 @@ _ENGINE_KEYS = {"model_id": ef.text, "model_family": ef.text, "load_hf": ef.text
 
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> MMConfig:
-    ns, unknown = _parser().parse_known_args(argv)
-    _check_unknown(unknown)
+    ns = megatron_args.parse(_parser(), argv, "MindSpeed-MM")
     try:
         side, source = ef.read_engine_file(_ENGINE_KEYS, engine)
     except ef.EngineFileError as err:

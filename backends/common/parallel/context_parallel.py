@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from backends import kernels
 from backends.common.parallel.comm import gather_heads, group_rank, group_size, split_heads
+from backends.contract.megatron import CP_ALGO_NAMES
 
 __all__ = [
     "CPGroups",
@@ -73,11 +74,8 @@ __all__ = [
     "unshard_from_cp",
 ]
 
-ALGOS = {
-    "ring": "ring", "megatron_cp_algo": "ring",
-    "ulysses": "ulysses", "ulysses_cp_algo": "ulysses",
-    "hybrid": "hybrid", "hybrid_cp_algo": "hybrid",
-}
+# algo → the algorithm: our names (ring, ulysses, hybrid) and MindSpeed's --context-parallel-algo values
+ALGOS = {**{name: name for name in CP_ALGO_NAMES.values()}, **CP_ALGO_NAMES}
 
 DEFAULT_PAD_VALUES = {"labels": -100, "loss_mask": 0, "attention_mask": 0}
 

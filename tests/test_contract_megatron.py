@@ -1,0 +1,100 @@
+"""backends.contract.megatron / .lora hold the Megatron and MindSpeed facts once: they match the upstream
+reference data (../shared/upstream/megatron-mindspeed-flags.tsv), and what the two Megatron-flag engines
+parse is built from them (backends.common.megatron_args)."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backends.common import megatron_args
+from backends.contract import lora, megatron
+from tests.helpers.megatron_flags import TSV_NAME, read_tsv
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM = Path(os.environ.get("AF_UPSTREAM_DIR") or ROOT.parent / "shared" / "upstream")
+
+
+@pytest.fixture(scope="module")
+def tsv():
+    if not (UPSTREAM / TSV_NAME).exists():
+        pytest.skip(f"no upstream reference data at {UPSTREAM} (set AF_UPSTREAM_DIR)")
+    return read_tsv(UPSTREAM / TSV_NAME)
+
+
+def _declared(tsv, flag: str, source: str) -> dict:
+    (d,) = [d for d in tsv[flag] if d["source"].startswith(source)]
+    return d
+
+
+def _literal(text: str):
+    text = " ".join(text.split())
+    return None if text in ("", "None") else ast.literal_eval(text)
+
+
+def test_flag_table_is_megatrons_declaration(tsv):
+    for name, flag in megatron.FLAGS.items():
+        d = _declared(tsv, name, "megatron-core")
+        if flag.switch:
+            assert d["action"].strip("'") == "store_true", name
+            continue
+        assert {"int": int, "float": float, "str": None, "": None}[d["type"]] is flag.type, name
+        assert _literal(d["default"]) == flag.default, name
+        assert _literal(d["choices"]) == (list(flag.choices) if flag.choices else None), name
+    for name in megatron.NO_EFFECT:
+        assert "megatron-core" in _declared(tsv, name, "megatron-core")["source"]
+
+
+def test_engines_narrow_upstream_choices_only(tsv):
+    for name, built in megatron_args.BUILT.items():
+        if "choices" in built:
+            assert set(built["choices"]) <= set(megatron.FLAGS[name].choices), name
+            assert built.get("default", megatron.FLAGS[name].default) in built["choices"], name
+
+
+def test_context_parallel_algorithms(tsv):
+    assert set(megatron.CP_ALGO_NAMES.values()) == set(megatron.CP_ALGO_FLAGS)
+    for source, default in (("mindspeed", megatron.CP_ALGO_DEFAULT_MINDSPEED),
+                            ("mindspeed-llm", megatron.CP_ALGO_DEFAULT_MINDSPEED_LLM)):
+        d = [d for d in tsv["--context-parallel-algo"] if d["source"] == source][0]
+        assert _literal(d["default"]) == default
+    listed = {c for d in tsv["--context-parallel-algo"] for c in _literal(d["choices"])}
+    assert set(megatron.CP_ALGO_NAMES) <= listed
+
+
+def test_lora_groups_cover_every_architecture():
+    assert list(lora.MODULE_LINEARS) == list(lora.MODULES)
+    for arch in ({}, {"mla": {"q_lora_rank": 8}}, {"mla": {"q_lora_rank": None, "kv_lora_rank": 8}}):
+        for module, names in lora.lora_groups(arch).items():
+            assert set(names) <= set(lora.MODULE_LINEARS[module])
+    assert lora.FUSED_ALIASES["gate_up_proj"] in lora.MODULE_LINEARS
+
+
+def test_engine_parsers_take_the_shared_flags_as_declared():
+    from backends.llm import config as llm
+    from backends.mm import config as mm
+
+    for engine in (llm, mm):
+        actions = {a.option_strings[0]: a for a in engine._parser()._actions if a.option_strings}
+        for name, flag in megatron.FLAGS.items():
+            built = megatron_args.BUILT.get(name, {})
+            action = actions[name]
+            assert action.type is flag.type and action.required is built.get("required", False), name
+            if name not in getattr(engine, "DEFAULTS", {}):
+                assert action.default == built.get("default", False if flag.switch else flag.default), name
+        for name in megatron.NO_EFFECT:
+            assert actions[name].nargs == 0
+
+
+def test_contract_imports_only_the_standard_library():
+    code = ("import sys; import backends.contract.layout, backends.contract.lora, backends.contract.megatron; "
+            "ours = [m for m in sys.modules if m.split('.')[0] in ('torch', 'ascendfactory', 'numpy', 'yaml') or "
+            "(m.startswith('backends.') and not m.startswith('backends.contract'))]; "
+            "assert not ours, ours; import backends.common.megatron_args; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.split('.')[:2] in [['backends', e] "
+            "for e in ('llm', 'mm', 'lf', 'rl', 'models')]]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
