@@ -2,11 +2,11 @@
 what is specific to it (its model, its data, its loss).
 
     refuse_unbuilt(capabilities, framework, fields, error, who)   the LIMITS / UNBUILT check at start
+    parallel(rt, error, **layout numbers)                         the checked layout and its one mesh
+    train_part(model, par, lr=…, schedule=…, …)                   optimizer, schedule, gradient sync, clipping
     rank_zero_first(is_main, build)                               rank 0 builds (writes caches), then the rest
     megatron_resume(load, save, …)                                Megatron's --load rule -> Settings.resume
-
-The mesh is backends.common.parallel.mesh.build_mesh (one for every engine and RL role), the optimizer
-data_parallel.build_optimizer and the schedule optim.build_scheduler.
+    count_parameters(model)                                       (trainable, total)
 """
 
 from __future__ import annotations
@@ -30,6 +30,58 @@ def refuse_unbuilt(capabilities, framework: str, fields: Mapping[str, Any], erro
     refused = capabilities.unbuilt(framework, fields)
     if refused:
         raise error(f"this build of {who} does not combine " + "; ".join(refused) + ". Change one of those settings")
+
+
+def parallel(rt, error: type[Exception], *, fsdp: bool = False, distributed_optimizer: bool = False,
+             cp_algo: str = "ring", **numbers):
+    """The layout of rt.world ranks checked by backends.contract.layout (the planner's rules: a layout
+    that plans also starts, one that does not is `error` naming the job fields) and its data-parallel
+    view of the one pp x dp x cp x tp mesh (backends.common.parallel.mesh), or one process's."""
+    from backends.common.parallel import data_parallel
+    from backends.common.parallel.mesh import build_mesh
+    from backends.contract.layout import LayoutError, check
+
+    try:
+        layout = check(world=rt.world, cp_algo=cp_algo, **numbers)
+    except LayoutError as err:
+        raise error(str(err)) from None
+    if rt.world == 1:
+        return data_parallel.single_process(layout)
+    return data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=fsdp,
+                                   distributed_optimizer=distributed_optimizer, cp_algo=cp_algo)
+
+
+def train_part(model, par, *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8,
+               schedule: Callable, precision: str, grad_clip: float, forward_backward: Callable | None = None):
+    """The trainer's Part of one trained model: AdamW (or the distributed optimizer over par's dp x cp),
+    `schedule(optimizer)` its LR scheduler, the gradient sync no wrapper does (tp, pp, ep) and the clip
+    norm over the ranks that hold different parameters (pipeline stages, expert shards)."""
+    from backends.common.parallel import data_parallel
+    from backends.common.trainer import Part
+
+    optimizer = data_parallel.build_optimizer(model, par, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+    return Part(model, optimizer, schedule(optimizer), grad_group=par.grad_group, grad_world=par.grad_world,
+                precision=precision, grad_clip=grad_clip, after_backward=data_parallel.grad_sync(model, par),
+                clip=data_parallel.grad_clip(model, optimizer, par),
+                forward_backward=forward_backward)
+
+
+def megatron_schedule(t, total_steps: int) -> Callable:
+    """Megatron's LR schedule of the training flags `t` (lr, min_lr, schedule, warmup, warmup_fraction and,
+    where the engine reads --lr-decay-iters, decay_steps): warm-up, then decay over the decay steps (the
+    run's steps without --lr-decay-iters); --lr-warmup-fraction is a fraction of those."""
+    from backends.common.optim import build_scheduler
+
+    decay = getattr(t, "decay_steps", None) or total_steps
+    warmup = round(t.warmup_fraction * decay) if t.warmup_fraction is not None else t.warmup
+    return lambda optimizer: build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=warmup, total=decay,
+                                             style=t.schedule)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameters."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def rank_zero_first(is_main: bool, build: Callable[[], T]) -> T:

@@ -11,11 +11,9 @@ import logging
 
 import torch
 
-from backends.contract.layout import LayoutError
-from backends.contract.layout import check as check_layout
+from backends.common import kit
 from backends.common.parallel import data_parallel
 from backends.common.parallel.data_parallel import Parallel
-from backends.common.parallel.mesh import build_mesh
 from backends.common.parallel.recompute import apply_recompute
 from backends.lf.config import LFConfig, LFConfigError
 
@@ -25,24 +23,18 @@ log = logging.getLogger("backends.lf")
 def setup(cfg: LFConfig, model, rt) -> Parallel:
     text = getattr(model.hf.config, "text_config", model.hf.config)
     heads = int(text.num_attention_heads)
-    try:  # the planner's rules: here only the batch arithmetic can break
-        layout = check_layout(world=rt.world, heads=heads, kv_heads=int(getattr(text, "num_key_value_heads", heads)),
-                              layers=int(text.num_hidden_layers), seq_len=cfg.cutoff_len,
-                              micro_batch=cfg.per_device_train_batch_size,
-                              global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-                              * rt.world)
-    except LayoutError as err:
-        raise LFConfigError(str(err)) from None
     z = cfg.zero
     if z.offload_optimizer and z.stage < 2:
         raise LFConfigError(f"{z.source}: offload_optimizer needs zero_optimization.stage 2 or 3 here (FSDP2 offloads "
                             "the sharded states)")
-    if rt.world == 1:
-        if z.stage:
-            log.info("ZeRO stage %d on one process: nothing to shard", z.stage)
-        return data_parallel.single_process(layout)
-    return data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=z.stage >= 2,
-                                   distributed_optimizer=z.stage == 1)
+    par = kit.parallel(  # the planner's rules: here only the batch arithmetic can break
+        rt, LFConfigError, fsdp=z.stage >= 2, distributed_optimizer=z.stage == 1, heads=heads,
+        kv_heads=int(getattr(text, "num_key_value_heads", heads)), layers=int(text.num_hidden_layers),
+        seq_len=cfg.cutoff_len, micro_batch=cfg.per_device_train_batch_size,
+        global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * rt.world)
+    if rt.world == 1 and z.stage:
+        log.info("ZeRO stage %d on one process: nothing to shard", z.stage)
+    return par
 
 
 def recompute(cfg: LFConfig, model) -> int:

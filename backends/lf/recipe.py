@@ -18,8 +18,7 @@ import torch
 
 from backends import kernels
 from backends.common import kit
-from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
+from backends.common.trainer import Loss, Recipe, Settings, seed_everything
 from backends.lf.config import LFConfig, LFConfigError, parse_config
 from backends.lf.model import HFCausalLMWithLoss
 
@@ -124,25 +123,12 @@ class LFRecipe(Recipe):
 
     # ------------------------------------------------------------------ build
     def build(self, rt) -> Settings:
-        from backends.lf import model as lfmodel
-        from backends.lf import parallel
-
-        from backends.lf import capabilities
+        from backends.lf import capabilities, parallel
 
         cfg = self.cfg
         kit.refuse_unbuilt(capabilities, "llamafactory", job_fields(cfg), LFConfigError, "backends.lf")
         seed_everything(cfg.seed)
-        overrides = {**lfmodel.attention_override(cfg.flash_attn), **cfg.engine.get("kernels.overrides", {})}
-        kernels.configure(default=cfg.engine.get("kernels.backend"), overrides=overrides or None)
-        hf = lfmodel.load_hf_model(cfg)
-        patched = lfmodel.apply_kernels(hf)
-        trained = lfmodel.make_trainable(hf, cfg)
-        model = HFCausalLMWithLoss(hf)
-        self.trainable = sum(p.numel() for p in hf.parameters() if p.requires_grad)
-        self.total = sum(p.numel() for p in hf.parameters())
-        log.info("model: %s, %.2f M parameters (%.2f M trainable, %s %s), kernels %s; patched %s",
-                 hf.config.model_type, self.total / 1e6, self.trainable / 1e6, cfg.finetuning_type,
-                 len(trained), kernels.describe(), patched)
+        model = HFCausalLMWithLoss(self._hf_model())
         self.rt = rt
         par = self.par = parallel.setup(cfg, model, rt)
         self.checkpointed = parallel.recompute(cfg, model)
@@ -152,18 +138,33 @@ class LFRecipe(Recipe):
         model = parallel.wrap(model, cfg, par, rt.device)
         self.model = model
         self.reference = self._reference(par, rt) if cfg.stage == "dpo" else None
-        optimizer = data_parallel.build_optimizer(model, par, lr=cfg.learning_rate,
-                                                  betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                                  weight_decay=cfg.weight_decay)
-        if not par.distributed_optimizer:
-            for group in optimizer.param_groups:
-                group["eps"] = cfg.adam_epsilon
-        scheduler = build_scheduler(optimizer, cfg, steps)
-        precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-        self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group, grad_world=par.grad_world,
-                                    precision=precision, grad_clip=cfg.max_grad_norm,
-                                    after_backward=data_parallel.grad_sync(model, par))}
+        self.parts = {"model": kit.train_part(
+            model, par, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+            eps=cfg.adam_epsilon, schedule=lambda optimizer: build_scheduler(optimizer, cfg, steps),
+            precision="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32", grad_clip=cfg.max_grad_norm)}
         self._batches = iter(self.loader)
+        return self._settings(rt, steps)
+
+    def _hf_model(self):
+        """The transformers model of model_name_or_path with the kernels patched in and the finetuning type's
+        parameters trainable."""
+        from backends.lf import model as lfmodel
+
+        cfg = self.cfg
+        overrides = {**lfmodel.attention_override(cfg.flash_attn), **cfg.engine.get("kernels.overrides", {})}
+        kernels.configure(default=cfg.engine.get("kernels.backend"), overrides=overrides or None)
+        hf = lfmodel.load_hf_model(cfg)
+        patched = lfmodel.apply_kernels(hf)
+        trained = lfmodel.make_trainable(hf, cfg)
+        self.trainable, self.total = kit.count_parameters(hf)
+        log.info("model: %s, %.2f M parameters (%.2f M trainable, %s %s), kernels %s; patched %s",
+                 hf.config.model_type, self.total / 1e6, self.trainable / 1e6, cfg.finetuning_type,
+                 len(trained), kernels.describe(), patched)
+        return hf
+
+    def _settings(self, rt, steps: int) -> Settings:
+        """LLaMA-Factory's output_dir layout (checkpoints/, metrics.jsonl) and save / log / resume rules."""
+        cfg = self.cfg
         out = Path(cfg.output_dir)
         save_dir = out / "checkpoints"
         resume = resume_setting(cfg, save_dir)

@@ -11,11 +11,9 @@ from functools import partial
 
 import torch
 
-from backends.contract.layout import LayoutError
-from backends.contract.layout import check as check_layout
-from backends.common.parallel import data_parallel, expert_parallel
+from backends.common import kit
+from backends.common.parallel import expert_parallel
 from backends.common.parallel.data_parallel import Parallel
-from backends.common.parallel.mesh import build_mesh
 from backends.common.parallel.recompute import apply_recompute
 from backends.llm.config import ConfigError, LLMConfig
 
@@ -25,20 +23,14 @@ log = logging.getLogger("backends.llm")
 def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
     c, p = decoder.config, cfg.parallel
     experts = c.moe.num_experts if c.moe is not None else 0
-    try:  # the planner's rules (backends.contract.layout), for an engine started by hand with any flags
-        layout = check_layout(
-            world=rt.world, heads=c.num_attention_heads, layers=c.num_layers, experts=experts,
-            kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads, tp=p.tp, pp=p.pp,
-            vpp_layers=p.vpp_layers, pp_layers=p.pp_layers, cp=p.cp, cp_algo=p.cp_algo,
-            ulysses_degree=p.ulysses_degree, ep=p.ep, sp=p.sp, seq_len=cfg.data.seq_len,
-            micro_batch=cfg.train.micro_batch, global_batch=cfg.train.global_batch)
-    except LayoutError as err:
-        raise ConfigError(str(err)) from None
-    if rt.world == 1:
-        par = data_parallel.single_process(layout)
-    else:
-        par = data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=p.fsdp,
-                                      distributed_optimizer=p.distributed_optimizer, cp_algo=p.cp_algo)
+    # the planner's rules (backends.contract.layout), for an engine started by hand with any flags
+    par = kit.parallel(rt, ConfigError, fsdp=p.fsdp, distributed_optimizer=p.distributed_optimizer, cp_algo=p.cp_algo,
+                       heads=c.num_attention_heads, layers=c.num_layers, experts=experts,
+                       kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads, tp=p.tp, pp=p.pp,
+                       vpp_layers=p.vpp_layers, pp_layers=p.pp_layers, ulysses_degree=p.ulysses_degree, ep=p.ep,
+                       sp=p.sp, seq_len=cfg.data.seq_len, micro_batch=cfg.train.micro_batch,
+                       global_batch=cfg.train.global_batch)
+    if rt.world > 1:
         _parallelize(decoder, cfg, par, rt)
     _recompute(decoder, p, par)  # last: it wraps the attention CP swapped in
     return par

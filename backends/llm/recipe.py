@@ -15,7 +15,7 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
+from backends.common.trainer import Loss, Recipe, Settings, seed_everything
 from backends.llm import parallelize
 from backends.llm.config import ConfigError, LLMConfig, lora_targets, parse_args, prompt_template
 
@@ -72,6 +72,17 @@ def refuse_unbuilt_parallelism(cfg: LLMConfig) -> None:
     from backends.llm import capabilities
 
     kit.refuse_unbuilt(capabilities, "mindspeed-llm", job_fields(cfg), ConfigError, "backends.llm")
+
+
+def apply_lora(cfg: LLMConfig, decoder) -> None:
+    """--lora-r and friends: MindSpeed-LLM's module names -> this decoder's HF linears (the HF export names
+    those too), adapters injected in place."""
+    from backends.common.lora import inject_lora, linear_names
+
+    cfg.lora.targets = lora_targets(cfg.lora.targets, linear_names(decoder))
+    adapted = inject_lora(decoder, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                          targets=cfg.lora.targets)
+    log.info("LoRA r=%d on %d linear layers", cfg.lora.rank, len(adapted))
 
 
 def kernel_overrides(cfg: LLMConfig) -> dict[str, str]:
@@ -175,15 +186,8 @@ class LLMRecipe(Recipe):
         seed_everything(t.seed)
         decoder = build_decoder(cfg)
         if cfg.lora:
-            from backends.common.lora import inject_lora, linear_names
-
-            # MindSpeed-LLM's module names → this decoder's HF linears (the HF export names those too)
-            cfg.lora.targets = lora_targets(cfg.lora.targets, linear_names(decoder))
-            adapted = inject_lora(decoder, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                                  targets=cfg.lora.targets)
-            log.info("LoRA r=%d on %d linear layers", cfg.lora.rank, len(adapted))
-        self.trainable = sum(p.numel() for p in decoder.parameters() if p.requires_grad)
-        self.total = sum(p.numel() for p in decoder.parameters())
+            apply_lora(cfg, decoder)
+        self.trainable, self.total = kit.count_parameters(decoder)
         log.info("model: %s, %.2f M parameters (%.2f M trainable), kernels %s", decoder.config.family,
                  self.total / 1e6, self.trainable / 1e6, kernels.describe())
 
@@ -195,20 +199,11 @@ class LLMRecipe(Recipe):
             raise ConfigError(f"--global-batch-size {t.global_batch} must be at least micro-batch {t.micro_batch} "
                               f"× data-parallel size {par.layout.dp}")
         total_steps = t.steps or max(1, math.ceil(t.epochs * self.loader.n_units / t.global_batch))
-        decay = t.decay_steps or total_steps
-        warmup = round(t.warmup_fraction * decay) if t.warmup_fraction is not None else t.warmup  # Megatron's rule
-
-        from backends.common.optim import build_scheduler
-
         model = self._load(CausalLMWithLoss(decoder), par, rt)
-        optimizer = data_parallel.build_optimizer(model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-        scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=warmup, total=decay,
-                                    style=t.schedule)
-        self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group,
-                                    grad_world=par.grad_world, precision=t.precision, grad_clip=t.grad_clip,
-                                    after_backward=data_parallel.grad_sync(model, par),
-                                    clip=data_parallel.grad_clip(model, optimizer, par),
-                                    forward_backward=self._pipeline_step if par.pipeline is not None else None)}
+        self.parts = {"model": kit.train_part(
+            model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
+                t, total_steps), precision=t.precision, grad_clip=t.grad_clip,
+            forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         self._batches = iter(self.loader)
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=resume_setting(cfg), log_interval=t.log_interval,

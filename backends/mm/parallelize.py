@@ -1,6 +1,7 @@
 """Qwen2.5-VL's parallel setup in backends.mm, applied from outside the model by backends.common.parallel on
 the blocks the model declares (`parts()`: the text decoder; `vision_parts()`: the vision encoder).
 
+    setup(vl, cfg, rt)                           the checked layout and mesh, then TP, PP and recompute below
     apply_recompute(vl, parts)                   recompute per part, as model.json / the Megatron flags set it
     apply_tensor_parallel(vl, tp_mesh, sp)       TP (+ SP) of the text decoder, the vision tower and the merger
     attach_pipeline(vl, cfg, par, rt)            PP over the parts as pipeline_num_layers splits them (vision first)
@@ -10,10 +11,35 @@ from __future__ import annotations
 
 import logging
 
+from backends.common import kit
 from backends.common.parallel import recompute
 from backends.mm.config import ConfigError
 
 log = logging.getLogger("backends.mm")
+
+
+def setup(vl, cfg, rt):
+    """The layout checked by the planner's rules (a stage's layers are both parts': the vision tower's on the
+    first stages), the mesh, then TP (it sees the whole model), the pipeline cut (each rank keeps its stage)
+    and recompute last (it wraps what TP hooked) -> the Parallel."""
+    t, text = cfg.train, vl.config.text
+    layers, pnl = text.num_layers, None
+    if cfg.parallel.pp > 1:
+        check_pipeline_split(cfg.parts, cfg.parallel.pp)
+        per_part = [cfg.parts[name].pipeline_num_layers for name in ("vision_encoder", "text_decoder")]
+        layers, pnl = vl.config.vision.depth + text.num_layers, [v + n for v, n in zip(*per_part)]
+    par = kit.parallel(rt, ConfigError, distributed_optimizer=cfg.parallel.distributed_optimizer,
+                       heads=text.num_attention_heads, layers=layers, kv_heads=text.num_kv_heads, tp=cfg.parallel.tp,
+                       pp=cfg.parallel.pp, pp_layers=pnl, seq_len=cfg.data.seq_len, micro_batch=t.micro_batch,
+                       global_batch=t.global_batch)
+    if par.layout.tp > 1:
+        apply_tensor_parallel(vl, par.mesh["tp"], cfg.parallel.sp)
+    chunks = None
+    if par.layout.pp > 1:
+        attach_pipeline(vl, cfg, par, rt)
+        chunks = {"text_decoder": [list(m.layers.values()) for m in par.pipeline.modules]}
+    apply_recompute(vl, cfg.parts, chunks)
+    return par
 
 
 def apply_recompute(vl, parts, chunks: dict | None = None) -> dict[str, int]:

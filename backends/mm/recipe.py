@@ -14,7 +14,7 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Part, Recipe, Settings, seed_everything
+from backends.common.trainer import Loss, Recipe, Settings, seed_everything
 from backends.mm import parallelize
 from backends.mm.config import ConfigError, MMConfig, parse_args
 
@@ -110,14 +110,6 @@ class MMRecipe(Recipe):
         self.cfg = cfg
 
     def build(self, rt) -> Settings:
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        from backends.contract.layout import LayoutError
-        from backends.contract.layout import check as check_layout
-        from backends.common.optim import build_scheduler
-        from backends.common.parallel.mesh import build_mesh
-        from backends.mm.data import Loader, MLLMDataset
-
         cfg, t = self.cfg, self.cfg.train
         refuse_unbuilt(cfg)
         overrides = {} if cfg.flash_attention else {"attention": "reference"}
@@ -125,53 +117,34 @@ class MMRecipe(Recipe):
         seed_everything(t.seed)
         vl = build_model(cfg).to(rt.device)
         frozen = freeze_parts(vl, cfg.parts)
-        text = vl.config.text
-        try:
-            layers, pnl = text.num_layers, None
-            if cfg.parallel.pp > 1:  # a stage's layers are both parts' (the vision tower's on the first stages)
-                parallelize.check_pipeline_split(cfg.parts, cfg.parallel.pp)
-                per_part = [cfg.parts[name].pipeline_num_layers for name in ("vision_encoder", "text_decoder")]
-                layers, pnl = vl.config.vision.depth + text.num_layers, [v + n for v, n in zip(*per_part)]
-            layout = check_layout(world=rt.world, heads=text.num_attention_heads, layers=layers, experts=0,
-                                  kv_heads=text.num_kv_heads, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=1,
-                                  pp_layers=pnl, seq_len=cfg.data.seq_len, micro_batch=t.micro_batch,
-                                  global_batch=t.global_batch)
-        except LayoutError as err:
-            raise ConfigError(str(err)) from None
-        par = self.par = (data_parallel.single_process(layout) if rt.world == 1 else data_parallel.from_mesh(
-            layout, build_mesh(layout, rt.device.type), distributed_optimizer=cfg.parallel.distributed_optimizer))
-        if layout.tp > 1:
-            parallelize.apply_tensor_parallel(vl, par.mesh["tp"], cfg.parallel.sp)
-        chunks = None
-        if layout.pp > 1:  # after TP, which sees the whole model; then each rank keeps its stage
-            parallelize.attach_pipeline(vl, cfg, par, rt)
-            chunks = {"text_decoder": [list(m.layers.values()) for m in par.pipeline.modules]}
-        parallelize.apply_recompute(vl, cfg.parts, chunks)  # last: it wraps what TP hooked
-        self.accum = layout.grad_accum
-        self.trainable = sum(p.numel() for p in vl.parameters() if p.requires_grad)
-        self.total = sum(p.numel() for p in vl.parameters())
+        par = self.par = parallelize.setup(vl, cfg, rt)
+        self.accum = par.layout.grad_accum
+        self.trainable, self.total = kit.count_parameters(vl)
         log.info("model: qwen2_5_vl, %.2f M parameters (%.2f M trainable; frozen: %s), kernels %s",
                  self.total / 1e6, self.trainable / 1e6, ", ".join(frozen) or "nothing", kernels.describe())
-        d = cfg.data
-        tokenizer = AutoTokenizer.from_pretrained(d.processor_dir)
-        processor = AutoImageProcessor.from_pretrained(d.processor_dir)
-        self.dataset = MLLMDataset(d, tokenizer, processor, vl.config.vision.spatial_merge_size)
-        self.loader = Loader(self.dataset, t.micro_batch, par.dp_rank, layout.dp, t.seed, d.shuffle)
+        self.dataset, self.loader = self._data(vl, par)
         total_steps = t.steps or max(1, math.ceil(t.epochs * len(self.dataset) / t.global_batch))
-        warmup = round(t.warmup_fraction * total_steps) if t.warmup_fraction is not None else t.warmup
         self.vl, self.rt = vl, rt
         model = data_parallel.wrap_data_parallel(VLWithLoss(vl), vl.parts(), par, rt.device)
-        optimizer = data_parallel.build_optimizer(model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-        scheduler = build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=warmup, total=total_steps,
-                                    style=t.schedule)
-        self.parts = {"model": Part(model, optimizer, scheduler, grad_group=par.grad_group, grad_world=par.grad_world,
-                                    precision=t.precision, grad_clip=t.grad_clip,
-                                    after_backward=data_parallel.grad_sync(model, par),
-                                    clip=data_parallel.grad_clip(model, optimizer, par),
-                                    forward_backward=self._pipeline_step if par.pipeline is not None else None)}
+        self.parts = {"model": kit.train_part(
+            model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
+                t, total_steps), precision=t.precision, grad_clip=t.grad_clip,
+            forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=self._resume(), log_interval=t.log_interval,
                         metrics_file=cfg.metrics_file)
+
+    def _data(self, vl, par):
+        """MindSpeed-MM's mllm data (data.json) through the model's processor, this rank's dp share."""
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        from backends.mm.data import Loader, MLLMDataset
+
+        d, t = self.cfg.data, self.cfg.train
+        tokenizer = AutoTokenizer.from_pretrained(d.processor_dir)
+        processor = AutoImageProcessor.from_pretrained(d.processor_dir)
+        dataset = MLLMDataset(d, tokenizer, processor, vl.config.vision.spatial_merge_size)
+        return dataset, Loader(dataset, t.micro_batch, par.dp_rank, par.layout.dp, t.seed, d.shuffle)
 
     def _resume(self) -> str | None:
         return kit.megatron_resume(self.cfg.load, self.cfg.save, error=ConfigError)

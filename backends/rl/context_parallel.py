@@ -51,18 +51,18 @@ class CPLayout:
     tp_mesh: Any              # the tp sub-mesh, or None at tp 1
 
 
-def setup(mesh, algo: str, heads: int) -> CPLayout:
-    """The context-parallel groups of the engine's (pp, dp, cp, tp) mesh; every rank calls it (the groups are
-    collective)."""
+def setup(par, algo: str, heads: int) -> CPLayout:
+    """The context-parallel groups of the engine's Parallel (its pp x dp x cp x tp mesh; the gradient group
+    dp x cp); every rank calls it (the groups are collective)."""
     if algo not in ALGOS:
         raise ValueError(f"context-parallel algorithm {algo!r}: the RL actors run {' or '.join(ALGOS)}")
+    mesh = par.mesh
     cp, tp = mesh["cp"].size(), mesh["tp"].size()
     if algo == "ulysses" and heads % (tp * cp):
         raise ValueError(f"Ulysses context parallel splits each tp rank's {heads // tp} attention heads over the "
                          f"{cp} cp ranks: they must divide; use ring attention or another cp")
     return CPLayout(size=cp, rank=mesh["cp"].get_local_rank(), algo=algo, group=mesh["cp"].get_group(),
-                    grad_group=mesh["dp", "cp"]._flatten("dp_cp").get_group(), dp_group=mesh["dp"].get_group(),
-                    tp_mesh=mesh["tp"] if tp > 1 else None)
+                    grad_group=par.grad_group, dp_group=mesh["dp"].get_group(), tp_mesh=mesh["tp"] if tp > 1 else None)
 
 
 def _attend(q, k, v, cu_seqlens, scale, *, group, algo):

@@ -43,6 +43,7 @@ from backends.common import kit
 from backends.common.distributed import Runtime, all_gather_rows, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
+from backends.models import decoder
 
 from . import algos, context_parallel, multimodal, pipeline_parallel, rollout, sharding
 from .config import RLConfig, RLConfigError, batch_problems
@@ -162,12 +163,33 @@ class RLRecipe(Recipe):
             raise ValueError(f"trainer.nnodes x n_gpus_per_node is {c.expected_world}, but {rt.world} processes run")
         if c.kernel_backend or c.kernel_overrides:
             kernels.configure(default=c.kernel_backend, overrides=c.kernel_overrides or None)
+        vl = multimodal.is_vl(c.model_path)  # Qwen2.5-VL: image prompts (multimodal.py)
+        self._data(vl)
+        seed_everything(c.seed)
+        fn = load_function(c.reward_function) if c.reward_function else None
+        self.scorer = Scorer(verifier=c.verifier, function=fn, format_weight=c.format_weight,
+                             overlong_buffer=c.overlong_buffer, overlong_factor=c.overlong_factor,
+                             max_response_length=c.overlong_max_length or c.max_new_tokens)
+        from_pretrained = multimodal.from_pretrained if vl else decoder.from_pretrained
+        actor = self._actor_and_reference(from_pretrained(c.model_path, device=rt.device), vl)
+        self.parts = {"actor": self._part(actor, c.lr)}
+        if c.algorithm == "ppo":
+            self.parts["critic"] = self._part(self._critic(from_pretrained(c.model_path, device=rt.device), vl),
+                                              c.critic_lr, critic=True)
+        self.vllm = self._vllm_engine(rt, actor, vl) if c.rollout_engine == "vllm" else None
+        self.vllm_stale = True  # the actor's weights are pushed before the first rollout (a resume changes them)
+        return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
+                        resume=c.resume, metrics_file=c.metrics_file)
+
+    def _data(self, vl: bool) -> None:
+        """The tokenizer, the stop ids, the prompt records (parquet rows through the chat template, or the
+        dialect's own), and the step counts VeRL derives from them."""
         import transformers
 
+        c = self.cfg
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(c.model_path)
         if not c.eos_token_id:
             c.eos_token_id = stop_ids(c.model_path, self.tokenizer)
-        vl = multimodal.is_vl(c.model_path)  # Qwen2.5-VL: image prompts (multimodal.py)
         if c.train_files and not c.records:
             c.records = (multimodal.load_records if vl else load_records)(c, self.tokenizer)
         if not c.records:
@@ -186,22 +208,18 @@ class RLRecipe(Recipe):
             if len(r["prompt_ids"]) > c.max_prompt_length:
                 raise ValueError(f"prompt {i} has {len(r['prompt_ids'])} tokens, more than max_prompt_length "
                                  f"{c.max_prompt_length}")
-        seed_everything(c.seed)
-        fn = load_function(c.reward_function) if c.reward_function else None
-        self.scorer = Scorer(verifier=c.verifier, function=fn, format_weight=c.format_weight,
-                             overlong_buffer=c.overlong_buffer, overlong_factor=c.overlong_factor,
-                             max_response_length=c.overlong_max_length or c.max_new_tokens)
+
+    def _actor_and_reference(self, actor: nn.Module, vl: bool) -> nn.Module:
+        """The actor on the layout (cp attention, tp plan, its pp stage, recompute, FSDP2), and the frozen
+        reference copied from it first (on the actor's cp and pp, at ref_tp)."""
         from backends.common.parallel.recompute import apply_recompute
 
-        from backends.models import decoder
-
-        from_pretrained = multimodal.from_pretrained if vl else decoder.from_pretrained
-        actor = from_pretrained(c.model_path, device=rt.device)
+        c = self.cfg
         self.vision = multimodal.Vision(actor.config, c.records) if vl else None
         if vl and c.freeze_vision_tower:
             multimodal.freeze_vision(actor)
         actor.train()
-        par = sharding.fsdp_layout(self.layout, self.mesh) if c.fsdp and self.mesh is not None else None
+        fsdp = self.par if c.fsdp and self.par.mesh is not None else None
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
@@ -209,8 +227,8 @@ class RLRecipe(Recipe):
                 context_parallel.apply(self.reference, self.cp)
             if self.tp_mesh is not None and c.ref_tp != 1:
                 _tensor_parallel(self.reference, self.tp_mesh)
-            if par is not None:
-                sharding.shard(self.reference, self.reference.parts(), par)
+            if fsdp is not None:
+                sharding.shard(self.reference, self.reference.parts(), fsdp)
             if self.pp is not None:  # the frozen reference keeps its own stage only
                 pipeline_parallel.prune(self.reference, self.pp)
         if self.cp is not None:
@@ -220,22 +238,23 @@ class RLRecipe(Recipe):
         if self.pp is not None:  # this stage's parameters trained; the rest: the rollout's gathered copy
             pipeline_parallel.own(actor, self.pp)
         if c.gradient_checkpointing:
-            apply_recompute(actor.parts(), "full", fsdp=par is not None)
-        if par is not None:
-            sharding.shard(actor, actor.parts(), par, c.reshard_after_forward)
-        self.parts = {"actor": self._part(actor, c.lr)}
-        if c.algorithm == "ppo":
-            lm = from_pretrained(c.model_path, device=rt.device)
-            critic = (multimodal.VLCritic if vl else Critic)(lm).to(rt.device)
-            if c.gradient_checkpointing:
-                apply_recompute(lm.parts(), "full", fsdp=par is not None)
-            if par is not None:
-                sharding.shard(critic, lm.parts(), par, c.reshard_after_forward)
-            self.parts["critic"] = self._part(critic, c.critic_lr, critic=True)
-        self.vllm = self._vllm_engine(rt, actor, vl) if c.rollout_engine == "vllm" else None
-        self.vllm_stale = True  # the actor's weights are pushed before the first rollout (a resume changes them)
-        return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
-                        resume=c.resume, metrics_file=c.metrics_file)
+            apply_recompute(actor.parts(), "full", fsdp=fsdp is not None)
+        if fsdp is not None:
+            sharding.shard(actor, actor.parts(), fsdp, c.reshard_after_forward)
+        return actor
+
+    def _critic(self, lm: nn.Module, vl: bool) -> nn.Module:
+        """PPO's critic: the model with a value head, data parallel (recompute, FSDP2 as the actor's)."""
+        from backends.common.parallel.recompute import apply_recompute
+
+        c = self.cfg
+        critic = (multimodal.VLCritic if vl else Critic)(lm).to(self.rt.device)
+        fsdp = self.par if c.fsdp and self.par.mesh is not None else None
+        if c.gradient_checkpointing:
+            apply_recompute(lm.parts(), "full", fsdp=fsdp is not None)
+        if fsdp is not None:
+            sharding.shard(critic, lm.parts(), fsdp, c.reshard_after_forward)
+        return critic
 
     def _vllm_engine(self, rt: Runtime, actor: nn.Module, vl: bool):
         """rl.rollout.engine vllm: one vLLM engine per rank on its device, fed the actor's weights in memory."""
@@ -261,12 +280,8 @@ class RLRecipe(Recipe):
         counts and loss scaling go over the dp group; the gradient all-reduce over dp, or under CP over dp x cp
         (the cp ranks' partial gradients summed). Actor and reference share it; the critic and FSDP are data
         parallel on it."""
-        from backends.common.parallel.mesh import build_mesh
-        from backends.contract.layout import LayoutError
-        from backends.contract.layout import check as check_layout
-
         c = self.cfg
-        self.tp, self.cp, self.pp, self.mesh, self.tp_mesh = c.tp, None, None, None, None
+        self.tp, self.cp, self.pp, self.tp_mesh = c.tp, None, None, None
         if c.ref_tp not in (None, 1, c.tp):
             raise RLConfigError(f"the reference's tensor parallel size {c.ref_tp} must be 1 or the actor's {c.tp}")
         if (c.tp, c.cp, c.pp) != (1, 1, 1) and (c.fsdp or c.algorithm == "ppo"):
@@ -279,23 +294,18 @@ class RLRecipe(Recipe):
             raise RLConfigError("pipeline parallel RL actors train the text decoders; a vision-language actor runs "
                                 "pp 1")
         shape = _text_shape(c.model_path)
-        try:
-            self.layout = check_layout(world=rt.world, heads=shape.num_attention_heads, kv_heads=shape.num_kv_heads,
-                                       layers=shape.num_layers, tp=c.tp, cp=c.cp, pp=c.pp, cp_algo=c.cp_algo)
-        except LayoutError as err:
-            raise RLConfigError(str(err)) from None
-        self.dp, self.dp_rank, self.dp_group, self.grad_group = self.layout.dp, 0, None, None
-        if rt.world == 1:
+        par = self.par = kit.parallel(rt, RLConfigError, fsdp=c.fsdp, cp_algo=c.cp_algo,
+                                      heads=shape.num_attention_heads, kv_heads=shape.num_kv_heads,
+                                      layers=shape.num_layers, tp=c.tp, cp=c.cp, pp=c.pp)
+        self.dp, self.dp_rank, self.grad_group = par.layout.dp, par.dp_rank, par.grad_group
+        self.dp_group = par.mesh["dp"].get_group() if par.mesh is not None else None
+        if par.mesh is None:
             return
-        mesh = self.mesh = build_mesh(self.layout, rt.device.type)
-        self.dp_rank, self.dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
-        self.grad_group = self.dp_group
-        self.tp_mesh = mesh["tp"] if c.tp > 1 else None
+        self.tp_mesh = par.mesh["tp"] if c.tp > 1 else None
         if c.pp > 1:  # the stages of a dp rank hold its samples (pipeline_parallel.py)
-            self.pp = pipeline_parallel.setup(mesh, shape.num_layers, shape.tie_word_embeddings)
+            self.pp = pipeline_parallel.setup(par.mesh, shape.num_layers, shape.tie_word_embeddings)
         if c.cp > 1:  # the cp x tp ranks of a dp rank hold its samples (context_parallel.py)
-            self.cp = context_parallel.setup(mesh, c.cp_algo, shape.num_attention_heads)
-            self.grad_group = self.cp.grad_group
+            self.cp = context_parallel.setup(par, c.cp_algo, shape.num_attention_heads)
 
     def _part(self, model: nn.Module, lr: float, critic: bool = False) -> Part:
         """The actor's (or the critic's: its own optimizer settings where the config gives them) optimizer,

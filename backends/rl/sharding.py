@@ -29,11 +29,6 @@ from backends.common.parallel import data_parallel
 from backends.common.parallel.parts import ModelParts
 
 
-def fsdp_layout(layout, mesh) -> data_parallel.Parallel:
-    """Every rank in one data-parallel group (tp = pp = cp = 1) of the engine's mesh: what the units shard over."""
-    return data_parallel.from_mesh(layout, mesh, fsdp=True)
-
-
 def shard(model: nn.Module, parts: ModelParts, par: data_parallel.Parallel,
           reshard_after_forward: bool = True) -> nn.Module:
     """`model` sharded in place (parts: where its blocks are; the root is `model` itself).

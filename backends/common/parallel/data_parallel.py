@@ -87,17 +87,17 @@ def fully_shard_blocks(model: torch.nn.Module, parts: ModelParts, par: Parallel)
 
 
 def build_optimizer(model: torch.nn.Module, par: Parallel, *, lr: float, betas=(0.9, 0.999),
-                    weight_decay: float = 0.0):
+                    weight_decay: float = 0.0, eps: float = 1e-8):
     """AdamW, or the distributed optimizer (ZeRO-1) sharded over dp × cp (under tp one per tp rank, on
     the local shards); with expert parallel the experts get their own over the expert-data-parallel
     group, chained with the dense one (one clip norm, one checkpoint)."""
     if not par.distributed_optimizer:
         from backends.common.optim import build_optimizer as adamw
 
-        return adamw(model, lr=lr, weight_decay=weight_decay, betas=betas)
+        return adamw(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
     from backends.common.zero import ShardedAdamW, build_sharded_optimizer
 
-    kw = dict(lr=lr, betas=betas, weight_decay=weight_decay)
+    kw = dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
     if par.layout.ep == 1:
         return build_sharded_optimizer(model, par.grad_group, **kw)
     from backends.common.chained_optim import ChainedOptimizer
