@@ -7,11 +7,10 @@ from typing import Any
 
 from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_template
 from backends.contract.lora import FUSED_ALIASES, lora_groups
+from backends.contract.prompts import TEMPLATE_PROMPT_TYPES
 
-# data.template (the engine's chat templates, backends.common.data.templates) → MindSpeed-LLM's
-# --prompt-type of the same format (both follow LLaMA-Factory's templates of those names)
-PROMPT_TYPES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "glm4", "mistral": "mistral",
-                "deepseek": "deepseek3", "deepseek3": "deepseek3"}
+# data.template (the engine's chat templates) → MindSpeed-LLM's --prompt-type of the same format
+PROMPT_TYPES = TEMPLATE_PROMPT_TYPES
 # the record formats the engine's preprocessing reads (backends.common.data.formats.FORMATS)
 DATA_FORMATS = ("alpaca", "sharegpt", "text")
 

@@ -23,6 +23,7 @@ from backends.common import engine_file as ef
 from backends.common import megatron_args
 from backends.contract import megatron
 from backends.contract.lora import MODULE_LINEARS
+from backends.contract.prompts import PROMPT_TYPE_TEMPLATES
 from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED_LLM, CP_ALGO_NAMES
 
 HANDLER_FORMATS = {
@@ -31,8 +32,6 @@ HANDLER_FORMATS = {
     "SharegptStyleInstructionHandler": "sharegpt",
     "AlpacaStylePairwiseHandler": "pairwise",
 }
-# MindSpeed-LLM --prompt-type names that the engine's chat templates spell differently
-PROMPT_TYPE_TEMPLATES = {"deepseek3": "deepseek"}
 # where MindSpeed-LLM's configs/finetune/templates.json differs from LLaMA-Factory 0.9.5, which the named
 # templates follow: its `qwen` keeps Qwen2's default system prompt
 PROMPT_TYPE_SYSTEMS = {"qwen": "You are a helpful assistant."}
