@@ -16,6 +16,7 @@ from typing import Any
 from ascendfactory.frameworks.base import FeatureUse
 from ascendfactory.frameworks.rl import RLAdapter, role_cp
 from ascendfactory.frameworks.verl import converts, prompt_rows
+from backends.contract.megatron import MINDSPEED_RL_CP_ALGOS
 
 PROMPTS_FILE = "prompts.jsonl"
 MODEL_DIR = "model"
@@ -41,9 +42,8 @@ class MindSpeedRL(RLAdapter):
     sidecar_template = "engines/verl.engine.yaml.j2"   # backends.rl's sidecar, the same for both dialects
     config_name = "mindspeed_rl.yaml"
     rollout_engines = ("vllm", "hf")
-    # context_parallel_algo megatron_cp_algo / ulysses_cp_algo: hybrid_cp_algo needs a Ulysses degree that
-    # MindSpeed-RL's MegatronConfig has no key for (backends.rl refuses it too)
-    cp_algos = ("ring", "ulysses")
+    # context_parallel_algo megatron_cp_algo / ulysses_cp_algo (backends.rl refuses hybrid_cp_algo too)
+    cp_algos = MINDSPEED_RL_CP_ALGOS
 
     def features_used(self, job, distributed):
         uses = self.role_features(job)

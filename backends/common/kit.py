@@ -2,7 +2,7 @@
 what is specific to it (its model, its data, its loss).
 
     refuse_unbuilt(capabilities, framework, fields, error, who)   the LIMITS / UNBUILT check at start
-    parallel(rt, error, **layout numbers)                         the checked layout and its one mesh
+    parallel(rt, error, **layout numbers)                         checked_layout (contract's rules), then on_mesh
     train_part(model, par, lr=…, schedule=…, …)                   optimizer, schedule, gradient sync, clipping
     rank_zero_first(is_main, build)                               rank 0 builds (writes caches), then the rest
     megatron_resume(load, save, …)                                Megatron's --load rule -> Settings.resume
@@ -32,23 +32,34 @@ def refuse_unbuilt(capabilities, framework: str, fields: Mapping[str, Any], erro
         raise error(f"this build of {who} does not combine " + "; ".join(refused) + ". Change one of those settings")
 
 
-def parallel(rt, error: type[Exception], *, fsdp: bool = False, distributed_optimizer: bool = False,
-             cp_algo: str = "ring", **numbers):
-    """The layout of rt.world ranks checked by backends.contract.layout (the planner's rules: a layout
-    that plans also starts, one that does not is `error` naming the job fields) and its data-parallel
-    view of the one pp x dp x cp x tp mesh (backends.common.parallel.mesh), or one process's."""
-    from backends.common.parallel import data_parallel
-    from backends.common.parallel.mesh import build_mesh
+def checked_layout(world: int, error: type[Exception], **numbers):
+    """The layout of `world` ranks by backends.contract.layout, the planner's rules (a layout that plans also
+    starts; one that does not is `error` naming the job fields). Nothing collective: check before building."""
     from backends.contract.layout import LayoutError, check
 
     try:
-        layout = check(world=rt.world, cp_algo=cp_algo, **numbers)
+        return check(world=world, **numbers)
     except LayoutError as err:
         raise error(str(err)) from None
+
+
+def on_mesh(rt, layout, *, fsdp: bool = False, distributed_optimizer: bool = False, cp_algo: str = "ring"):
+    """The data-parallel view of the one pp x dp x cp x tp mesh of `layout` (backends.common.parallel.mesh),
+    or one process's (collective: every rank builds the groups)."""
+    from backends.common.parallel import data_parallel
+    from backends.common.parallel.mesh import build_mesh
+
     if rt.world == 1:
         return data_parallel.single_process(layout)
     return data_parallel.from_mesh(layout, build_mesh(layout, rt.device.type), fsdp=fsdp,
                                    distributed_optimizer=distributed_optimizer, cp_algo=cp_algo)
+
+
+def parallel(rt, error: type[Exception], *, fsdp: bool = False, distributed_optimizer: bool = False,
+             cp_algo: str = "ring", **numbers):
+    """checked_layout, then on_mesh."""
+    layout = checked_layout(rt.world, error, cp_algo=cp_algo, **numbers)
+    return on_mesh(rt, layout, fsdp=fsdp, distributed_optimizer=distributed_optimizer, cp_algo=cp_algo)
 
 
 def train_part(model, par, *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8,

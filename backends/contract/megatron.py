@@ -23,6 +23,9 @@ CP_ALGO_FLAGS = {ours: flag for flag, ours in CP_ALGO_NAMES.items()}
 # MindSpeed-LLM's context-parallel feature (which MindSpeed-LLM's scripts run under)
 CP_ALGO_DEFAULT_MINDSPEED = "ulysses_cp_algo"
 CP_ALGO_DEFAULT_MINDSPEED_LLM = "megatron_cp_algo"
+# MindSpeed-RL's MegatronConfig has no key for the Ulysses degree inside the hybrid algorithm, so its files
+# can say ring or Ulysses only
+MINDSPEED_RL_CP_ALGOS = ("ring", "ulysses")
 
 
 # ------------------------------------------------------------------ flags both Megatron-flag engines read

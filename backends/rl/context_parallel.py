@@ -36,8 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from backends import kernels
+from backends.contract.megatron import MINDSPEED_RL_CP_ALGOS
 
-ALGOS = ("ring", "ulysses")
+ALGOS = MINDSPEED_RL_CP_ALGOS  # the actors run ring or Ulysses (no Ulysses degree for the hybrid)
 
 
 @dataclass

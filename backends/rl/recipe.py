@@ -165,6 +165,7 @@ class RLRecipe(Recipe):
             kernels.configure(default=c.kernel_backend, overrides=c.kernel_overrides or None)
         vl = multimodal.is_vl(c.model_path)  # Qwen2.5-VL: image prompts (multimodal.py)
         self._data(vl)
+        self._mesh(rt)  # after every check that needs no other rank
         seed_everything(c.seed)
         fn = load_function(c.reward_function) if c.reward_function else None
         self.scorer = Scorer(verifier=c.verifier, function=fn, format_weight=c.format_weight,
@@ -275,11 +276,10 @@ class RLRecipe(Recipe):
                            enforce_eager=c.enforce_eager, images_per_prompt=self.vision.most_images() if vl else 0)
 
     def _layout(self, rt: Runtime) -> None:
-        """The engines' one mesh (backends.common.parallel.mesh: pp x dp x cp x tp, tp innermost, built from the
-        layout the planner checks): the pp x cp x tp ranks of one dp rank hold the same samples, so batches,
-        counts and loss scaling go over the dp group; the gradient all-reduce over dp, or under CP over dp x cp
-        (the cp ranks' partial gradients summed). Actor and reference share it; the critic and FSDP are data
-        parallel on it."""
+        """The layout checked by the planner's rules (nothing collective yet: _mesh builds the engines' one mesh,
+        pp x dp x cp x tp, tp innermost). The pp x cp x tp ranks of one dp rank hold the same samples, so
+        batches, counts and loss scaling go over the dp group; the gradient all-reduce over dp x cp (the cp
+        ranks' partial gradients summed). Actor and reference share it; the critic and FSDP are data parallel."""
         c = self.cfg
         self.tp, self.cp, self.pp, self.tp_mesh = c.tp, None, None, None
         if c.ref_tp not in (None, 1, c.tp):
@@ -293,11 +293,18 @@ class RLRecipe(Recipe):
         if c.pp > 1 and multimodal.is_vl(c.model_path):
             raise RLConfigError("pipeline parallel RL actors train the text decoders; a vision-language actor runs "
                                 "pp 1")
-        shape = _text_shape(c.model_path)
-        par = self.par = kit.parallel(rt, RLConfigError, fsdp=c.fsdp, cp_algo=c.cp_algo,
-                                      heads=shape.num_attention_heads, kv_heads=shape.num_kv_heads,
-                                      layers=shape.num_layers, tp=c.tp, cp=c.cp, pp=c.pp)
-        self.dp, self.dp_rank, self.grad_group = par.layout.dp, par.dp_rank, par.grad_group
+        self.shape = _text_shape(c.model_path)
+        self.layout = kit.checked_layout(rt.world, RLConfigError, cp_algo=c.cp_algo, tp=c.tp, cp=c.cp, pp=c.pp,
+                                         heads=self.shape.num_attention_heads, kv_heads=self.shape.num_kv_heads,
+                                         layers=self.shape.num_layers)
+        self.dp = self.layout.dp
+
+    def _mesh(self, rt: Runtime) -> None:
+        """The groups of the one mesh (collective): dp for batches and counts, dp x cp for gradients, tp, the
+        pipeline's and the context-parallel ones."""
+        c, shape = self.cfg, self.shape
+        par = self.par = kit.on_mesh(rt, self.layout, fsdp=c.fsdp, cp_algo=c.cp_algo)
+        self.dp_rank, self.grad_group = par.dp_rank, par.grad_group
         self.dp_group = par.mesh["dp"].get_group() if par.mesh is not None else None
         if par.mesh is None:
             return

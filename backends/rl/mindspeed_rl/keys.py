@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from backends.contract.megatron import CP_ALGO_NAMES, MINDSPEED_RL_CP_ALGOS
+
 DERIVED = "<computed from other keys>"   # a default MindSpeed-RL's __init__ derives from other settings
 # MindSpeed-RL's GRPO loss is the plain clipped surrogate, no dual clip: a bound the engine's clamped
 # ratio (at most e^20) never reaches turns the dual clip off
@@ -169,6 +171,6 @@ NO_EFFECT: dict[str, set[str]] = {
 }
 SAMPLING_NO_EFFECT = {"logprobs", "detokenize"}
 # MindSpeed-RL's context_parallel_algo -> the engine's (hybrid_cp_algo is refused: no Ulysses degree key)
-CP_ALGOS = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses"}
+CP_ALGOS = {flag: ours for flag, ours in CP_ALGO_NAMES.items() if ours in MINDSPEED_RL_CP_ALGOS}
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
             "expert_model_parallel_size")
