@@ -137,7 +137,7 @@ def test_the_critic_update_runs_in_its_own_micro_batches():
     assert [len(m["input_ids"]) for m in actor_micro] == [4, 4]
     assert [len(m["input_ids"]) for m in micro] == [3, 3, 2]
     assert all((m["global_tokens"], m["global_seqs"]) == (16.0, 8.0) for m in micro)
-    assert sum(m["metric_scale"] for m in micro) == pytest.approx(3.0)  # token-weighted mean over the ranks
+    assert sum(m["n_tokens"] for m in micro) == 16  # the metrics' weights (Loss.weight): every response token once
     cfg.critic_micro_batch_size = None
     assert rec._critic_micro(rows, actor_micro, tokens=16.0, seqs=8.0) is actor_micro
 

@@ -188,3 +188,35 @@ def test_resume_never_starts_over_and_a_bad_path_is_one_clear_error(tmp_path, re
     with pytest.raises(CheckpointError, match="step_9"):
         t._resume()
     assert os.path.isdir(tmp_path / "ckpt" / "step_3")
+
+
+def test_a_normalised_loss_trains_and_logs_as_the_token_sum_does():
+    """The loss contract: Loss(mean=...) is the micro-batch's share of the step loss, normalised by the recipe (RL's
+    VeRL aggregations); it gives the gradients and the logged loss that Loss(sum=...) gives for the same token mean,
+    and Loss.weight weighs the metrics (here by tokens) where equal weights take the plain mean."""
+    from backends.common.trainer import optimize
+
+    batches = [Batches(3).next() for _ in range(3)]
+    total = float(sum(b["n_tokens"] for b in batches))
+
+    def run(kind: str):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        part = Part(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+        def loss(m, mb):
+            terms = (m(mb["x"]).squeeze(-1) - mb["y"]).square()
+            metric = {"rows": float(mb["n_tokens"])}
+            if kind == "sum":
+                return Loss(sum=terms.sum(), metrics=metric)
+            return Loss(mean=terms.sum() / total, metrics=metric, weight=mb["n_tokens"])
+
+        result = optimize(part, batches, loss, device=torch.device("cpu"))
+        return result, model.weight.detach().clone()
+
+    (by_sum, w_sum), (by_mean, w_mean) = run("sum"), run("mean")
+    assert by_mean.loss == pytest.approx(by_sum.loss, rel=1e-6)  # fp32 terms: the mean rounds at ~3e-8
+    assert torch.allclose(w_mean, w_sum, rtol=0, atol=1e-7)
+    rows = [b["n_tokens"] for b in batches]
+    assert by_sum.metrics["rows"] == pytest.approx(sum(rows) / len(rows))             # equal weights: the mean
+    assert by_mean.metrics["rows"] == pytest.approx(sum(r * r for r in rows) / sum(rows))  # token-weighted
