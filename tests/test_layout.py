@@ -266,13 +266,14 @@ class _MeshReached(Exception):
 def _engine_verdict(monkeypatch, arch, world, par, seq, micro, global_batch):
     from types import SimpleNamespace
 
+    from backends.common.parallel import mesh
     from backends.llm import parallelize
     from backends.llm.config import ConfigError, parse_args
 
     def reached(layout, device_type):
         raise _MeshReached
 
-    monkeypatch.setattr(parallelize, "build_mesh", reached)
+    monkeypatch.setattr(mesh, "build_mesh", reached)  # what backends.common.kit.on_mesh calls
     cfg = parse_args(_engine_flags(arch, world, par, seq, micro, global_batch), engine={"model_id": "qwen3-8b"})
     moe = SimpleNamespace(num_experts=arch["moe"]["num_experts"]) if arch.get("moe") else None
     config = SimpleNamespace(num_attention_heads=arch["num_attention_heads"], num_kv_heads=arch["num_kv_heads"],

@@ -379,8 +379,11 @@ class Trainer:
         s = self.settings = self.recipe.build(self.rt)
         self._resume()
         self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main)
+        layout = _layout_of(self.recipe)
+        if layout:
+            log.info("parallel layout: %s", " · ".join(f"{k} {v}" for k, v in layout.items()))
         self.metrics.event("start", total_steps=s.total_steps, world=self.rt.world, resumed_step=self.step,
-                           **self.recipe.start_info())
+                           **({"layout": layout} if layout else {}), **self.recipe.start_info())
         if self._agree_to_stop():
             return self._preempted(None)
         while self.step < s.total_steps:
@@ -455,6 +458,15 @@ def model_state_mib(model: torch.nn.Module, optimizer) -> float:
         total += sum(local_bytes(v) for st in optimizer.state.values() for v in st.values()
                      if torch.is_tensor(v) and v.dim() > 0)
     return total / 2**20
+
+
+def _layout_of(recipe) -> dict[str, int]:
+    """The parallel layout the recipe built (its `par`, from backends.common.kit), for the start event: what
+    ran, next to what the job planned."""
+    layout = getattr(getattr(recipe, "par", None), "layout", None)
+    if layout is None:
+        return {}
+    return {key: getattr(layout, key) for key in ("dp", "tp", "pp", "vpp", "cp", "ep")}
 
 
 def seed_everything(seed: int) -> None:

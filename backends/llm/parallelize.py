@@ -27,8 +27,8 @@ def setup(cfg: LLMConfig, decoder: torch.nn.Module, rt) -> Parallel:
     par = kit.parallel(rt, ConfigError, fsdp=p.fsdp, distributed_optimizer=p.distributed_optimizer, cp_algo=p.cp_algo,
                        heads=c.num_attention_heads, layers=c.num_layers, experts=experts,
                        kv_heads=c.num_kv_heads if c.mla is None else c.num_attention_heads, tp=p.tp, pp=p.pp,
-                       vpp_layers=p.vpp_layers, pp_layers=p.pp_layers, ulysses_degree=p.ulysses_degree, ep=p.ep,
-                       sp=p.sp, seq_len=cfg.data.seq_len, micro_batch=cfg.train.micro_batch,
+                       vpp_layers=p.vpp_layers, pp_layers=p.pp_layers, cp=p.cp, ulysses_degree=p.ulysses_degree,
+                       ep=p.ep, sp=p.sp, seq_len=cfg.data.seq_len, micro_batch=cfg.train.micro_batch,
                        global_batch=cfg.train.global_batch)
     if rt.world > 1:
         _parallelize(decoder, cfg, par, rt)

@@ -41,7 +41,8 @@ def plan_world(job_file: Path, overrides: list[str], allow_unsupported: bool = F
 
 def render_case(job_file: Path, overrides: list[str], allow_unsupported: bool = False) -> dict:
     """Render the job file (with `run`'s key=value overrides) into its output_dir as `ascendfactory run`
-    would; returns the case the worker runs: the engine module, its argv and its environment."""
+    would; returns the case the worker runs: the engine module, its argv and its environment, and the layout
+    the plan made ("planned", checked against what the engine ran: plan = engine)."""
     from ascendfactory.cli import _check_inputs, _render_to
     from ascendfactory.engines import require_ready
 
@@ -51,8 +52,21 @@ def render_case(job_file: Path, overrides: list[str], allow_unsupported: bool = 
         _check_inputs(plan)
     argv = rendered.argv
     start = next(i for i in range(len(argv) - 1) if argv[i] == "-m" and argv[i + 1] == rendered.engine_module)
+    layout = plan.layout
+    planned = {key: getattr(layout, key) for key in ("dp", "tp", "pp", "vpp", "cp", "ep")}
     return {"module": rendered.engine_module, "args": argv[start + 2:], "env": rendered.env,
-            "run_dir": str(rendered.run_dir), "log": str(rendered.run_dir / "logs" / "rank{rank}.log")}
+            "run_dir": str(rendered.run_dir), "log": str(rendered.run_dir / "logs" / "rank{rank}.log"),
+            "planned": planned}
+
+
+def layout_ran(run_dir: Path) -> dict | None:
+    """The layout of the last "start" event in the run's metrics.jsonl (None: no such event)."""
+    import json
+
+    metrics = Path(run_dir) / "metrics.jsonl"
+    starts = [json.loads(line) for line in metrics.read_text().splitlines() if '"event": "start"' in line] \
+        if metrics.is_file() else []
+    return starts[-1].get("layout") if starts else None
 
 
 def launch(cases: list[dict], world: int, out: Path, timeout: float = 900) -> tuple[int, str]:
@@ -143,9 +157,15 @@ class EngineRuns(dict):
             for n in batch:
                 del self.pending[n]
         self.launches += 1
+        planned = {n: case.pop("planned", None) for n, case in cases.items()}
         finished, failure = launch(list(cases.values()), world, self.tmp / f"launch{self.launches}")
         names = list(cases)
-        self.update((n, Path(cases[n]["run_dir"])) for n in names[:finished])
+        for n in names[:finished]:  # plan = engine: the layout that ran is the one the plan made
+            ran = layout_ran(Path(cases[n]["run_dir"]))
+            if planned[n] is not None and ran != planned[n]:
+                self.failed[n] = f"{n}: the engine ran the layout {ran}, the plan made {planned[n]}"
+        names_ok = [n for n in names[:finished] if n not in self.failed]
+        self.update((n, Path(cases[n]["run_dir"])) for n in names_ok)
         self.logs.update((n, cases[n]["log"]) for n in names)
         self.failed.update((n, failure) for n in names[finished:])
         return self[name]
