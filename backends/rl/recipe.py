@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,81 +44,11 @@ from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 from backends.models import decoder
 
-from . import algos, context_parallel, multimodal, pipeline_parallel, rollout, sharding
+from . import algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding
+from .batches import Rollouts
 from .config import RLConfig, RLConfigError, batch_problems
 from .data import load_records, stop_ids
 from .rewards import Scorer, load_function
-
-
-class Critic(nn.Module):
-    """The actor's decoder with a scalar value head (VeRL's critic: a token-classification model, 1 label)."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.model = lm.model
-        self.value_head = nn.Linear(lm.config.hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
-
-    def forward(self, input_ids):
-        hidden, _ = self.model(input_ids)
-        return self.value_head(hidden).squeeze(-1).float()
-
-
-@dataclass
-class Rollouts:
-    """This rank's responses, grouped by prompt (n consecutive rows per group)."""
-    prompts: list[list[int]]          # per response
-    responses: list[list[int]]
-    scores: list[float]               # the scalar reward of each response
-    groups: list[int]                 # global group index (the training order)
-    extra: dict[str, list[float]]
-
-
-def _tensor_parallel(model: nn.Module, tp_mesh) -> None:
-    """The LLM engine's Megatron TP plan (no SP: rollout decodes one token per row)."""
-    from backends.models.decoder.tp_plan import apply_tensor_parallel
-
-    apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
-
-
-def _average_grads(model: nn.Module, world: int, group=None, members: int | None = None):
-    """The data-parallel gradient all-reduce (the sum over `group` divided by world), for models without a
-    wrapper; under TP the local shards (each tp rank's DTensor gradients already hold its own shard's full
-    gradient). Under CP `group` is dp x cp (`members` ranks) and world is dp: the cp ranks' partial
-    gradients summed, averaged over dp (context_parallel.py)."""
-    if (members or world) == 1:
-        return None
-
-    def hook():
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # a rank with no micro-batch in this mini-batch adds nothing
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    return hook
-
-
-def _text_shape(model_path: str):
-    """The (text) decoder's config of an HF directory: heads, kv heads, layers for the layout rules."""
-    from backends.common.checkpoint.hf_io import read_config
-    from backends.models import family_of
-
-    if family_of(model_path) == "qwen2_5_vl":
-        from backends.models.qwen2_5_vl import VLConfig
-
-        return VLConfig.from_hf(read_config(model_path)).text
-    from backends.models.decoder import ModelConfig
-
-    return ModelConfig.from_hf(read_config(model_path))
 
 
 def job_fields(cfg: RLConfig) -> dict[str, object]:
@@ -128,14 +57,6 @@ def job_fields(cfg: RLConfig) -> dict[str, object]:
     return {"stage": cfg.algorithm, "rl.rollout.engine": cfg.rollout_engine,
             "rl.reward.type": "function" if cfg.reward_function else cfg.verifier, "parallel.tp": cfg.tp,
             "parallel.pp": cfg.pp, "parallel.cp": cfg.cp, "rl.actor.parallel.tp": cfg.tp}
-
-
-def _pad(rows: list[list[int]], value: int = 0) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), max(width, 1)), value, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
 
 
 class RLRecipe(Recipe):
@@ -227,7 +148,7 @@ class RLRecipe(Recipe):
             if self.cp is not None:
                 context_parallel.apply(self.reference, self.cp)
             if self.tp_mesh is not None and c.ref_tp != 1:
-                _tensor_parallel(self.reference, self.tp_mesh)
+                roles.tensor_parallel(self.reference, self.tp_mesh)
             if fsdp is not None:
                 sharding.shard(self.reference, self.reference.parts(), fsdp)
             if self.pp is not None:  # the frozen reference keeps its own stage only
@@ -235,7 +156,7 @@ class RLRecipe(Recipe):
         if self.cp is not None:
             context_parallel.apply(actor, self.cp)
         if self.tp_mesh is not None:
-            _tensor_parallel(actor, self.tp_mesh)
+            roles.tensor_parallel(actor, self.tp_mesh)
         if self.pp is not None:  # this stage's parameters trained; the rest: the rollout's gathered copy
             pipeline_parallel.own(actor, self.pp)
         if c.gradient_checkpointing:
@@ -249,7 +170,7 @@ class RLRecipe(Recipe):
         from backends.common.parallel.recompute import apply_recompute
 
         c = self.cfg
-        critic = (multimodal.VLCritic if vl else Critic)(lm).to(self.rt.device)
+        critic = (multimodal.VLCritic if vl else roles.Critic)(lm).to(self.rt.device)
         fsdp = self.par if c.fsdp and self.par.mesh is not None else None
         if c.gradient_checkpointing:
             apply_recompute(lm.parts(), "full", fsdp=fsdp is not None)
@@ -293,7 +214,7 @@ class RLRecipe(Recipe):
         if c.pp > 1 and multimodal.is_vl(c.model_path):
             raise RLConfigError("pipeline parallel RL actors train the text decoders; a vision-language actor runs "
                                 "pp 1")
-        self.shape = _text_shape(c.model_path)
+        self.shape = roles.text_shape(c.model_path)
         self.layout = kit.checked_layout(rt.world, RLConfigError, cp_algo=c.cp_algo, tp=c.tp, cp=c.cp, pp=c.pp,
                                          heads=self.shape.num_attention_heads, kv_heads=self.shape.num_kv_heads,
                                          layers=self.shape.num_layers)
@@ -328,7 +249,7 @@ class RLRecipe(Recipe):
                                 total=max(c.total_steps, 1), style="constant")
         # FSDP2 reduce-scatters (averages) the gradients in each backward itself
         members = self.dp * (self.cp.size if self.cp is not None else 1)
-        average = None if sharding.is_sharded(model) else _average_grads(model, self.dp, self.grad_group, members)
+        average = None if sharding.is_sharded(model) else roles.average_grads(model, self.dp, self.grad_group, members)
         part = Part(model, opt, sched, grad_group=self.dp_group, grad_world=self.dp, precision=c.precision,
                     grad_clip=own(c.critic_grad_clip, c.grad_clip), after_backward=average)
         if self.pp is not None:  # the actor's micro-batches through the stages; the norm over every stage
@@ -452,29 +373,17 @@ class RLRecipe(Recipe):
         return kept, metrics
 
     def _mini_batches(self, r: Rollouts) -> list[list[int]]:
-        """Rows (responses) of each mini-batch of mini_batch_size groups, in global order; a last mini-batch
-        with fewer responses than ranks joins the one before it."""
-        c, world = self.cfg, self.dp
-        n_groups = max(r.groups, default=-1) + 1
-        out = [[i for i, g in enumerate(r.groups) if first <= g < first + c.mini_batch_size]
-               for first in range(0, n_groups, c.mini_batch_size)]
-        if len(out) > 1 and len(out[-1]) < world:
-            out[-2] += out.pop()
-        return [rows for rows in out if len(rows) >= world]
+        return batches.mini_batches(r.groups, self.cfg.mini_batch_size, self.dp)
 
     def _my_share(self, rows: list[int]) -> list[int]:
-        """This rank's contiguous slice of a mini-batch's rows (near-equal slices, rank order)."""
-        world, rank = self.dp, self.dp_rank
-        base, extra = divmod(len(rows), world)
-        start = rank * base + min(rank, extra)
-        return rows[start:start + base + (rank < extra)]
+        return batches.share(rows, self.dp, self.dp_rank)
 
     # ------------------------------------------------------------------ forward passes
 
     def _stack(self, rows: list[dict]) -> dict:
         """A micro-batch from per-response rows: right-padded sequences, response tensors [b, R] and their mask."""
         dev = self.rt.device
-        mb = {"input_ids": _pad([r["input_ids"] for r in rows]).to(dev)}
+        mb = {"input_ids": batches.pad([r["input_ids"] for r in rows]).to(dev)}
         width = max(len(r["responses"]) for r in rows)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
         for i, r in enumerate(rows):
