@@ -64,17 +64,15 @@ class Scales:
 
     def terms(self, out: Loss) -> tuple[torch.Tensor, torch.Tensor]:
         """(what backward runs on, the micro-batch's logged loss in summed-token units, float64)."""
-        backward, logged = [], []
+        backward = logged = 0.0
         if out.sum is not None:
-            backward.append(out.sum.float() * self.token)
-            logged.append(out.sum.detach().to(torch.float64))
+            backward, logged = out.sum.float() * self.token, out.sum.detach().to(torch.float64)
         if out.mean is not None:
-            backward.append(out.mean.float() * self.mean)
-            logged.append(out.mean.detach().to(torch.float64) * self.denom)
+            backward = backward + out.mean.float() * self.mean
+            logged = logged + out.mean.detach().to(torch.float64) * self.denom
         if out.extra is not None:
-            backward.append(out.extra.float() * self.extra)
-        return sum(backward[1:], backward[0]), sum(logged[1:], logged[0]) if logged else torch.zeros(
-            (), dtype=torch.float64, device=backward[0].device)
+            backward = backward + out.extra.float() * self.extra
+        return backward, logged
 
 
 @dataclass
@@ -464,9 +462,7 @@ def _layout_of(recipe) -> dict[str, int]:
     """The parallel layout the recipe built (its `par`, from backends.common.kit), for the start event: what
     ran, next to what the job planned."""
     layout = getattr(getattr(recipe, "par", None), "layout", None)
-    if layout is None:
-        return {}
-    return {key: getattr(layout, key) for key in ("dp", "tp", "pp", "vpp", "cp", "ep")}
+    return layout.sizes() if layout is not None else {}
 
 
 def seed_everything(seed: int) -> None:

@@ -78,6 +78,10 @@ class Layout:
                  f"cp {self.cp}", f"dp {self.dp}", f"ep {self.ep}"]
         return " · ".join(parts)
 
+    def sizes(self) -> dict[str, int]:
+        """The parallel sizes by name (what an engine records as the layout it built)."""
+        return {key: getattr(self, key) for key in ("dp", "tp", "pp", "vpp", "cp", "ep")}
+
     @property
     def mesh_shape(self) -> tuple[int, int, int, int]:
         """(pp, dp, cp, tp): tp innermost, so a tensor-parallel group shares a node."""

@@ -68,7 +68,12 @@ def build_scheduler(optimizer, cfg: LFConfig, total: int):
 def job_fields(cfg: LFConfig) -> dict[str, object]:
     """The job-file fields (dotted) LLaMA-Factory's keys came from, as capabilities.LIMITS / UNBUILT name them."""
     return {"stage": cfg.stage, "finetuning": cfg.finetuning_type, "data.packing": bool(cfg.packing),
-            "train.precision": "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"}
+            "train.precision": precision(cfg)}
+
+
+def precision(cfg: LFConfig) -> str:
+    """bf16 / fp16 (LLaMA-Factory's switches), else fp32."""
+    return "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
 
 
 def resume_setting(cfg: LFConfig, save_dir: Path) -> str | None:
@@ -141,7 +146,7 @@ class LFRecipe(Recipe):
         self.parts = {"model": kit.train_part(
             model, par, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
             eps=cfg.adam_epsilon, schedule=lambda optimizer: build_scheduler(optimizer, cfg, steps),
-            precision="bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32", grad_clip=cfg.max_grad_norm)}
+            precision=precision(cfg), grad_clip=cfg.max_grad_norm)}
         self._batches = iter(self.loader)
         return self._settings(rt, steps)
 

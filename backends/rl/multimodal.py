@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backends.models.qwen2_5_vl import Qwen2_5_VL, VLConfig, load_hf_state_dict, save_pretrained
+from backends.models import family_of, qwen2_5_vl
+from backends.models.qwen2_5_vl import Qwen2_5_VL, VLConfig, save_pretrained
 from backends.models.qwen2_5_vl import positions as P
 
 from .config import RLConfig, RLConfigError
@@ -41,10 +42,7 @@ VISION_TOKENS = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def is_vl(model_path: str) -> bool:
-    f = Path(model_path) / "config.json"
-    if not f.is_file():
-        return False
-    return json.loads(f.read_text(encoding="utf-8")).get("model_type") == "qwen2_5_vl"
+    return (Path(model_path) / "config.json").is_file() and family_of(model_path) == "qwen2_5_vl"
 
 
 # ---------------------------------------------------------------------- the model
@@ -82,15 +80,7 @@ class VLPolicy(Qwen2_5_VL):
 
 
 def from_pretrained(path: str, device="cpu", dtype: torch.dtype = torch.float32) -> VLPolicy:
-    from backends.common.checkpoint.hf_io import read_config, read_safetensors
-
-    cfg = VLConfig.from_hf(read_config(path))
-    with torch.device("meta"):
-        model = VLPolicy(cfg)
-    model.to_empty(device=device)
-    model.to(dtype)
-    load_hf_state_dict(model, read_safetensors(path))
-    return model
+    return qwen2_5_vl.from_pretrained(path, dtype=dtype, device=device, cls=VLPolicy)
 
 
 def freeze_vision(model: VLPolicy) -> None:

@@ -76,7 +76,8 @@ class RLRecipe(Recipe):
         self.rt = rt
         kit.refuse_unbuilt(capabilities, c.framework, job_fields(c), RLConfigError, "backends.rl")
         rollout.check_engine(c.rollout_engine)
-        self._layout(rt)
+        vl = multimodal.is_vl(c.model_path)  # Qwen2.5-VL: image prompts (multimodal.py)
+        self._layout(rt, vl)
         broken = batch_problems(c, self.dp)  # the planner's rule (backends.contract.layout.rl_batches)
         if broken:
             raise ValueError("; ".join(f"{b.field}: {b.message} ({b.hint})" for b in broken))
@@ -84,7 +85,6 @@ class RLRecipe(Recipe):
             raise ValueError(f"trainer.nnodes x n_gpus_per_node is {c.expected_world}, but {rt.world} processes run")
         if c.kernel_backend or c.kernel_overrides:
             kernels.configure(default=c.kernel_backend, overrides=c.kernel_overrides or None)
-        vl = multimodal.is_vl(c.model_path)  # Qwen2.5-VL: image prompts (multimodal.py)
         self._data(vl)
         self._mesh(rt)  # after every check that needs no other rank
         seed_everything(c.seed)
@@ -141,7 +141,7 @@ class RLRecipe(Recipe):
         if vl and c.freeze_vision_tower:
             multimodal.freeze_vision(actor)
         actor.train()
-        fsdp = self.par if c.fsdp and self.par.mesh is not None else None
+        fsdp = self.fsdp
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
@@ -171,7 +171,7 @@ class RLRecipe(Recipe):
 
         c = self.cfg
         critic = (multimodal.VLCritic if vl else roles.Critic)(lm).to(self.rt.device)
-        fsdp = self.par if c.fsdp and self.par.mesh is not None else None
+        fsdp = self.fsdp
         if c.gradient_checkpointing:
             apply_recompute(lm.parts(), "full", fsdp=fsdp is not None)
         if fsdp is not None:
@@ -196,7 +196,7 @@ class RLRecipe(Recipe):
                            seed=c.seed, gpu_memory_utilization=c.gpu_memory_utilization,
                            enforce_eager=c.enforce_eager, images_per_prompt=self.vision.most_images() if vl else 0)
 
-    def _layout(self, rt: Runtime) -> None:
+    def _layout(self, rt: Runtime, vl: bool) -> None:
         """The layout checked by the planner's rules (nothing collective yet: _mesh builds the engines' one mesh,
         pp x dp x cp x tp, tp innermost). The pp x cp x tp ranks of one dp rank hold the same samples, so
         batches, counts and loss scaling go over the dp group; the gradient all-reduce over dp x cp (the cp
@@ -211,7 +211,7 @@ class RLRecipe(Recipe):
         if c.pp > 1 and c.cp > 1:
             raise RLConfigError("pipeline x context parallel RL actors are not built; set the context or the "
                                 "pipeline parallel size to 1")
-        if c.pp > 1 and multimodal.is_vl(c.model_path):
+        if c.pp > 1 and vl:
             raise RLConfigError("pipeline parallel RL actors train the text decoders; a vision-language actor runs "
                                 "pp 1")
         self.shape = roles.text_shape(c.model_path)
@@ -225,6 +225,7 @@ class RLRecipe(Recipe):
         pipeline's and the context-parallel ones."""
         c, shape = self.cfg, self.shape
         par = self.par = kit.on_mesh(rt, self.layout, fsdp=c.fsdp, cp_algo=c.cp_algo)
+        self.fsdp = par if c.fsdp and par.mesh is not None else None  # what the models shard over
         self.dp_rank, self.grad_group = par.dp_rank, par.grad_group
         self.dp_group = par.mesh["dp"].get_group() if par.mesh is not None else None
         if par.mesh is None:
@@ -327,9 +328,7 @@ class RLRecipe(Recipe):
         mine = Rollouts([p for p in prompts for _ in range(c.n)], out, scores,
                         [first + i for i in range(share) for _ in range(c.n)], extra)
         self.cursor += c.train_batch_size
-        if rt.world == 1:
-            return mine
-        if self.dp == 1:  # the pp x cp x tp ranks of the one dp rank generated the same
+        if self.dp == 1:  # one process, or the pp x cp x tp ranks of the one dp rank: they generated the same
             return mine
         # the dp ranks' shares, from the peers at this rank's pp / cp / tp coordinate (they generated the same)
         columns = {"prompts": mine.prompts, "responses": mine.responses, "scores": mine.scores,
@@ -371,12 +370,6 @@ class RLRecipe(Recipe):
                    "response_length_mean": sum(len(x) for x in kept.responses) / max(len(kept.responses), 1),
                    "gen_rounds": float(rounds), "kept_groups": float(groups)}
         return kept, metrics
-
-    def _mini_batches(self, r: Rollouts) -> list[list[int]]:
-        return batches.mini_batches(r.groups, self.cfg.mini_batch_size, self.dp)
-
-    def _my_share(self, rows: list[int]) -> list[int]:
-        return batches.share(rows, self.dp, self.dp_rank)
 
     # ------------------------------------------------------------------ forward passes
 
@@ -464,7 +457,8 @@ class RLRecipe(Recipe):
         t0 = time.perf_counter()
         r, metrics = self._collect(step)
         t_rollout = time.perf_counter() - t0
-        minis = [self._rows(r, self._my_share(rows)) for rows in self._mini_batches(r)]
+        minis = [self._rows(r, batches.share(rows, self.dp, self.dp_rank))
+                 for rows in batches.mini_batches(r.groups, self.cfg.mini_batch_size, self.dp)]
         rows = [row for mini in minis for row in mini]
         actor = self.parts["actor"].model
         critic = self.parts["critic"].model if "critic" in self.parts else None

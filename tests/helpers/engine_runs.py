@@ -52,11 +52,9 @@ def render_case(job_file: Path, overrides: list[str], allow_unsupported: bool = 
         _check_inputs(plan)
     argv = rendered.argv
     start = next(i for i in range(len(argv) - 1) if argv[i] == "-m" and argv[i + 1] == rendered.engine_module)
-    layout = plan.layout
-    planned = {key: getattr(layout, key) for key in ("dp", "tp", "pp", "vpp", "cp", "ep")}
     return {"module": rendered.engine_module, "args": argv[start + 2:], "env": rendered.env,
             "run_dir": str(rendered.run_dir), "log": str(rendered.run_dir / "logs" / "rank{rank}.log"),
-            "planned": planned}
+            "planned": plan.layout.sizes()}
 
 
 def layout_ran(run_dir: Path) -> dict | None:

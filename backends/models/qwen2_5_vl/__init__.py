@@ -75,12 +75,14 @@ def load_hf_state_dict(model: Qwen2_5_VL, tensors) -> None:
             p.copy_(t.to(p.dtype))
 
 
-def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Qwen2_5_VL:
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+                    cls: type[Qwen2_5_VL] = Qwen2_5_VL) -> Qwen2_5_VL:
+    """cls: Qwen2_5_VL or a subclass with its own forward (the RL engine's policy)."""
     from backends.common.checkpoint.hf_io import read_config, read_safetensors
 
     cfg = VLConfig.from_hf(read_config(path))
     with torch.device("meta"):
-        model = Qwen2_5_VL(cfg)
+        model = cls(cfg)
     model.to_empty(device=device)
     model.to(dtype)
     load_hf_state_dict(model, read_safetensors(path))
