@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from backends.common import omegaconf_yaml
+
 from ..config import RLConfigError
 from .keys import MARKERS
-
-def _loader():
-    """PyYAML's SafeLoader with OmegaConf's float rule (Hydra reads `1e-6` and `1e5` as floats)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
-        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
-        r"|\.[0-9_]+(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
-    return Loader
 
 
 def read_yaml(path: str | Path, what: str = "MindSpeed-RL config") -> dict:
@@ -29,7 +17,7 @@ def read_yaml(path: str | Path, what: str = "MindSpeed-RL config") -> dict:
 
     path = Path(path)
     try:
-        tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_loader()) or {}  # noqa: S506 - a SafeLoader
+        tree = omegaconf_yaml.load(path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as err:
         raise RLConfigError(f"{path}: cannot read the {what}: {err}") from None
     if not isinstance(tree, dict):
@@ -39,12 +27,7 @@ def read_yaml(path: str | Path, what: str = "MindSpeed-RL config") -> dict:
 
 def yaml_value(text: str) -> Any:
     """An override's value as Hydra reads it."""
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader
-    except yaml.YAMLError:
-        return text
+    return omegaconf_yaml.value(text)
 
 
 def is_mindspeed_rl(tree: Mapping) -> bool:
