@@ -126,20 +126,22 @@ def test_the_critic_update_runs_in_its_own_micro_batches():
     unset, the critic takes the actor's micro-batches."""
     from backends.rl.recipe import RLRecipe
 
-    rows = [{"input_ids": list(range(3 + i)), "responses": torch.arange(2), "pred": torch.tensor([1, 2])}
-            for i in range(8)]
+    from backends.rl.batches import Rollouts
+
+    r = Rollouts.pack([list(range(1 + i)) for i in range(8)], [[5, 6]] * 8, [0.0] * 8, list(range(8)), {}, "cpu")
+    rows = list(range(8))
     cfg = rlconfig.RLConfig(model_path="m", algorithm="ppo", micro_batch_size=4, critic_micro_batch_size=3)
     rec = RLRecipe(cfg)
     rec.rt, rec.dp = SimpleNamespace(device=torch.device("cpu")), 1
     rec.parts = {"critic": SimpleNamespace(model=torch.nn.Linear(1, 1))}
-    actor_micro = rec._micro(rows)
-    micro = rec._critic_micro(rows, actor_micro, tokens=16.0, seqs=8.0)
+    actor_micro = rec._micro(r, rows)
+    micro = rec._critic_micro(r, rows, actor_micro, tokens=16.0, seqs=8.0)
     assert [len(m["input_ids"]) for m in actor_micro] == [4, 4]
     assert [len(m["input_ids"]) for m in micro] == [3, 3, 2]
     assert all((m["global_tokens"], m["global_seqs"]) == (16.0, 8.0) for m in micro)
     assert sum(m["n_tokens"] for m in micro) == 16  # the metrics' weights (Loss.weight): every response token once
     cfg.critic_micro_batch_size = None
-    assert rec._critic_micro(rows, actor_micro, tokens=16.0, seqs=8.0) is actor_micro
+    assert rec._critic_micro(r, rows, actor_micro, tokens=16.0, seqs=8.0) is actor_micro
 
 
 def test_the_rule_holds_no_critic_to_whole_micro_batches():

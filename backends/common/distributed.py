@@ -92,34 +92,14 @@ def gather_floats(value: float, device: torch.device) -> list[float]:
     return [float(x) for x in out]
 
 
-def all_gather_rows(columns: dict[str, list], group, device: torch.device, floats=()) -> dict[str, list]:
-    """Every rank's rows of `group`, concatenated in group-rank order, as device tensors on the wire (no
-    pickled objects). Each column is a list with one value per row: a number, or a list of numbers (ragged:
-    sent right-padded to the group's widest row, with its lengths). Every rank holds the same number of
-    rows. The columns named in `floats` travel as float64 (a Python float exactly), the others as int64."""
-    names = list(columns)
-    rows = len(next(iter(columns.values()), []))
-    ragged = [n for n in names if rows and isinstance(columns[n][0], (list, tuple))]
-    widths = torch.tensor([max((len(v) for v in columns[n]), default=0) for n in ragged] or [0], device=device)
-    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=group)
-    world = dist.get_world_size(group)
-    out: dict[str, list] = {}
-    for name in names:
-        values = columns[name]
-        dtype = torch.float64 if name in floats else torch.int64
-        if name in ragged:
-            width = int(widths[ragged.index(name)])
-            local = torch.zeros(rows, width + 1, dtype=dtype, device=device)  # column 0: the row's length
-            for i, v in enumerate(values):
-                local[i, 0] = len(v)
-                local[i, 1:len(v) + 1] = torch.tensor(v, dtype=dtype)
-        else:
-            local = torch.tensor(values, dtype=dtype, device=device)
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local, group=group)
-        whole = torch.cat(parts).cpu()
-        if name in ragged:
-            out[name] = [row[1:1 + int(row[0])].tolist() for row in whole]
-        else:
-            out[name] = whole.tolist()
-    return out
+def all_gather_padded(value: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's rows of `group`, concatenated in group-rank order. A 2-D tensor whose width differs between
+    the ranks (ragged token rows) is right-padded with 0 to the widest first; every rank holds the same number
+    of rows."""
+    if value.dim() == 2:
+        width = torch.tensor([value.shape[1]], device=value.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+        value = torch.nn.functional.pad(value, (0, int(width) - value.shape[1]))
+    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    return torch.cat(parts)

@@ -39,12 +39,12 @@ from torch import nn
 
 from backends import kernels
 from backends.common import kit
-from backends.common.distributed import Runtime, all_gather_rows, all_reduce_sum
+from backends.common.distributed import Runtime, all_reduce_sum
 from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 from backends.models import decoder
 
-from . import algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding
+from . import advantages, algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding
 from .batches import Rollouts
 from .config import RLConfig, RLConfigError, batch_problems
 from .data import load_records, stop_ids
@@ -325,92 +325,51 @@ class RLRecipe(Recipe):
             extra["record"] = [r for r in rows for _ in range(c.n)]
         if self.vllm is not None:  # vLLM's log-probability of each sampled token, checked against the actor's
             extra["rollout_logp"] = vllm_logp
-        mine = Rollouts([p for p in prompts for _ in range(c.n)], out, scores,
-                        [first + i for i in range(share) for _ in range(c.n)], extra)
+        mine = Rollouts.pack([p for p in prompts for _ in range(c.n)], out, scores,
+                             [first + i for i in range(share) for _ in range(c.n)], extra, rt.device)
         self.cursor += c.train_batch_size
         if self.dp == 1:  # one process, or the pp x cp x tp ranks of the one dp rank: they generated the same
             return mine
         # the dp ranks' shares, from the peers at this rank's pp / cp / tp coordinate (they generated the same)
-        columns = {"prompts": mine.prompts, "responses": mine.responses, "scores": mine.scores,
-                   "groups": mine.groups, **{f"extra.{k}": v for k, v in mine.extra.items()}}
-        floats = {"scores", *(f"extra.{k}" for k in mine.extra if k != "record")}
-        every = all_gather_rows(columns, self.dp_group, rt.device, floats)
-        return Rollouts(every["prompts"], every["responses"], every["scores"], every["groups"],
-                        {k: every[f"extra.{k}"] for k in mine.extra})
+        return mine.gather(self.dp_group)
 
     def _collect(self, step: int) -> tuple[Rollouts, dict]:
         """Roll out (DAPO: several rounds, keeping the groups whose rewards differ, the first
         train_batch_size of them in global order) -> (the global batch, the same on every rank, with
         group indices 0.., metrics)."""
         c = self.cfg
-        kept = Rollouts([], [], [], [], {"score": [], "format": [], "overlong": [],
-                                         **({"record": []} if self.vision is not None else {}),
-                                         **({"rollout_logp": []} if self.vllm is not None else {})})
-        rounds, all_scores, groups = 0, [], 0
+        parts, scores, rounds, groups = [], [], 0, 0
         while True:
             r = self._round(step, rounds)
             rounds += 1
-            all_scores += r.scores
-            for g in range(0, len(r.scores), c.n):
-                sl = slice(g, g + c.n)
-                group = r.scores[sl]
-                if (c.filter_groups and max(group) == min(group)) or groups >= c.train_batch_size:
-                    continue
-                kept.prompts += r.prompts[sl]
-                kept.responses += r.responses[sl]
-                kept.scores += r.scores[sl]
-                kept.groups += [groups] * c.n
-                for key in kept.extra:
-                    kept.extra[key] += r.extra[key][sl]
-                groups += 1
+            scores.append(r.scores)
+            by_group = r.scores.view(-1, c.n)
+            keep = torch.ones(by_group.shape[0], dtype=torch.bool, device=by_group.device)
+            if c.filter_groups:
+                keep &= by_group.amax(1) != by_group.amin(1)
+            keep &= keep.cumsum(0) <= c.train_batch_size - groups  # the first ones that fill the batch
+            parts.append(r.select(keep.repeat_interleave(c.n)).with_groups(groups, c.n))
+            groups += int(keep.sum())
             if not c.filter_groups or groups >= c.train_batch_size or (c.max_gen_rounds and rounds >= c.max_gen_rounds):
                 break
-        metrics = {"reward_mean": sum(all_scores) / max(len(all_scores), 1),
-                   "score_mean": sum(kept.extra["score"]) / max(len(kept.scores), 1),
-                   "response_length_mean": sum(len(x) for x in kept.responses) / max(len(kept.responses), 1),
+        kept, scores = Rollouts.cat(parts), torch.cat(scores)
+        rows = max(len(kept), 1)
+        metrics = {"reward_mean": float(scores.sum()) / max(len(scores), 1),
+                   "score_mean": float(kept.extra["score"].sum()) / rows,
+                   "response_length_mean": float(kept.response_lens.sum()) / rows,
                    "gen_rounds": float(rounds), "kept_groups": float(groups)}
         return kept, metrics
 
     # ------------------------------------------------------------------ forward passes
 
-    def _stack(self, rows: list[dict]) -> dict:
-        """A micro-batch from per-response rows: right-padded sequences, response tensors [b, R] and their mask."""
-        dev = self.rt.device
-        mb = {"input_ids": batches.pad([r["input_ids"] for r in rows]).to(dev)}
-        width = max(len(r["responses"]) for r in rows)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            mask[i, :len(r["responses"])] = True
-        mb["mask"] = mask.to(dev)
-        for key in rows[0]:
-            if key in ("input_ids", "index", "record"):
-                continue
-            mb[key] = torch.stack([torch.nn.functional.pad(torch.as_tensor(r[key]), (0, width - len(r[key])))
-                                   for r in rows]).to(dev)
-        if self.vision is not None:  # images, their placeholders and M-RoPE positions
-            mb["vision"] = self.vision.batch([r["record"] for r in rows], mb["input_ids"],
-                                             [len(r["input_ids"]) - len(r["responses"]) for r in rows])
-        mb["n_tokens"] = int(mask.sum())
-        mb["n_positions"] = int(sum(len(r["input_ids"]) for r in rows))
-        return mb
+    def _stack(self, r: Rollouts, rows: list[int]) -> dict:
+        return batches.micro_batch(r, rows, self.vision)
 
-    def _rows(self, r: Rollouts, indices: list[int]) -> list[dict]:
-        out = []
-        for i in indices:
-            prompt, response = r.prompts[i], r.responses[i]
-            # the hidden state at position len(prompt) + j - 1 predicts response token j
-            out.append({"index": i, "input_ids": prompt + response,
-                        "responses": torch.tensor(response, dtype=torch.long),
-                        "pred": torch.arange(len(response), dtype=torch.long) + len(prompt) - 1})
-            if "record" in r.extra:
-                out[-1]["record"] = r.extra["record"][i]
-        return out
-
-    def _micro(self, rows: list[dict], size: int | None = None) -> list[dict]:
+    def _micro(self, r: Rollouts, rows: list[int], size: int | None = None) -> list[dict]:
         size = size or self.cfg.micro_batch_size
-        return [self._stack(rows[s:s + size]) for s in range(0, len(rows), size)]
+        return [self._stack(r, rows[s:s + size]) for s in range(0, len(rows), size)]
 
-    def _critic_micro(self, mine: list[dict], micro: list[dict], tokens: float, seqs: float) -> list[dict]:
+    def _critic_micro(self, r: Rollouts, mine: list[int], micro: list[dict], tokens: float, seqs: float) -> list[dict]:
         """The critic's update micro-batches: critic_micro_batch_size responses each (VeRL's
         critic.ppo_micro_batch_size_per_gpu; the actor's micro-batches when unset or equal), a last shorter
         one where the rank's share does not divide, with the mini-batch's global counts (the loss is the
@@ -418,7 +377,7 @@ class RLRecipe(Recipe):
         size = self.cfg.critic_micro_batch_size
         if size is None or size == self.cfg.micro_batch_size:
             return micro
-        out = self._micro(mine, size)
+        out = self._micro(r, mine, size)
         if sharding.is_sharded(self.parts["critic"].model):  # every rank the same passes
             out = sharding.lockstep(out, self.rt.device)
         for m in out:
@@ -457,15 +416,15 @@ class RLRecipe(Recipe):
         t0 = time.perf_counter()
         r, metrics = self._collect(step)
         t_rollout = time.perf_counter() - t0
-        minis = [self._rows(r, batches.share(rows, self.dp, self.dp_rank))
-                 for rows in batches.mini_batches(r.groups, self.cfg.mini_batch_size, self.dp)]
-        rows = [row for mini in minis for row in mini]
+        minis = [batches.share(rows, self.dp, self.dp_rank)
+                 for rows in batches.mini_batches(r.groups.tolist(), self.cfg.mini_batch_size, self.dp)]
+        mine = [row for mini in minis for row in mini]
         actor = self.parts["actor"].model
         critic = self.parts["critic"].model if "critic" in self.parts else None
         t1 = time.perf_counter()
         size = self.cfg.micro_batch_size
-        chunks = [rows[s:s + size] for s in range(0, len(rows), size)]
-        stacked = [self._stack(chunk) for chunk in chunks]
+        chunks = [mine[s:s + size] for s in range(0, len(mine), size)]
+        stacked = [self._stack(r, chunk) for chunk in chunks]
         passes = [("old_logp", actor, lambda m, mb: self._logprobs(m, mb)[0])]
         if self.reference is not None:
             passes.append(("ref_logp", self.reference, lambda m, mb: self._logprobs(m, mb)[0]))
@@ -479,15 +438,18 @@ class RLRecipe(Recipe):
                                                            lambda h, mb, m=model, f=forward: f(m, {**mb, "hidden": h}))
                     else:
                         values = [forward(model, mb) for mb in stacked]
-                    for chunk, value in zip(chunks, values):
-                        for i, row in enumerate(chunk):
-                            row[key] = value[i, :len(row["responses"])].cpu()
+                # this rank's rows filled in, the others stay 0
+                out = torch.zeros(r.responses.shape, dtype=values[0].dtype if values else torch.float32,
+                                  device=r.responses.device)
+                for chunk, value in zip(chunks, values):
+                    out[torch.tensor(chunk, device=out.device), :value.shape[1]] = value.to(out.device)
+                r.extra[key] = out
         t_ref = time.perf_counter() - t1
         if self.vllm is not None:
-            metrics.update(self._rollout_probs_diff(r, rows))
-        self._advantages(r, rows)
+            metrics.update(self._rollout_probs_diff(r, mine))
+        self._advantages(r, mine)
         t2 = time.perf_counter()
-        result = self._update(trainer, minis, step)
+        result = self._update(trainer, r, minis, step)
         if self.pp is not None:  # the rollout's whole model: the other stages' updated weights, in memory
             pipeline_parallel.refresh(actor, self.pp)
         self.vllm_stale = True
@@ -497,67 +459,32 @@ class RLRecipe(Recipe):
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _rollout_probs_diff(self, r: Rollouts, rows: list[dict]) -> dict:
+    def _rollout_probs_diff(self, r: Rollouts, mine: list[int]) -> dict:
         """|p_vLLM - p_actor| of the sampled tokens over the batch (VeRL's training/rollout_probs_diff_*): the
         rollout engine and the actor hold the same weights when it is at float noise. Also the largest
         |log p_vLLM - log p_actor| (training/rollout_logprob_diff_max): where the model spreads its probability
         thin, as a barely trained one does, a stale weight shows there long before it moves the probabilities."""
-        pairs = [(torch.tensor(r.extra["rollout_logp"][row["index"]]), row["old_logp"].float()) for row in rows]
-        probs = torch.cat([(a.exp() - b.exp()).abs() for a, b in pairs]) if pairs else torch.zeros(0)
-        logs = torch.cat([(a - b).abs() for a, b in pairs]) if pairs else torch.zeros(0)
-        dev = self.rt.device
-        stats = all_reduce_sum(torch.tensor([float(probs.sum()), float(probs.numel())], dtype=torch.float64,
-                                            device=dev), self.dp_group).tolist()
-        peak = torch.tensor([float(x.max()) if x.numel() else 0.0 for x in (probs, logs)], device=dev)
+        index = torch.tensor(mine, dtype=torch.long, device=r.responses.device)
+        mask = r.response_mask(index)
+        engine, actor = r.extra["rollout_logp"][index][mask], r.extra["old_logp"][index].float()[mask]
+        probs, logs = (engine.exp() - actor.exp()).abs(), (engine - actor).abs()
+        stats = all_reduce_sum(torch.stack([probs.double().sum(), torch.tensor(float(probs.numel()),
+                                            dtype=torch.float64, device=index.device)]), self.dp_group).tolist()
+        peak = torch.stack([x.max() if x.numel() else x.new_zeros(()) for x in (probs, logs)])
         if self.dp > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_group)
         return {"training/rollout_probs_diff_max": float(peak[0]), "training/rollout_probs_diff_mean":
                 stats[0] / max(stats[1], 1.0), "training/rollout_logprob_diff_max": float(peak[1])}
 
-    def _token_rewards(self, r: Rollouts, row: dict) -> torch.Tensor:
-        """The score on the last response token (minus the KL penalty per token when it is in the reward)."""
-        c = self.cfg
-        rewards = torch.zeros(len(row["responses"]))
-        rewards[-1] = r.scores[row["index"]]
-        if c.use_kl_in_reward and self.reference is not None:
-            rewards = rewards - c.kl_in_reward_coef * algos.kl_penalty(row["old_logp"], row["ref_logp"], c.kl_penalty)
-        return rewards
+    def _advantages(self, r: Rollouts, mine: list[int]) -> None:
+        advantages.compute(r, mine, self.cfg, self.dp_group, kl_in_reward=self.reference is not None)
 
-    def _advantages(self, r: Rollouts, rows: list[dict]) -> None:
-        c, dev = self.cfg, self.rt.device
-        if c.algorithm in ("grpo", "dapo"):
-            # outcome advantages need each response's summed reward: gather them into the global vector
-            totals = torch.zeros(len(r.scores), dtype=torch.float64, device=dev)
-            for row in rows:
-                totals[row["index"]] = float(self._token_rewards(r, row).double().sum())
-            totals = all_reduce_sum(totals, self.dp_group).float().cpu()
-            adv, _ = algos.grpo_advantages(totals[:, None], torch.ones(len(totals), 1), r.groups,
-                                           norm_by_std=c.norm_adv_by_std)
-            for row in rows:
-                row["advantages"] = adv[row["index"], 0].expand(len(row["responses"])).clone()
-            return
-        # PPO: GAE per response, whitened over the whole global batch (mean and variance all-reduced)
-        stats = torch.zeros(3, dtype=torch.float64)
-        for row in rows:
-            adv, ret = algos.gae(self._token_rewards(r, row)[None], row["values"].float()[None],
-                                 torch.ones(1, len(row["responses"])), c.gamma, c.lam)
-            row["advantages"], row["returns"] = adv[0], ret[0]
-            stats += torch.tensor([adv.numel(), float(adv.double().sum()), float((adv.double() ** 2).sum())],
-                                  dtype=torch.float64)
-        n, total, squares = all_reduce_sum(stats.to(dev), self.dp_group).tolist()
-        if n < 2:
-            raise ValueError("PPO whitens the advantages over the batch: it needs at least two response tokens")
-        mean = total / n
-        var = (squares / n - mean * mean) * n / (n - 1)
-        for row in rows:
-            row["advantages"] = (row["advantages"] - mean) * (var + 1e-8) ** -0.5
-
-    def _update(self, trainer, minis: list[list[dict]], step: int) -> StepResult:
+    def _update(self, trainer, r: Rollouts, minis: list[list[int]], step: int) -> StepResult:
         c, rt = self.cfg, self.rt
         results, critic_results = [], []
         for _epoch in range(c.ppo_epochs):
             for mine in minis:
-                micro = self._micro(mine)
+                micro = self._micro(r, mine)
                 if sharding.is_sharded(self.parts["actor"].model):  # every rank the same passes
                     micro = sharding.lockstep(micro, rt.device)
                 counts = torch.tensor([sum(m["n_tokens"] for m in micro), float(len(mine))], dtype=torch.float64,
@@ -567,7 +494,7 @@ class RLRecipe(Recipe):
                     m["global_tokens"], m["global_seqs"] = tokens, seqs
                 if "critic" in self.parts:
                     critic_results.append(trainer.optimize(self.parts["critic"],
-                                                           self._critic_micro(mine, micro, tokens, seqs),
+                                                           self._critic_micro(r, mine, micro, tokens, seqs),
                                                            self._critic_loss))
                 if "critic" not in self.parts or step >= c.critic_warmup:
                     results.append(trainer.optimize(self.parts["actor"], micro, self._actor_loss))

@@ -4,8 +4,6 @@ checked with."""
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 
@@ -32,28 +30,16 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> None:
 
 
 def average_grads(model: nn.Module, world: int, group=None, members: int | None = None):
-    """The data-parallel gradient all-reduce (the sum over `group` divided by world), for models without a
-    wrapper; under TP the local shards (each tp rank's DTensor gradients already hold its own shard's full
-    gradient). Under CP `group` is dp x cp (`members` ranks) and world is dp: the cp ranks' partial
-    gradients summed, averaged over dp (context_parallel.py)."""
+    """The data-parallel gradient mean for models without a wrapper (under TP, each tp rank's DTensor gradients
+    hold its own shard's full gradient). Under CP `group` is dp x cp (`members` ranks) and world is dp: the cp
+    ranks' partial gradients summed, averaged over dp (context_parallel.py). A dp rank with no micro-batch in a
+    mini-batch sends zeros."""
     if (members or world) == 1:
         return None
+    from backends.common.parallel.data_parallel import mean_grads
 
-    def hook():
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # a rank with no micro-batch in this mini-batch adds nothing
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    return hook
+    params = [p for p in model.parameters() if p.requires_grad]
+    return lambda: mean_grads(params, group, world, missing_as_zero=True)
 
 
 def text_shape(model_path: str):

@@ -31,13 +31,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _recorded(self, r, rows):
+def _recorded(self, r, mine):
     name = Path(self.cfg.metrics_file).stem
-    sums = {str(row["index"]): [float(row["old_logp"].double().sum()), float(row["ref_logp"].double().sum())]
-            for row in rows}
+    sums = {str(i): [float(r.extra["old_logp"][i].double().sum()), float(r.extra["ref_logp"][i].double().sum())]
+            for i in mine}
     with open(Path(sys.argv[2]) / f"{name}.logp{_rank()}.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(sums) + "\n")
-    return _advantages(self, r, rows)
+    return _advantages(self, r, mine)
 
 
 def _generate_recorded(model, prompts, *, seed=0, n=1, prompt_ids=None, **kw):

@@ -161,12 +161,12 @@ def test_logprobs_match_transformers(data):
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(1, 500, (k,), generator=g).tolist() for k in (5, 9, 3, 7)]
     indices = [0, 1, 2, 1]
-    r = Rollouts([recs[i]["prompt_ids"] for i in indices], responses, [0.0] * 4, [0, 1, 2, 3],
-                 {"record": indices})
+    r = Rollouts.pack([recs[i]["prompt_ids"] for i in indices], responses, [0.0] * 4, [0, 1, 2, 3],
+                      {"record": indices}, "cpu")
     rec = RLRecipe(RLConfig(model_path=str(MODEL), temperature=1.0))
     rec.rt, rec.cp, rec.tp_mesh = SimpleNamespace(device=torch.device("cpu")), None, None
     rec.vision = multimodal.Vision(model.config, recs)
-    mb = rec._stack(rec._rows(r, [0, 1, 2, 3]))
+    mb = rec._stack(r, [0, 1, 2, 3])
     with torch.no_grad():
         logp, ent = rec._logprobs(model, mb, entropy=True)
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(MODEL, dtype=torch.float32).eval()

@@ -145,14 +145,24 @@ def grad_sync(model: torch.nn.Module, par: Parallel):
 
 
 def _mean_over_dp(params: list, par: Parallel) -> None:
+    mean_grads(params, par.grad_group, par.grad_world)
+
+
+def mean_grads(params: list, group, divisor: int, missing_as_zero: bool = False) -> None:
+    """The gradients of `params` summed over `group` and divided by `divisor` (a model no wrapper reduces; a
+    DTensor's local shard). A parameter without a gradient is skipped, or with missing_as_zero takes part as
+    zeros (a rank that had no micro-batch this step, while its peers did: every rank must send the same
+    tensors)."""
     import torch.distributed as dist
 
     for p in params:
         if p.grad is None:
-            continue
+            if not (missing_as_zero and p.requires_grad):
+                continue
+            p.grad = torch.zeros_like(p)
         local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        dist.all_reduce(local, group=par.grad_group)
-        local.div_(par.grad_world)
+        dist.all_reduce(local, group=group)
+        local.div_(divisor)
 
 
 def grad_clip(model: torch.nn.Module, optimizer, par: Parallel):
