@@ -80,10 +80,11 @@ def test_prompt_file_is_the_script_s():
     assert rows == make_tiny_policy.problems() and len(rows) == 100
 
 
-# The CPU kernel family (torch.backends.cpu.get_cpu_capability()) the bundled policy was made with. 300 SFT steps
-# at a constant 3e-3 amplify the kernels' rounding: made with AVX2 or the generic kernels
-# (ATEN_CPU_CAPABILITY=avx2 / default) the weights land 0.2 (relative norm) away from the AVX512 ones.
-MADE_WITH = "AVX512"
+# Why the made weights are not compared with the bundled ones bit for bit: 300 SFT steps at a constant 3e-3
+# amplify the kernels' rounding, and the kernels differ by CPU generation within one kernel family: made on a
+# Sapphire Rapids AVX512 machine (AMX, AVX512-FP16) the weights land 0.12 (max abs) from the bundled AVX512 ones,
+# 0.23 with oneDNN held to plain AVX512, 0.2 (relative norm) with the AVX2 or generic kernels. What the policy is
+# (its answers' likelihood) is the same on all of them, and that is what is checked.
 
 
 def _answer_odds(path: Path) -> tuple[float, float]:
@@ -117,9 +118,7 @@ def test_bundled_policy_is_what_the_script_makes(tmp_path):
     """examples/make_tiny_policy.py (SFT with backends.lf) regenerates examples/tiny-qwen3-arith: on any CPU a
     policy of the same kind (the answer's NLL from 6.3 down to ~0.2, the whole "#### <n>" answer at ~0.3
     probability: a part right, far from all, what the RL examples climb from; measured 0.34 bundled, 0.32 / 0.29
-    made with the AVX2 / generic kernels, so +-0.15 is the margin), and on the kernel family it was made with
-    the same weights (within 1e-6: bit-equal there)."""
-    import torch
+    made with the AVX2 / generic kernels, so +-0.15 is the margin), with the same tensors and files."""
     from safetensors.torch import load_file
 
     proc = subprocess.run([sys.executable, "examples/make_tiny_policy.py", str(tmp_path / "policy")], cwd=ROOT,
@@ -135,6 +134,3 @@ def test_bundled_policy_is_what_the_script_makes(tmp_path):
     base_nll, _ = _answer_odds(ROOT / "examples/tiny-qwen3")
     assert base_nll > 5 and nll < 0.5 and bundled_nll < 0.5, (base_nll, nll, bundled_nll)
     assert 0.1 < odds < 0.6 and abs(odds - bundled_odds) < 0.15, (odds, bundled_odds)
-    if torch.backends.cpu.get_cpu_capability() == MADE_WITH:
-        for key, value in bundled.items():
-            assert (made[key] - value).abs().max() < 1e-6, key
