@@ -426,8 +426,9 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         kl_in_reward_coef=want("algorithm.kl_ctrl.kl_coef", is_num, "a number"),
         kl_penalty=want("algorithm.kl_penalty", lambda v: v in KL_KINDS, " or ".join(KL_KINDS)),
         filter_groups=bool(filter_groups),
-        max_gen_rounds=want("algorithm.filter_groups.max_num_gen_batches", lambda v: is_int(v) and v >= 0,
-                            "an integer >= 0 (0: unbounded)"),
+        # FilterGroupsConfig: non-positive is no upper limit
+        max_gen_rounds=max(want("algorithm.filter_groups.max_num_gen_batches", is_int, "an integer (<= 0: unbounded)"),
+                           0),
         critic_warmup=want("trainer.critic_warmup", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
         reward_function=f"{fn_path}:{fn_name or 'compute_score'}" if fn_path else None,
         overlong_buffer=ob_len if ob_enable else 0,
@@ -437,6 +438,21 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         save_dir=want("trainer.default_local_dir", is_str, "a directory"),
         save_interval=want("trainer.save_freq", is_int, "an integer (-1 or 0: no checkpoints)"),
     )
+    # DAPO's generation rounds: each rolls out the next train_batch_size prompts here (recipe.py _round)
+    gen_batch = want("data.gen_batch_size", lambda v: v is None or pos(v), "a positive integer or null")
+    if gen_batch not in (None, values["train_batch_size"]):
+        if filter_groups:  # trainer/ppo/v1/trainer_base.py: gen_batch_size=1 whenever groups are filtered
+            notices.append(f"data.gen_batch_size: accepted, no effect with algorithm.filter_groups (VeRL 0.9.1's V1 "
+                           f"trainer dispatches the prompts one at a time then; each round here rolls out "
+                           f"data.train_batch_size {values['train_batch_size']} prompts)")
+        else:
+            flag("data.gen_batch_size", f"{gen_batch} prompts fetched per generation while a step trains on "
+                 f"data.train_batch_size {values['train_batch_size']} is not built in this engine (rollouts of "
+                 "whole train batches); leave it null or set data.train_batch_size")
+    if filter_groups and values["max_gen_rounds"] > 0:
+        notices.append(f"algorithm.filter_groups.max_num_gen_batches: this engine stops filling the batch after "
+                       f"{values['max_gen_rounds']} generation rounds and trains on the groups kept; VeRL 0.9.1's V1 "
+                       "trainer ignores the key (with a warning of its own) and refills without bound")
     # no effect in VeRL 0.9.1 (see optim.clip_grad), but VeRL's dataclasses still type it
     want("actor_rollout_ref.actor.grad_clip", is_num, "a number")
     if algorithm == "ppo":

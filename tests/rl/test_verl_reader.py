@@ -295,3 +295,30 @@ def test_no_effect_keys_are_accepted_with_one_notice_each(tmp_path, capsys, monk
     monkeypatch.setenv("RANK", "0")
     dialects.load(path)
     assert capsys.readouterr().err.count("trainer.project_name: accepted") == 1
+
+
+# ---------------------------------------------------------------------- DAPO's dynamic sampling keys
+
+
+def test_dapo_s_dynamic_sampling_keys():
+    """algorithm.filter_groups.enable makes the run DAPO; max_num_gen_batches bounds its generation rounds
+    (non-positive: no bound, as FilterGroupsConfig says; VeRL 0.9.1's V1 trainer ignores it, which the
+    notice says); data.gen_batch_size is accepted at null or the train batch, and with filter_groups
+    (VeRL 0.9.1 then dispatches prompts one at a time) with a notice, else refused by name."""
+    dapo = with_keys(GRPO, **{"algorithm.filter_groups.enable": True, "data.train_batch_size": 8,
+                              "actor_rollout_ref.actor.ppo_mini_batch_size": 8})
+    cfg = parse(dapo, algorithm__filter_groups__max_num_gen_batches=3)
+    assert (cfg.algorithm, cfg.filter_groups, cfg.max_gen_rounds) == ("dapo", True, 3)
+    assert [n.split(":")[0] for n in cfg.notices] == ["algorithm.filter_groups.max_num_gen_batches"]
+    assert parse(dapo, algorithm__filter_groups__max_num_gen_batches=-1).max_gen_rounds == 0
+    assert parse(dapo).notices == [] and parse(dapo).max_gen_rounds == 0
+    assert parse(dapo, data__gen_batch_size=8).notices == []
+    cfg = parse(dapo, data__gen_batch_size=24)
+    assert [n.split(":")[0] for n in cfg.notices] == ["data.gen_batch_size"] and cfg.train_batch_size == 8
+    grpo = with_keys(dapo, **{"algorithm.filter_groups.enable": False})
+    assert parse(grpo, data__gen_batch_size=8).algorithm == "grpo"
+    assert refusal(grpo, "data.gen_batch_size", 24) == [
+        "data.gen_batch_size: 24 prompts fetched per generation while a step trains on data.train_batch_size 8 is "
+        "not built in this engine (rollouts of whole train batches); leave it null or set data.train_batch_size"]
+    assert refusal(dapo, "data.gen_batch_size", 0) == [
+        "data.gen_batch_size: must be a positive integer or null, got 0"]
