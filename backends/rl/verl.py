@@ -367,6 +367,13 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     if ob_enable and max_resp_len is None:
         problems.append("reward.reward_kwargs.max_resp_len: must be set with overlong_buffer_cfg.enable (VeRL's "
                         "DAPO reward manager asserts it)")
+    # the asserts of VeRL's DAPO reward manager (workers/reward_manager/dapo.py), in its key names
+    if ob_enable and ob_len == 0:
+        flag(ob + "len", "must be positive with overlong_buffer_cfg.enable (VeRL's DAPO reward manager asserts it; "
+             "set enable: false for no overlong penalty)")
+    elif ob_enable and max_resp_len is not None and max_resp_len < ob_len:
+        flag(ob + "len", f"{ob_len} is more than reward.reward_kwargs.max_resp_len {max_resp_len} (VeRL's DAPO "
+             "reward manager asserts max_resp_len >= len)")
     if ob_enable and get("reward.reward_manager.name") != "dapo":
         problems.append("reward.reward_kwargs.overlong_buffer_cfg: VeRL's dapo reward manager applies it; set "
                         "reward.reward_manager.name: dapo")

@@ -322,3 +322,15 @@ def test_dapo_s_dynamic_sampling_keys():
         "not built in this engine (rollouts of whole train batches); leave it null or set data.train_batch_size"]
     assert refusal(dapo, "data.gen_batch_size", 0) == [
         "data.gen_batch_size: must be a positive integer or null, got 0"]
+
+
+def test_the_dapo_reward_manager_s_asserts_are_refusals_in_its_key_names():
+    dapo = with_keys(GRPO, **{"reward.reward_manager.name": "dapo", "reward.reward_kwargs.max_resp_len": 8,
+                              "reward.reward_kwargs.overlong_buffer_cfg.enable": True})
+    assert parse(dapo, reward__reward_kwargs__overlong_buffer_cfg__len=8).overlong_buffer == 8
+    assert refusal(dapo, "reward.reward_kwargs.overlong_buffer_cfg.len", 0) == [
+        "reward.reward_kwargs.overlong_buffer_cfg.len: must be positive with overlong_buffer_cfg.enable (VeRL's DAPO "
+        "reward manager asserts it; set enable: false for no overlong penalty)"]
+    assert refusal(dapo, "reward.reward_kwargs.overlong_buffer_cfg.len", 9) == [
+        "reward.reward_kwargs.overlong_buffer_cfg.len: 9 is more than reward.reward_kwargs.max_resp_len 8 (VeRL's "
+        "DAPO reward manager asserts max_resp_len >= len)"]
