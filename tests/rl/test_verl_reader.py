@@ -334,3 +334,25 @@ def test_the_dapo_reward_manager_s_asserts_are_refusals_in_its_key_names():
     assert refusal(dapo, "reward.reward_kwargs.overlong_buffer_cfg.len", 9) == [
         "reward.reward_kwargs.overlong_buffer_cfg.len: 9 is more than reward.reward_kwargs.max_resp_len 8 (VeRL's "
         "DAPO reward manager asserts max_resp_len >= len)"]
+
+
+def test_python_m_backends_rl_says_each_problem_on_its_line_exit_2(tmp_path):
+    """The engine's own command line: two wrong values refused one per line, exit 2, no traceback (the
+    override `1e-6` is a float: not among the problems)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = tmp_path / "ppo_trainer.yaml"
+    path.write_text(yaml.safe_dump(PPO))
+    proc = subprocess.run([sys.executable, "-m", "backends.rl", str(path), "critic.optim.lr=fast",
+                           "actor_rollout_ref.actor.optim.lr=1e-6", "data.shuffle=maybe"], cwd=root,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "Traceback" not in proc.stderr
+    assert f"backends.rl: error: {path}: 2 problems" in lines
+    assert "  critic.optim.lr: must be a positive number, got 'fast'" in lines
+    assert "  data.shuffle: must be true or false, got 'maybe'" in lines
