@@ -40,7 +40,9 @@ _NO_EFFECT = {
         "transfer_queue.", "data.dataloader_num_workers", "data.use_shm", "data.return_raw_chat",
         "data.return_raw_input_ids", "data.return_full_prompt", "data.tokenizer", "data.trust_remote_code",
         "data.filter_overlong_prompts_workers", "actor_rollout_ref.model.use_shm",
-        "actor_rollout_ref.model.trust_remote_code", "reward.num_workers"),
+        "actor_rollout_ref.model.trust_remote_code", "reward.num_workers",
+        # how weights reach the rollout engine: the in-repo generator samples on the actor's own weights
+        "actor_rollout_ref.rollout.checkpoint_engine."),
     "profiling": ("global_profiler.",),
     # the order of the rows (balance_batch) and how they are packed change no loss here: every loss is
     # aggregated over the whole mini-batch (global_tokens / global_seqs)
@@ -100,6 +102,9 @@ RENAMED = (
     ("reward_model.sandbox_fusion", "reward.sandbox_fusion", "VeRL 0.7's reward_model.sandbox_fusion"),
     ("reward_manager", "reward.reward_manager", "VeRL 0.7's top-level reward_manager block"),
     ("critic.model.fsdp_config", "critic.fsdp", "VeRL 0.7's critic.model.fsdp_config (0.9.1: ../engine@fsdp)"),
+    ("actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+     "VeRL 0.7's rollout key (0.9.1: rollout.checkpoint_engine)"),
     # the DAPO recipe's main_dapo.py: overlong_buffer_cfg=config.reward_model.overlong_buffer,
     # max_resp_len=config.data.max_response_length
     ("reward_model.overlong_buffer", "reward.reward_kwargs.overlong_buffer_cfg", "VeRL's DAPO recipe before 0.7"),

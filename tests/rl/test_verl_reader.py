@@ -196,6 +196,9 @@ RENAME_SAMPLES = {
                                     "reward.sandbox_fusion.url"),
     "reward_manager": ("reward_manager.name", "dapo", "reward.reward_manager.name"),
     "critic.model.fsdp_config": ("critic.model.fsdp_config.param_offload", True, "critic.fsdp.param_offload"),
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": (
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes", 512,
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"),
     "reward_model.overlong_buffer": ("reward_model.overlong_buffer.penalty_factor", 0.5,
                                      "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor"),
 }
