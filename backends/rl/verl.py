@@ -57,7 +57,7 @@ _NO_EFFECT = {
         "actor_rollout_ref.ref.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "critic.fsdp.param_offload",
         "critic.fsdp.optimizer_offload"),
-    "validation (trainer.test_freq -1 and val_before_train false: no validation runs)": (
+    "validation: trainer.test_freq -1 and val_before_train false, no validation runs": (
         "actor_rollout_ref.rollout.val_kwargs.", "data.val_files", "data.validation_shuffle", "data.val_batch_size",
         "data.val_max_samples"),
 }
