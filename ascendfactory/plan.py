@@ -158,6 +158,7 @@ def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, li
         if arch.get("sliding_window"):
             bad("parallel.cp", "context parallel does not support sliding-window attention", "set parallel.cp: 1")
     problems += adapter(job.framework).plan_problems(job, arch)
+    warnings += adapter(job.framework).plan_warnings(job)
 
     # data and sharding options
     if d.neat_packing and not d.packing:

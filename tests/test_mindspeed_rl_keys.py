@@ -173,3 +173,32 @@ def test_feature_jobs_render_mindspeed_rl_keys(name, tmp_path, monkeypatch):
         assert tree["critic_config"]["tensor_model_parallel_size"] == 2
         assert tree["generate_config"]["infer_tensor_parallel_size"] == 2
         assert tree["megatron_training"]["prompt_type"] == "qwen"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_validate_warns_where_mindspeed_rl_itself_would_refuse_the_file(precision, tmp_path, monkeypatch):
+    """MindSpeed-RL's validate_rl_args raises unless megatron_config.bf16 is true and generate_config.dtype
+    is bfloat16: `ascendfactory validate` says so for an fp32 / fp16 job (backends.rl still runs it), naming
+    the upstream rule, and the rendered file shows why; a bf16 job renders what MindSpeed-RL accepts."""
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(ROOT)
+    spec = {**TINY, **FEATURE_JOBS["grpo"],
+            "train": {"lr": 1e-5, "global_batch": 16, "micro_batch": 1, "steps": 3, "precision": precision}}
+    plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
+    tree = yaml.safe_load(render(plan, tmp_path).files[CONFIG])
+    upstream_refuses = tree["megatron_training"]["bf16"] is not True or tree["generate_config"]["dtype"] != "bfloat16"
+    said = [w for w in plan.warnings if "validate_rl_args" in w]
+    assert upstream_refuses == (precision != "bf16")
+    assert len(said) == (1 if upstream_refuses else 0), plan.warnings
+    if said:
+        assert said[0].startswith(f"train.precision {precision}: MindSpeed-RL itself refuses")
+        assert "megatron_config.bf16 should be true" in said[0]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "ascendfactory", "validate", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("validate_rl_args" in proc.stderr) == upstream_refuses, proc.stderr

@@ -231,3 +231,18 @@ def test_bad_input_is_one_message_exit_2(case, tmp_path):
     text = proc.stdout + proc.stderr + "".join(p.read_text() for p in logs)
     assert proc.returncode == 2, text[-3000:]
     assert want in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("stage,rounds", [("dapo", 2), ("dapo", 1), ("grpo", 2)])
+def test_validate_warns_that_verl_0_9_1_ignores_max_num_gen_batches(stage, rounds, tmp_path, monkeypatch):
+    """The job's rl.max_gen_rounds renders as algorithm.filter_groups.max_num_gen_batches, which VeRL
+    0.9.1's V1 trainer ignores: a DAPO job with a bound is warned about (and the engine reads the bound)."""
+    monkeypatch.chdir(ROOT)
+    spec = {**TINY, "stage": stage, "rl": {"max_gen_rounds": rounds, "rollout": {"engine": "hf", "n": 4}},
+            "train": {"lr": 1e-5, "global_batch": 4, "micro_batch": 2, "steps": 3, "precision": "fp32"}}
+    plan = make_plan(parse_job(yaml.safe_dump(spec)), check_memory=False)
+    said = [w for w in plan.warnings if "max_num_gen_batches" in w]
+    assert len(said) == (stage == "dapo"), plan.warnings
+    files = render(plan, tmp_path).files
+    cfg = verl_reader.parse_verl(yaml.safe_load(files[CONFIG]), yaml.safe_load(files["engine.yaml"]))
+    assert cfg.max_gen_rounds == rounds and cfg.filter_groups == (stage == "dapo")

@@ -112,6 +112,10 @@ class Adapter:
         """Rules the framework adds on top of backends.contract.layout."""
         return []
 
+    def plan_warnings(self, job) -> list[str]:
+        """What our engine runs but the real framework would refuse in the rendered file (named by its rule)."""
+        return []
+
     # ------------------------------------------------------------------ rendering
 
     def render_config(self, shell, yml, context: dict[str, Any], job, run_dir: Path) -> tuple[str, list[str]]:

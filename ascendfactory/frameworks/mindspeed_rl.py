@@ -78,6 +78,17 @@ class MindSpeedRL(RLAdapter):
                                        f"{reward.type} has none", "use type: gsm8k or math"))
         return out
 
+    def plan_warnings(self, job):
+        """MindSpeed-RL's validate_rl_args raises unless the actor trains in bf16 and vLLM generates in
+        bfloat16; the template renders bf16 / dtype from train.precision, so only a bf16 job starts there."""
+        p = job.train.precision
+        if p == "bf16":
+            return []
+        return [f"train.precision {p}: MindSpeed-RL itself refuses the rendered {self.config_name} (its "
+                "validate_rl_args: 'megatron_config.bf16 should be true and generate_config.dtype should be "
+                f"bfloat16'); backends.rl runs it in {p}, but to run the file on MindSpeed-RL set "
+                "train.precision: bf16"]
+
     # ------------------------------------------------------------------ rendering
 
     def rl_batch_rules(self, job, world, role="actor"):

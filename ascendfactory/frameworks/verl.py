@@ -69,6 +69,15 @@ class Verl(RLAdapter):
     def features_used(self, job, distributed):
         return self.role_features(job) + [FeatureUse("train_backend", "the actor trains with FSDP")]
 
+    def plan_warnings(self, job):
+        """VeRL 0.9.1's V1 trainer ignores algorithm.filter_groups.max_num_gen_batches (trainer_base.py warns
+        and refills the batch without bound); backends.rl stops after that many rounds."""
+        if job.stage != "dapo" or job.rl is None:
+            return []
+        return [f"rl.max_gen_rounds {job.rl.max_gen_rounds}: rendered as algorithm.filter_groups.max_num_gen_batches, "
+                "which VeRL 0.9.1's V1 trainer ignores (it refills the batch without bound); backends.rl stops after "
+                f"{job.rl.max_gen_rounds} generation rounds and trains on the groups kept"]
+
     def rl_batch_rules(self, job, world, role="actor"):
         """VeRL 0.9.1 (FSDP, no dynamic batch sizes): each rank's mini-batch share in whole
         ppo_micro_batch_size_per_gpu micro-batches for the actor (its engine's prepare_micro_batches

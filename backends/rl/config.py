@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from backends.common import engine_file as ef
+from backends.common import omegaconf_yaml
 
 ALGORITHMS = ("grpo", "dapo", "ppo")
 
@@ -119,6 +120,7 @@ class RLConfig:
     # number, and its framework's start-up rules (who, micro_share, world, rollout_dp, ref_dp, ref_micro)
     batch_fields: dict = field(default_factory=dict)
     batch_rules: dict = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)  # one line each: renamed keys read, no-effect keys accepted
 
     def __post_init__(self):
         problems = []
@@ -129,7 +131,7 @@ class RLConfig:
         # the rules that hold on any number of ranks; the data-parallel ones: batch_problems(dp) at start
         problems += [f"{p.field}: {p.message}" for p in batch_problems(self, dp=1, framework=False)]
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))
 
 
 # this engine's own names for the numbers (a config built in code, not read from a dialect file)
@@ -189,12 +191,20 @@ def did_you_mean(key: str, known) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def problems_error(source: str, problems: list[str]) -> RLConfigError:
+    """One line per problem (a single one stays on the source's line)."""
+    if len(problems) == 1:
+        return RLConfigError(f"{source}: {problems[0]}")
+    return RLConfigError(f"{source}: {len(problems)} problems" + "".join(f"\n  {p}" for p in problems))
+
+
 def read_yaml(path: str | Path, what: str) -> dict:
+    """A YAML file as OmegaConf reads it (VeRL's and MindSpeed-RL's Hydra configs): `1e-6` is a float."""
     import yaml
 
     path = Path(path)
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        tree = omegaconf_yaml.load(path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as err:
         raise RLConfigError(f"{path}: cannot read the {what}: {err}") from None
     if not isinstance(tree, dict):
@@ -203,9 +213,8 @@ def read_yaml(path: str | Path, what: str) -> dict:
 
 
 def apply_overrides(tree: dict, overrides: list[str] | None, parse_value: Callable[[str], Any] | None = None) -> dict:
-    """Dotted `key=value` overrides merged into a tree in place (values read as YAML)."""
-    import yaml
-
+    """Dotted `key=value` overrides merged into a tree in place (values read as OmegaConf's from_dotlist
+    reads them, unless the dialect gives its own `parse_value`)."""
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -216,7 +225,7 @@ def apply_overrides(tree: dict, overrides: list[str] | None, parse_value: Callab
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise RLConfigError(f"override {key}: {part} is not a mapping")
-        node[parts[-1]] = (parse_value or yaml.safe_load)(value)
+        node[parts[-1]] = (parse_value or omegaconf_yaml.value)(value)
     return tree
 
 
@@ -231,4 +240,4 @@ def with_sidecar(values: dict, side: Mapping, source: str) -> RLConfig:
     try:
         return RLConfig(**values)
     except ValueError as err:
-        raise RLConfigError(f"{source}: {err}") from None
+        raise problems_error(source, str(err).splitlines()) from None

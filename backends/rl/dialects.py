@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -23,4 +25,8 @@ def load(path: str | Path, overrides: list[str] | None = None, engine: Mapping |
         raise RLConfigError(str(err)) from None
     if mindspeed_rl.is_mindspeed_rl(tree):
         return mindspeed_rl.load(path, overrides, side)
-    return parse_verl(apply_overrides(tree, overrides), side, source=str(path))
+    cfg = parse_verl(apply_overrides(tree, overrides), side, source=str(path))
+    if os.environ.get("RANK", "0") == "0":  # every rank reads the file; one of them says so
+        for line in cfg.notices:
+            print(f"backends.rl: warning: {line}", file=sys.stderr)
+    return cfg

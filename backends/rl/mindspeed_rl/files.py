@@ -7,22 +7,14 @@ from typing import Any, Mapping
 
 from backends.common import omegaconf_yaml
 
+from .. import config
 from ..config import RLConfigError
 from .keys import MARKERS
 
 
 def read_yaml(path: str | Path, what: str = "MindSpeed-RL config") -> dict:
     """A YAML file as Hydra (OmegaConf) reads it: `1e-6` and `1e5` are floats, not strings."""
-    import yaml
-
-    path = Path(path)
-    try:
-        tree = omegaconf_yaml.load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise RLConfigError(f"{path}: cannot read the {what}: {err}") from None
-    if not isinstance(tree, dict):
-        raise RLConfigError(f"{path}: expected a mapping ({what})")
-    return tree
+    return config.read_yaml(path, what)
 
 
 def yaml_value(text: str) -> Any:
