@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ascendfactory import catalog
+from ascendfactory import catalog, field_effects
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
 from backends.contract.layout import Layout, rl_batches
@@ -159,6 +159,7 @@ def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, li
             bad("parallel.cp", "context parallel does not support sliding-window attention", "set parallel.cp: 1")
     problems += adapter(job.framework).plan_problems(job, arch)
     warnings += adapter(job.framework).plan_warnings(job)
+    warnings += field_effects.warnings(job, arch, adapter(job.framework))
 
     # data and sharding options
     if d.neat_packing and not d.packing:

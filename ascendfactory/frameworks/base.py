@@ -112,6 +112,11 @@ class Adapter:
         """Rules the framework adds on top of backends.contract.layout."""
         return []
 
+    def no_effect(self, job) -> dict[str, str]:
+        """Job fields (dotted) this framework's file has no place for and whose value changes nothing its engine
+        computes -> why; said when the job sets one (ascendfactory.field_effects)."""
+        return {}
+
     def plan_warnings(self, job) -> list[str]:
         """What our engine runs but the real framework would refuse in the rendered file (named by its rule)."""
         return []

@@ -47,6 +47,12 @@ class LlamaFactory(Adapter):
                                    "use parallel.zero: 1–3 instead"))
         return out
 
+    def no_effect(self, job):
+        return {"data.pad_to_multiple_of": "LLaMA-Factory's collator pads each batch to a multiple of 8 itself (no "
+                                           "key; padding changes speed, not the loss)",
+                "kernels.fused_ops": "backends.lf picks its fused kernels itself (LLaMA-Factory's switch for them, "
+                                     "enable_liger_kernel, changes speed, not the loss)"}
+
     def plan_problems(self, job, arch: dict[str, Any]):
         out = []
         if job.data.format not in DATA_FORMATS:

@@ -82,6 +82,12 @@ class MindSpeedLLM(Adapter):
             uses.append(FeatureUse("dynamic_seq_len", "data.dynamic_seq_len"))
         return uses
 
+    def no_effect(self, job):
+        if job.data.dynamic_seq_len:
+            return {}
+        return {"data.pad_to_multiple_of": "every row is padded to data.seq_len (--pad-to-multiple-of takes effect "
+                                           "with data.dynamic_seq_len)"}
+
     def plan_problems(self, job, arch: dict[str, Any]):
         out = []
         if arch.get("moe") and job.finetuning == "lora" and job.parallel.moe_dispatcher != "alltoall_seq":

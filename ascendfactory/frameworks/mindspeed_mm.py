@@ -80,6 +80,10 @@ class MindSpeedMM(Adapter):
             out.append(self.refuse("data.template", "has the template qwen2vl only", "leave data.template unset"))
         return out
 
+    def no_effect(self, job):
+        why = "its Qwen2.5-VL micro-batches are the samples packed into one row, unpadded (--variable-seq-lengths)"
+        return {"data.dynamic_seq_len": why, "data.pad_to_multiple_of": why}
+
     def features_used(self, job, distributed):
         p, uses = job.parallel, []
         if job.stage in self.stages:

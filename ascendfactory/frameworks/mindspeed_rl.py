@@ -33,6 +33,10 @@ def model_name(model_id: str) -> str:
     return re.sub(r"[^a-z0-9_]", "_", model_id.lower().replace(".", ""))
 
 
+# rl.loss_agg -> rl_config.token_level_loss
+LOSS_AGG = {"token-mean": True, "seq-mean-token-mean": False}
+
+
 class MindSpeedRL(RLAdapter):
     name = "mindspeed-rl"
     engine_module = "backends.rl"
@@ -76,7 +80,19 @@ class MindSpeedRL(RLAdapter):
             if reward.type in ("exact_match", "length", "function"):
                 out.append(self.refuse("rl.reward.type", f"scores with its rule verifiers (rl_config.verifier_function); "
                                        f"{reward.type} has none", "use type: gsm8k or math"))
+            if job.rl.loss_agg not in LOSS_AGG:
+                out.append(self.refuse("rl.loss_agg", f"aggregates the loss per token or per sequence "
+                                       f"(rl_config.token_level_loss), not {job.rl.loss_agg}",
+                                       f"set rl.loss_agg: {' or '.join(LOSS_AGG)}"))
+        if p.fsdp or p.zero:
+            where = "parallel.fsdp" if p.fsdp else "parallel.zero"
+            out.append(self.refuse(where, "trains its actor with Megatron: it has no FSDP or ZeRO stages",
+                                   "shard the optimizer with parallel.distributed_optimizer: true instead"))
         return out
+
+    def no_effect(self, job):
+        return {**super().no_effect(job),
+                "rl.dual_clip_c": "its GRPO loss is the plain clipped surrogate (no dual clip)"}
 
     def plan_warnings(self, job):
         """MindSpeed-RL's validate_rl_args raises unless the actor trains in bf16 and vLLM generates in

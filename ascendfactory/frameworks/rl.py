@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ascendfactory.field_effects import is_set
 from ascendfactory.frameworks.base import Adapter, FeatureUse
 
 RL_STAGES = ("grpo", "dapo", "ppo")
@@ -35,6 +36,27 @@ class RLAdapter(Adapter):
 
     def serves(self, row, stage):
         return stage in (row["methods"] if isinstance(row.get("methods"), list) else [])
+
+    def no_effect(self, job):
+        out = {"data.packing": "RL micro-batches are the rollouts' rows, padded to their longest (packing them "
+                               "changes speed, not the loss)",
+               "data.dynamic_seq_len": "RL micro-batches are padded to their longest row already",
+               "data.pad_to_multiple_of": "a padding multiple changes speed, not the loss, and backends.rl pads "
+                                          "to the longest row",
+               "kernels.fused_ops": "backends.rl picks its fused kernels itself (fused ops change speed, not the "
+                                    "loss)",
+               "train.log_interval": "backends.rl logs every step"}
+        if job.stage != "dapo":
+            out["rl.max_gen_rounds"] = f"only DAPO rolls out more rounds (stage {job.stage} keeps every group)"
+        return out
+
+    def plan_problems(self, job, arch):
+        out = super().plan_problems(job, arch)
+        if is_set(job, "train.schedule") and job.train.schedule != "constant":
+            out.append(self.refuse("train.schedule", f"runs backends.rl, which trains at a constant learning rate "
+                                   f"after warm-up ({job.train.schedule} decay is not built)",
+                                   "set train.schedule: constant (or leave it out)"))
+        return out
 
     def rl_batch_rules(self, job, world: int, role: str = "actor") -> dict[str, Any]:
         """This framework's own batch rules for backends.contract.layout.rl_batches (who, micro_share, world,

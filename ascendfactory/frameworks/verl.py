@@ -64,7 +64,18 @@ class Verl(RLAdapter):
             if reward.type == "function" and ".py:" not in (reward.function or ""):
                 out.append(self.refuse("rl.reward.function", "loads a custom reward function from a file "
                                        "(reward.custom_reward_function.path)", "write it as path/to/file.py:function"))
+            rollout = job.rl.rollout.parallel
+            if rollout is not None and rollout.pp > 1:
+                out.append(self.refuse("rl.rollout.parallel.pp", "runs backends.rl, which has no pipeline-parallel "
+                                       "rollout (VeRL's rollout.pipeline_model_parallel_size)",
+                                       "set rl.rollout.parallel.pp: 1"))
         return out
+
+    def no_effect(self, job):
+        return {**super().no_effect(job),
+                "train.min_lr": "the actor trains at a constant learning rate after warm-up (no decay to a floor)",
+                "kernels.flash_attention": "backends.rl picks its attention kernel itself (exact attention either "
+                                           "way: a speed setting)"}
 
     def features_used(self, job, distributed):
         return self.role_features(job) + [FeatureUse("train_backend", "the actor trains with FSDP")]
