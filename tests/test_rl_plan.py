@@ -171,7 +171,9 @@ def _engine_refuses(numbers, tmp_path, monkeypatch) -> set[str]:
             cfg = verl_reader.parse_verl(yaml.safe_load((out / "verl_config.yaml").read_text()),
                                       yaml.safe_load((out / "engine.yaml").read_text()))
     except rlconfig.RLConfigError as err:
-        problems = str(err).split(": ", 1)[1].split("; ")
+        text = str(err)  # "<file>: <problem>", or "<file>: N problems" and one indented line each
+        lines = [line.strip() for line in text.splitlines()[1:]] if "\n" in text else [text.split(": ", 1)[1]]
+        problems = [p for line in lines for p in line.split("; ")]  # MindSpeed-RL's still joined by "; "
         return {JOB_FIELD.get(p.split(": ")[0], p.split(": ")[0]) for p in problems}
     if cfg.tp > 1:  # a tensor parallel mesh needs the processes: the file's checks above are the engine's
         return set()
