@@ -173,8 +173,7 @@ def _engine_refuses(numbers, tmp_path, monkeypatch) -> set[str]:
     except rlconfig.RLConfigError as err:
         text = str(err)  # "<file>: <problem>", or "<file>: N problems" and one indented line each
         lines = [line.strip() for line in text.splitlines()[1:]] if "\n" in text else [text.split(": ", 1)[1]]
-        problems = [p for line in lines for p in line.split("; ")]  # MindSpeed-RL's still joined by "; "
-        return {JOB_FIELD.get(p.split(": ")[0], p.split(": ")[0]) for p in problems}
+        return {JOB_FIELD.get(p.split(": ")[0], p.split(": ")[0]) for p in lines}
     if cfg.tp > 1:  # a tensor parallel mesh needs the processes: the file's checks above are the engine's
         return set()
 

@@ -289,8 +289,8 @@ def test_published_example_is_refused_by_name_for_what_a_cpu_run_lacks(published
         msrl.parse_mindspeed_rl(msrl.read_yaml(published), source=str(published))
     text = str(info.value)
     assert text.startswith(str(published) + ": ")
-    named = sorted(p.split(":")[0] for p in text[len(str(published)) + 2:].split("; ") if p[:1].isalpha()
-                   and ": " in p)
+    lines = [line.strip() for line in text.splitlines()[1:]]  # "<file>: 3 problems", then one line each
+    named = sorted(p.split(":")[0] for p in lines if p[:1].isalpha() and ": " in p)
     assert named == ["actor_config.load", "megatron_training.data_path",
                      "megatron_training.tokenizer_name_or_path"], text
 

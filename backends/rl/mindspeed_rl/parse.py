@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..config import BATCH_NUMBERS, KL_KINDS, RLConfig, RLConfigError, with_sidecar, batch_problems, did_you_mean
+from ..config import (BATCH_NUMBERS, KL_KINDS, RLConfig, batch_problems, did_you_mean, problems_error,
+                      with_sidecar)
 from .files import compose
 from .keys import (CP_ALGOS, DERIVED, GENERATE, MEGATRON, NO_DUAL_CLIP, NO_EFFECT, PARALLEL, RL, SAMPLING,
                    SECTIONS)
@@ -106,7 +107,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
                 problems.append(f"{where}: {entry}.{key}: not a MindSpeed-RL MegatronConfig key"
                                 f"{did_you_mean(key, MEGATRON)}")
     if problems:  # a misspelt key would only cause confusing follow-ups
-        raise RLConfigError(f"{source}: " + "; ".join(problems))
+        raise problems_error(source, problems)
 
     mt = tree.get("megatron_training") or {}
     rl_given = dict(tree.get("rl_config") or {})
@@ -374,7 +375,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
             problems.append(f"{where(key)}: MindSpeed-RL's key, but this engine does not implement it "
                             f"(MindSpeed-RL's default is {defaults[key]!r}; leave it out or set that)")
     if problems:
-        raise RLConfigError(f"{source}: " + "; ".join(problems))
+        raise problems_error(source, problems)
     return with_sidecar(values, {**side, "precision": precision}, source)
 
 
