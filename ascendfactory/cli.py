@@ -347,13 +347,19 @@ def _frameworks(framework: Optional[str]) -> list[str]:
 def models(type_: Optional[str] = typer.Option(None, "--type", help="llm or multimodal"),
            family: Optional[str] = typer.Option(None, "--family"),
            framework: Optional[str] = typer.Option(None, "--framework", help="only models with a ✅ cell there"),
+           stage: Optional[str] = typer.Option(None, "--stage", help="only models the matrix lets train this stage "
+                                                                   "(on --framework, else on any framework)"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """List the model cards."""
     from ascendfactory import catalog
+    from ascendfactory.errors import Problem
     from ascendfactory.params import count_params
+    from ascendfactory.starter import STAGES, trains
 
     try:
         fws = _frameworks(framework) if framework else []
+        if stage is not None and stage not in STAGES:
+            raise JobError(f"Unknown stage '{stage}'", [Problem("--stage", f"choose one of {', '.join(STAGES)}")])
     except JobError as err:
         _fail(err)
     rows = []
@@ -361,6 +367,8 @@ def models(type_: Optional[str] = typer.Option(None, "--type", help="llm or mult
         if type_ and card["type"] != type_ or family and card["family"] != family:
             continue
         if fws and not _any_supported(fws[0], model_id):
+            continue
+        if stage and not any(trains(model_id, f, stage) for f in (fws or FRAMEWORKS)):
             continue
         rows.append({"model": model_id, "name": card["name"], "series": card["series"], "type": card["type"],
                      "family": card["family"], "params_b": round(count_params(card) / 1e9, 2),
@@ -423,13 +431,15 @@ def schema() -> None:
 @app.command()
 def init(model: str = typer.Option(..., "--model", "-m"),
          framework: str = typer.Option(FRAMEWORKS[0], "--framework", "-f"),
-         stage: str = typer.Option("sft", "--stage", "-s"),
+         stage: Optional[str] = typer.Option(None, "--stage", "-s",
+                                             help="default: sft where the framework trains it, else its first stage"),
          out: Path = typer.Option(Path("job.yaml"), "-o", "--out"),
          force: bool = typer.Option(False, "--force", help="overwrite an existing file")) -> None:
     """Write a commented starter job for a model, framework and stage."""
     from ascendfactory.starter import starter_job
 
     try:
+        _frameworks(framework)
         text = starter_job(model, framework, stage)
         if out.exists() and not force:
             from ascendfactory.errors import Problem

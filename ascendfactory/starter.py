@@ -17,6 +17,7 @@ from ascendfactory.frameworks.rl import RL_STAGES
 _DATA = {"pt": ("data/corpus.jsonl", "text"), "sft": ("data/train.json", "alpaca"),
          "dpo": ("data/pairs.json", "pairwise"), "grpo": ("data/prompts.jsonl", "prompt"),
          "dapo": ("data/prompts.jsonl", "prompt"), "ppo": ("data/prompts.jsonl", "prompt")}
+STAGES = tuple(_DATA)
 _DEVICES_PER_NODE = 8
 _NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -93,17 +94,67 @@ def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int
     return "\n".join(lines)
 
 
-def starter_job(model: str, framework: str, stage: str) -> str:
+def default_stage(framework: str) -> str:
+    """sft where the framework trains it, else its first stage (grpo for the RL frameworks)."""
+    stages = adapter(framework).stages
+    return "sft" if "sft" in stages else stages[0]
+
+
+def trains(model_id: str, framework: str, stage: str) -> bool:
+    """Whether the capability matrix lets the model train `stage` on `framework` (the plain starter job's
+    capability check: no layout, no memory)."""
+    from ascendfactory.job_file import parse_job
+    from ascendfactory.matrix import require_supported
+
+    if stage not in adapter(framework).stages:
+        return False
+    text = _job_text(catalog.models()[model_id], model_id, framework, stage, 1, {}, 8)
+    try:
+        require_supported(parse_job(text, source="starter job"))
+    except JobError:
+        return False
+    return True
+
+
+def what_would_work(model_id: str, framework: str, stage: str) -> list[Problem]:
+    """For a refused (model, framework, stage): the stages this model trains on the framework, the frameworks
+    that train it at this stage, and the models the framework trains at this stage."""
+    from ascendfactory.frameworks import FRAMEWORKS
+
+    out = []
+    stages = [s for s in adapter(framework).stages if s != stage and trains(model_id, framework, s)]
+    if stages:
+        out.append(Problem("--stage", f"{model_id} trains on {framework} at stage {', '.join(stages)}",
+                           hint=f"--stage {stages[0]}"))
+    others = [f for f in FRAMEWORKS if f != framework and trains(model_id, f, stage)]
+    if others:
+        out.append(Problem("--framework", f"{model_id} trains at stage {stage} on {', '.join(others)}",
+                           hint=f"--framework {others[0]}"))
+    models = [m for m in catalog.models() if trains(m, framework, stage)] if stage in adapter(framework).stages else []
+    if models:
+        shown = ", ".join(models[:8]) + (f" and {len(models) - 8} more" if len(models) > 8 else "")
+        out.append(Problem("--model", f"{framework} trains stage {stage} for {shown}",
+                           hint=f"ascendfactory models --framework {framework} --stage {stage}"))
+    return out
+
+
+def starter_job(model: str, framework: str, stage: str | None = None) -> str:
     from ascendfactory.job_file import parse_job
     from ascendfactory.plan import make_plan
 
     model_id = catalog.require_model(model, where="--model")
+    stage = stage or default_stage(framework)
     if stage not in _DATA:
         raise JobError(f"Unknown stage '{stage}'", [Problem("--stage", f"choose one of {', '.join(_DATA)}")])
     card = catalog.models()[model_id]
     # the plain layout first: a combination the matrix refuses is refused here, whatever the layout
     plain = _job_text(card, model_id, framework, stage, 1, {}, 8)
-    make_plan(parse_job(plain, source="starter job"), check_memory=False)
+    try:
+        make_plan(parse_job(plain, source="starter job"), check_memory=False)
+    except JobError as err:
+        if not trains(model_id, framework, stage):  # the matrix (or the stage): say what would work instead
+            raise JobError(err.args[0], list(err.problems) + what_would_work(model_id, framework, stage)) from None
+        raise
 
     best: tuple[float, str] | None = None
     for nnodes in _NODE_COUNTS:

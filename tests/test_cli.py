@@ -170,6 +170,37 @@ def test_init_refuses_a_combination_the_matrix_refuses(tmp_path):
     assert res.exit_code == 2 and "unlisted" in res.output and not (tmp_path / "x.yaml").exists()
 
 
+@pytest.mark.parametrize("model, framework, stage", [("qwen3-8b", "verl", "grpo"), ("qwen2.5-7b", "mindspeed-rl", "grpo"),
+                                                   ("qwen3-8b", "llamafactory", "sft")])
+def test_init_takes_the_framework_s_own_stage_by_default(tmp_path, model, framework, stage):
+    out = tmp_path / "starter.yaml"
+    res = invoke("init", "--model", model, "--framework", framework, "-o", out)
+    assert res.exit_code == 0, res.output
+    assert yaml.safe_load(out.read_text())["stage"] == stage
+
+
+def test_init_names_what_would_work_for_a_refused_combination(tmp_path):
+    """qwen2.5-7b has no VeRL cell: init names the framework that trains it at grpo, and the models VeRL trains
+    at grpo (what `models --framework verl --stage grpo` lists)."""
+    res = invoke("init", "--model", "qwen2.5-7b", "--framework", "verl", "-o", tmp_path / "x.yaml")
+    assert res.exit_code == 2 and not (tmp_path / "x.yaml").exists()
+    listed = json.loads(invoke("models", "--framework", "verl", "--stage", "grpo", "--json").output)
+    assert "qwen2.5-7b trains at stage grpo on mindspeed-rl" in res.output
+    assert [r["model"] for r in listed][:3] and all(r["model"] in res.output for r in listed[:8])
+    assert "qwen2.5-7b" not in [r["model"] for r in listed]
+    res = invoke("init", "--model", "qwen3-8b", "--framework", "mindspeed-mm", "-o", tmp_path / "x.yaml")
+    assert res.exit_code == 2 and "--framework: qwen3-8b trains at stage sft on mindspeed-llm" in res.output
+    assert "mindspeed-mm trains stage sft for qwen2.5-vl" in res.output
+
+
+def test_models_by_stage():
+    dpo = [r["model"] for r in json.loads(invoke("models", "--stage", "dpo", "--json").output)]
+    from ascendfactory.starter import trains
+
+    assert dpo and all(trains(m, "llamafactory", "dpo") for m in dpo)
+    assert invoke("models", "--stage", "rlhf").exit_code == 2
+
+
 def test_matrix_check_passes():
     res = invoke("matrix", "check")
     assert res.exit_code == 0, res.output
