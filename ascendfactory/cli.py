@@ -378,12 +378,23 @@ def models(type_: Optional[str] = typer.Option(None, "--type", help="llm or mult
         return
     from rich.table import Table
 
+    con = _console()
+    # the id is what a user copies: never cut; on a narrow terminal the display name and type (the id and
+    # family say them) make room for the frameworks, which wrap between names
+    wide = con.width >= 110
     t = Table(title=f"{len(rows)} models")
-    for col in ("model", "name", "type", "family", "params (B)", "frameworks listing it"):
-        t.add_column(col)
+    t.add_column("model", no_wrap=True, min_width=max((len(r["model"]) for r in rows), default=5))
+    if wide:
+        t.add_column("name")
+        t.add_column("type", no_wrap=True)
+    t.add_column("family", no_wrap=True)
+    t.add_column("params (B)", no_wrap=True, justify="right")
+    t.add_column("frameworks listing it")
     for r in rows:
-        t.add_row(r["model"], r["name"], r["type"], r["family"], f"{r['params_b']:g}", ", ".join(r["frameworks"]))
-    _console().print(t)
+        cells = [r["model"], *([r["name"], r["type"]] if wide else []), r["family"], f"{r['params_b']:g}",
+                 ", ".join(r["frameworks"])]
+        t.add_row(*cells)
+    con.print(t)
 
 
 def _any_supported(framework: str, model_id: str) -> bool:
