@@ -206,7 +206,8 @@ def _unknown(key: str) -> str:
 
 
 def read_deepspeed(value: str | Mapping, base: Path) -> Zero:
-    """The ZeRO settings of a DeepSpeed config (a path, relative to the training file, or a mapping)."""
+    """The ZeRO settings of a DeepSpeed config: a mapping, or a path, a relative one read from `base` (the
+    working directory, as transformers' TrainingArguments opens it under llamafactory-cli)."""
     source = "deepspeed"
     if not isinstance(value, Mapping):
         path = Path(value) if Path(value).is_absolute() else base / value
@@ -239,66 +240,92 @@ def read_deepspeed(value: str | Mapping, base: Path) -> Zero:
     return z
 
 
-def _check_rules(args: dict[str, Any], source: str) -> None:
-    """LLaMA-Factory's own cross-key rules (hparams/parser.py) and what this engine needs."""
-    def bad(msg: str) -> LFConfigError:
-        return LFConfigError(f"{source}: {msg}")
-
+def _check_rules(args: dict[str, Any]) -> list[str]:
+    """LLaMA-Factory's own cross-key rules (hparams/parser.py) and what this engine needs: every problem."""
+    problems = []
     if not args["model_name_or_path"]:
-        raise bad("model_name_or_path is required: a Hugging Face model directory")
+        problems.append("model_name_or_path is required: a Hugging Face model directory")
     if not args["dataset"]:
-        raise bad("dataset is required: one or more names from dataset_info.json in dataset_dir")
+        problems.append("dataset is required: one or more names from dataset_info.json in dataset_dir")
     if not args["output_dir"]:
-        raise bad("output_dir is required")
+        problems.append("output_dir is required")
     if args["stage"] != "sft" and (args["neat_packing"] or args["train_on_prompt"] or args["mask_history"]):
-        raise bad("neat_packing, train_on_prompt and mask_history apply to stage sft only (as in LLaMA-Factory)")
+        problems.append("neat_packing, train_on_prompt and mask_history apply to stage sft only (as in LLaMA-Factory)")
     if args["bf16"] and args["fp16"]:
-        raise bad("bf16 and fp16 exclude each other")
+        problems.append("bf16 and fp16 exclude each other")
     if args["max_steps"] <= 0 and args["num_train_epochs"] <= 0:
-        raise bad("give max_steps > 0 or num_train_epochs > 0")
+        problems.append("give max_steps > 0 or num_train_epochs > 0")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "cutoff_len", "lora_rank"):
         if args[key] < 1:
-            raise bad(f"{key} must be at least 1, not {args[key]}")
+            problems.append(f"{key} must be at least 1, not {args[key]}")
     if not 0 <= args["lora_dropout"] < 1:
-        raise bad(f"lora_dropout must be in [0, 1), not {args['lora_dropout']}")
+        problems.append(f"lora_dropout must be in [0, 1), not {args['lora_dropout']}")
     if args["learning_rate"] <= 0:
-        raise bad(f"learning_rate must be positive, not {args['learning_rate']}")
+        problems.append(f"learning_rate must be positive, not {args['learning_rate']}")
+    return problems
+
+
+def _refuse(source: str, problems: list[str]) -> None:
+    """One line per problem, each naming its key (the whole file is checked before anything is refused)."""
+    if problems:
+        raise LFConfigError("\n".join(f"{source}: {p}" for p in problems))
+
+
+def read_training_file(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The training YAML with `key=value` overrides, read as llamafactory-cli reads them: OmegaConf.load,
+    OmegaConf.from_cli merged over it (OmegaConf's YAML: `1e-4` is a float, not text)."""
+    import yaml
+
+    from backends.common import omegaconf_yaml
+
+    path = Path(path)
+    try:
+        tree = omegaconf_yaml.load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LFConfigError(f"{path}: no such training file") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise LFConfigError(f"{path}: cannot read it as YAML: {err}") from None
+    tree = {} if tree is None else tree
+    if not isinstance(tree, Mapping):
+        raise LFConfigError(f"{path}: expected a mapping of LLaMA-Factory keys, got {type(tree).__name__}")
+    tree = dict(tree)
+    problems = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"{item!r}: give overrides as key=value")
+            continue
+        tree[key.strip()] = omegaconf_yaml.value(value)
+    _refuse("the command line", problems)
+    return tree
 
 
 def parse_config(train_file: str | Path | Mapping, engine: Mapping | str | Path | None = None, *,
                  base: Path | None = None, source: str | None = None) -> LFConfig:
-    """The training YAML (a path, or its mapping), its DeepSpeed file and the sidecar, checked.
-    base: where relative paths of a mapping are read from (default: the working directory)."""
-    import yaml
-
+    """The training YAML (a path, or its mapping), its DeepSpeed file and the sidecar, checked; every
+    problem of the file refused at once, one line each.
+    base: where a relative `deepspeed` path is read from (default: the working directory, as in LLaMA-Factory)."""
     base, source = base or Path.cwd(), source or "the training file"
     if not isinstance(train_file, Mapping):
-        path = Path(train_file)
-        base, source = path.parent, str(path)
-        try:
-            train_file = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except FileNotFoundError:
-            raise LFConfigError(f"{path}: no such training file") from None
-        except (OSError, yaml.YAMLError) as err:
-            raise LFConfigError(f"{path}: cannot read it as YAML: {err}") from None
-        if not isinstance(train_file, Mapping):
-            raise LFConfigError(f"{path}: expected a mapping of LLaMA-Factory keys, got {type(train_file).__name__}")
-    unknown = [str(k) for k in train_file if k not in KEYS]
-    if unknown:
-        raise LFConfigError(f"{source}: " + "; ".join(_unknown(k) for k in unknown))
+        source = str(train_file)
+        train_file = read_training_file(train_file)
+    problems = [_unknown(str(k)) for k in train_file if k not in KEYS]
     args = {key: default for key, (default, _) in KEYS.items()}
     for key, value in train_file.items():
+        if key not in KEYS:
+            continue
         want = KEYS[key][1](value)
         if want:
-            raise LFConfigError(f"{source}: {key} must be {want}, not {value!r}")
+            problems.append(f"{key} must be {want}, not {value!r}")
         args[key] = value
+    _refuse(source, problems)
     if args["lora_alpha"] is None:
         args["lora_alpha"] = args["lora_rank"] * 2  # LLaMA-Factory's default
     if args["neat_packing"]:
         args["packing"] = True
     if args["packing"] is None:
         args["packing"] = args["stage"] == "pt"  # LLaMA-Factory packs pre-training by default
-    _check_rules(args, source)
+    _refuse(source, _check_rules(args))
     try:
         side, side_source = ef.read_engine_file(ENGINE_KEYS, engine)
     except ef.EngineFileError as err:

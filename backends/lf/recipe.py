@@ -384,23 +384,6 @@ def parse_command(args: list[str]) -> LFConfig:
     if not args or args[0] != "train" or len(args) < 2:
         raise LFConfigError("usage: python -m backends.lf train <file>.yaml [key=value …] (as llamafactory-cli "
                             "train); only the train command is built")
-    import yaml
+    from backends.lf.config import read_training_file
 
-    path = Path(args[1])
-    if not path.is_file():
-        raise LFConfigError(f"{path}: no such training file")
-    overrides = {}
-    for item in args[2:]:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise LFConfigError(f"{item!r}: give overrides as key=value")
-        overrides[key.strip()] = yaml.safe_load(value)
-    if not overrides:
-        return parse_config(path)
-    try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise LFConfigError(f"{path}: cannot read it as YAML: {err}") from None
-    if not isinstance(tree, dict):
-        raise LFConfigError(f"{path}: expected a mapping of LLaMA-Factory keys")
-    return parse_config({**tree, **overrides}, base=path.parent, source=str(path))
+    return parse_config(read_training_file(args[1], args[2:]), source=args[1])
