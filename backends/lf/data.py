@@ -23,9 +23,11 @@ SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 _ENTRY_KEYS = {"file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "formatting",
                "ranking", "columns", "tags", "subset", "split", "folder", "num_samples", "load_from"}
-# our template names for LLaMA-Factory's (backends.common.data.templates implements these)
-TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "glm4", "qwen2_vl": "qwen2_vl",
-             "gemma3": "gemma3", "mistral": "mistral", "deepseek3": "deepseek"}
+# LLaMA-Factory 0.9.5's template name -> ours of the same strings (backends.common.data.templates); gemma's
+# text format is gemma3's (LF registers the same slots, without the image plugin)
+TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "qwen3_nothink": "qwen3_nothink", "qwen2_vl": "qwen2_vl",
+             "llama3": "llama3", "glm4": "glm4", "gemma": "gemma3", "gemma3": "gemma3", "mistral": "mistral_v3",
+             "deepseek": "deepseek2", "deepseek3": "deepseek", "default": "lf_default", "empty": "empty"}
 
 
 @dataclass
