@@ -96,6 +96,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "simpo_gamma": (0.5, _kind(float)),
     "dpo_label_smoothing": (0.0, _kind(float)),
     "plot_loss": (False, _kind(bool)),
+    "disable_shuffling": (False, _kind(bool)),
     # dataset
     "dataset": (None, _kind(str, list)),
     "dataset_dir": ("data", _kind(str)),
@@ -148,6 +149,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "bf16": (False, _kind(bool)),
     "fp16": (False, _kind(bool)),
     "seed": (42, _kind(int)),
+    "data_seed": (None, _kind(int, none=True)),
     "deepspeed": (None, _kind(str, dict, none=True)),
     "ddp_timeout": (1800, _ANY),
     "ddp_find_unused_parameters": (None, _ANY),

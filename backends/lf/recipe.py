@@ -200,9 +200,10 @@ class LFRecipe(Recipe):
         return parallel.wrap(ref, cfg, par, rt.device, frozen=True)
 
     def _data(self, rt, par):
-        from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
+        from backends.common.data import load_tokenizer, pad_id, preprocess
         from backends.lf.data import build_template, media_dir, read_dataset_info, write_canonical
         from backends.lf.mm_plugin import is_vl
+        from backends.lf.order import LFMicroBatchLoader, order_seed
         from backends.lf.pairs import PairLoader, build_pairs
 
         cfg = self.cfg
@@ -240,14 +241,14 @@ class LFRecipe(Recipe):
         dataset = kit.rank_zero_first(rt.is_main, build)
         if cfg.stage == "dpo":
             loader = PairLoader(dataset, cfg.per_device_train_batch_size, dp_rank=par.dp_rank, dp_world=par.layout.dp,
-                                seed=cfg.seed, pad_id=pad_id(tokenizer))
+                                seed=order_seed(cfg), shuffle=not cfg.disable_shuffling, pad_id=pad_id(tokenizer))
             log.info("data: %s", dataset.summary())
             return dataset, loader, tokenizer
         mode = "packed" if cfg.packing else "dynamic"
-        loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.per_device_train_batch_size,
-                                  seq_len=cfg.cutoff_len, dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.seed,
-                                  shuffle=True, pad_id=pad_id(tokenizer), pad_to_multiple_of=8,
-                                  group_by_length=False)
+        loader = LFMicroBatchLoader(dataset, mode=mode, micro_batch=cfg.per_device_train_batch_size,
+                                    seq_len=cfg.cutoff_len, dp_rank=par.dp_rank, dp_world=par.layout.dp,
+                                    seed=order_seed(cfg), shuffle=not cfg.disable_shuffling, pad_id=pad_id(tokenizer),
+                                    pad_to_multiple_of=8, group_by_length=False)
         packing = getattr(loader, "packing", None)
         log.info("data: %s; %s batches%s", dataset.summary(), mode,
                  f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
@@ -258,6 +259,7 @@ class LFRecipe(Recipe):
         from backends.common.data import pad_id
         from backends.lf.data import media_dir, write_canonical
         from backends.lf.mm_plugin import load_plugin
+        from backends.lf.order import order_seed
         from backends.lf.vl_data import VLLoader, build_vl
 
         cfg = self.cfg
@@ -274,7 +276,8 @@ class LFRecipe(Recipe):
                                 "them to one formatting")
         dataset = kit.rank_zero_first(rt.is_main, build)
         loader = VLLoader(dataset, plugin, cfg.per_device_train_batch_size, dp_rank=par.dp_rank,
-                          dp_world=par.layout.dp, seed=cfg.seed, pad_id=pad_id(tokenizer))
+                          dp_world=par.layout.dp, seed=order_seed(cfg), shuffle=not cfg.disable_shuffling,
+                          pad_id=pad_id(tokenizer))
         log.info("data: %s; dynamic batches with images (%s plugin)", dataset.summary(), plugin.kind)
         return dataset, loader, tokenizer
 
