@@ -232,10 +232,11 @@ class LFRecipe(Recipe):
             return self._vl_data(rt, par, entries, tokenizer, template, cache)
 
         def build():
-            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg))
+            # max_samples per dataset, before merging (as LF's loader); the merged records are all kept
+            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
             if cfg.stage == "dpo":
-                return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples)
-            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples,
+                return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache)
+            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache,
                               lf_rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
         dataset = kit.rank_zero_first(rt.is_main, build)
@@ -266,9 +267,9 @@ class LFRecipe(Recipe):
         plugin = load_plugin(cfg.model_name_or_path, tokenizer, cfg.image_max_pixels, cfg.image_min_pixels)
 
         def build():
-            records, _ = write_canonical(entries, cfg.stage, cache, media_dir(cfg))
+            records, _ = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
             return build_vl(records, "sharegpt", tokenizer, template, plugin, cfg.cutoff_len, cache,
-                            pairwise=cfg.stage == "dpo", max_samples=cfg.max_samples,
+                            pairwise=cfg.stage == "dpo",
                             rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
         if any(e.formatting == "alpaca" for e in entries) and not all(e.formatting == "alpaca" for e in entries):
