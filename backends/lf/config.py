@@ -73,6 +73,10 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "low_cpu_mem_usage": (True, _ANY),
     "image_max_pixels": (589824, _kind(int)),
     "image_min_pixels": (1024, _kind(int)),
+    "video_max_pixels": (65536, _kind(int)),
+    "video_min_pixels": (256, _kind(int)),
+    "video_fps": (2.0, _kind(float)),
+    "video_maxlen": (128, _kind(int)),
     "print_param_status": (False, _ANY),
     # method
     "stage": ("sft", _choice(STAGES, " (this engine trains pt, sft and dpo)")),
@@ -160,6 +164,10 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "gradient_checkpointing": (False, _ANY),  # LLaMA-Factory decides it from disable_gradient_checkpointing
 }
 
+# keys accepted with no effect on this engine: when the file sets them, one notice line (key -> why)
+NO_EFFECT = {key: "no dataset has videos (a videos column is refused)"
+             for key in ("video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen")}
+
 # the sidecar's keys (ascendfactory render writes them; a hand-written LLaMA-Factory YAML needs none)
 ENGINE_KEYS: dict[str, ef.Check] = {
     "model_id": ef.text, "model_family": ef.text, "metrics_file": ef.text,
@@ -184,12 +192,21 @@ class LFConfig:
     zero: Zero = field(default_factory=Zero)
     engine: dict[str, Any] = field(default_factory=dict)   # the sidecar's settings
     source: str = "the training file"
+    given: tuple[str, ...] = ()                # the keys the file (and its overrides) set
 
     def __getattr__(self, key: str) -> Any:
         try:
             return self.__dict__["args"][key]
         except KeyError:
             raise AttributeError(key) from None
+
+    def notices(self) -> list[str]:
+        """One line per reason for the keys the file sets that change nothing here (NO_EFFECT)."""
+        by_reason: dict[str, list[str]] = {}
+        for key, why in NO_EFFECT.items():
+            if key in self.given:
+                by_reason.setdefault(why, []).append(key)
+        return [f"{', '.join(keys)}: no effect on this engine: {why}" for why, keys in by_reason.items()]
 
     def names(self, key: str) -> list[str]:
         """A comma-separated key (dataset, lora_target, …) as a list."""
@@ -333,4 +350,4 @@ def parse_config(train_file: str | Path | Mapping, engine: Mapping | str | Path 
     except ef.EngineFileError as err:
         raise LFConfigError(str(err)) from None
     zero = read_deepspeed(args["deepspeed"], base) if args["deepspeed"] else Zero()
-    return LFConfig(args, zero, side, source)
+    return LFConfig(args, zero, side, source, tuple(k for k in train_file if k in KEYS))

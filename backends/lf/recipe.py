@@ -209,6 +209,8 @@ class LFRecipe(Recipe):
         cfg = self.cfg
         tokenizer = load_tokenizer(cfg.model_name_or_path, use_fast=cfg.use_fast_tokenizer)
         entries = read_dataset_info(cfg)
+        for line in cfg.notices():
+            log.info("notice: %s", line)
         cache = Path(cfg.output_dir) / "data"
         template = build_template(cfg, tokenizer)
         if cfg.stage == "dpo" and not all(e.ranking for e in entries):
@@ -267,14 +269,13 @@ class LFRecipe(Recipe):
         plugin = load_plugin(cfg.model_name_or_path, tokenizer, cfg.image_max_pixels, cfg.image_min_pixels)
 
         def build():
-            records, _ = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
-            return build_vl(records, "sharegpt", tokenizer, template, plugin, cfg.cutoff_len, cache,
+            # text datasets may come with the image ones (LF's mllm_demo,identity,alpaca_en_demo): their records
+            # are samples without images; mixed formattings are all written as sharegpt
+            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
+            return build_vl(records, fmt, tokenizer, template, plugin, cfg.cutoff_len, cache,
                             pairwise=cfg.stage == "dpo",
                             rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
-        if any(e.formatting == "alpaca" for e in entries) and not all(e.formatting == "alpaca" for e in entries):
-            raise LFConfigError("dataset: image datasets of both formattings in one run are not built; convert "
-                                "them to one formatting")
         dataset = kit.rank_zero_first(rt.is_main, build)
         loader = VLLoader(dataset, plugin, cfg.per_device_train_batch_size, dp_rank=par.dp_rank,
                           dp_world=par.layout.dp, seed=order_seed(cfg), shuffle=not cfg.disable_shuffling,

@@ -79,3 +79,16 @@ def test_deepspeed_paths_are_read_from_the_working_directory(tmp_path, monkeypat
     (work / "examples" / "deepspeed" / "ds_z3_config.json").rename(conf / "examples" / "deepspeed" / "x.json")
     with pytest.raises(LFConfigError, match="deepspeed: .*does not exist"):
         parse_command(["train", str(lf_file(conf, deepspeed="examples/deepspeed/x.json"))])
+
+
+def test_dataset_dir_is_read_from_the_working_directory(tmp_path, monkeypatch):
+    """dataset_dir (default `data`) is relative to where llamafactory-cli runs, as LF's loader opens it."""
+    from backends.lf.data import read_dataset_info
+
+    work = tmp_path / "work"
+    path = lf_file(tmp_path / "conf", dataset_dir="data")
+    (work / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "dataset_info.json").rename(work / "data" / "dataset_info.json")
+    monkeypatch.chdir(work)
+    cfg = parse_command(["train", str(path)])
+    assert [e.name for e in read_dataset_info(cfg)] == ["alpaca"]
