@@ -69,8 +69,8 @@ def test_image_and_text_datasets_train_together(tmp_path, caplog):
     with caplog.at_level("INFO", logger="backends.lf"):
         dataset, loader, _ = LFRecipe(cfg)._data(RT, PAR)
     notices = [r.getMessage() for r in caplog.records if r.getMessage().startswith("notice:")]
-    assert notices == ["notice: video_max_pixels, video_fps: no effect on this engine: no dataset has videos "
-                       "(a videos column is refused)"]
+    assert notices == ["notice: video_max_pixels, video_fps: no effect on this engine: no dataset has videos or "
+                       "audio (those columns are refused)"]
     assert dataset.stats["units"] == 6 and dataset.stats["images"] == 2
     batch = next(loader)
     assert batch["input_ids"].shape[0] == 6 and batch["image_grid_thw"].shape[0] == 2
