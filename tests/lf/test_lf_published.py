@@ -48,3 +48,25 @@ def test_the_sft_example_builds_lf_samples(tmp_path, monkeypatch):
     assert sizes == [91, 999] and dataset.stats["samples"] == sum(min(n, cfg.max_samples) for n in sizes) == 1090
     first = next(iter(loader))
     assert tokenizer.decode(first["input_ids"][0]).startswith("<|im_start|>user\n")
+
+
+def test_the_lora_sft_example_trains_as_published(tmp_path):
+    """`python -m backends.lf train examples/train_lora/qwen3_lora_sft.yaml` from LF's repository root, only the
+    model, output_dir and step count changed on the command line (bf16 as published)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.lf_runs import losses
+
+    out = tmp_path / "out"
+    env = {**{k: v for k, v in os.environ.items() if k != "AF_ENGINE_FILE"}, "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1", "AF_DEVICE": "cpu"}
+    res = subprocess.run([sys.executable, "-m", "backends.lf", "train", "examples/train_lora/qwen3_lora_sft.yaml",
+                          f"model_name_or_path={TINY}", f"output_dir={out}", "max_steps=2"], cwd=PUBLISHED, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # logging_steps 10 as published: the last step is logged
+    assert "step 2/2" in res.stdout and len(losses(out)) == 1 and (out / "adapter_model.safetensors").is_file()
+    assert (out / "trainer_log.jsonl").is_file() and "1090 samples" in res.stdout
+    assert res.stdout.count("notice:") == 1
