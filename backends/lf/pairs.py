@@ -107,32 +107,32 @@ def _write(tmp: Path, records: Path, tokenizer, template, cutoff_len: int, max_s
 
 
 class UnitLoader:
-    """A seeded, dp-sharded, resumable stream of units (pairs, or vision-language samples): each epoch
-    LLaMA-Factory's permutation for (seed, epoch) (backends.lf.order; in order when not shuffle); global micro-step k covers units [k·G, (k+1)·G) with G = micro × dp,
-    rank r taking its micro of them. Subclasses turn a micro-batch's units into tensors."""
+    """A seeded, dp-sharded, resumable stream of units (pairs, or vision-language samples), batched epoch by
+    epoch as HF Trainer batches LLaMA-Factory's data (backends.lf.order; in order when not shuffle).
+    Subclasses turn a micro-batch's units into tensors."""
 
     def __init__(self, n_units: int, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
                  pad_id: int = 0, pad_to_multiple_of: int = 8, shuffle: bool = True):
+        from backends.lf.order import EpochBatches
+
         self.n_units, self.micro_batch, self.dp_rank, self.dp_world = n_units, micro_batch, dp_rank, dp_world
         self.seed, self.pad_id, self.multiple, self.shuffle = seed, pad_id, pad_to_multiple_of, shuffle
-        self.position = 0
-        self._orders: dict[int, np.ndarray] = {}
+        self.batches = EpochBatches()
+        self.batches._setup(n_units, micro_batch, dp_rank, dp_world, seed, shuffle)
+
+    @property
+    def position(self) -> int:
+        return self.batches.position
 
     def __len__(self) -> int:
-        return -(-self.n_units // (self.micro_batch * self.dp_world))
+        return self.batches.per_epoch
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            from backends.lf.order import epoch_order
-
-            self._orders = {epoch: epoch_order(self.n_units, epoch, self.seed, self.shuffle)}
-        return self._orders[epoch]
+    def left_in_epoch(self) -> int:
+        return self.batches.left_in_epoch()
 
     def next_units(self) -> list[int]:
-        """This rank's units of the next micro-step (the stream moves on by the whole global micro-batch)."""
-        start = self.position + self.dp_rank * self.micro_batch
-        self.position += self.micro_batch * self.dp_world
-        return [int(self._order(p // self.n_units)[p % self.n_units]) for p in range(start, start + self.micro_batch)]
+        """This rank's units of the next micro-batch."""
+        return self.batches.take()
 
     def padded(self, rows: list) -> tuple[np.ndarray, np.ndarray]:
         """(ids, shifted labels) of (ids, labels) rows, right-padded to the longest (a multiple of 8)."""
@@ -148,14 +148,11 @@ class UnitLoader:
         return self
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "n_units": self.n_units, "shuffle": self.shuffle}
+        return self.batches._state()
 
     def load_state_dict(self, state: dict) -> None:
-        saved = (state.get("n_units"), state.get("seed"), state.get("shuffle", True))
-        if saved != (self.n_units, self.seed, self.shuffle):
-            raise ValueError(f"loader state was saved with {saved[0]} units, seed {saved[1]}, shuffle {saved[2]}; "
-                             f"this run has {self.n_units}, {self.seed}, {self.shuffle}: the order would differ")
-        self.position = int(state["position"])
+        self.batches._check_state(state)
+        self.batches.position = int(state["position"])
 
 
 class PairLoader(UnitLoader):

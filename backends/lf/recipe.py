@@ -30,13 +30,17 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
                "adapter_model.bin")
 
 
+def steps_per_epoch(cfg: LFConfig, batches_per_epoch: int) -> int:
+    """HF Trainer (transformers 5): ceil(per-rank micro-batches / accumulation), the last step of an epoch
+    taking the micro-batches left."""
+    return max(-(-batches_per_epoch // cfg.gradient_accumulation_steps), 1)
+
+
 def total_steps(cfg: LFConfig, batches_per_epoch: int) -> int:
-    """HF Trainer's count: max_steps when given, else ceil(epochs × optimizer steps per epoch), an epoch
-    being floor(per-rank micro-batches / accumulation) steps (at least one)."""
+    """HF Trainer's count: max_steps when given, else ceil(epochs × optimizer steps per epoch)."""
     if cfg.max_steps > 0:
         return int(cfg.max_steps)
-    per_epoch = max(batches_per_epoch // cfg.gradient_accumulation_steps, 1)
-    return max(1, math.ceil(cfg.num_train_epochs * per_epoch))
+    return max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch(cfg, batches_per_epoch)))
 
 
 def warmup_steps(cfg: LFConfig, total: int) -> int:
@@ -139,7 +143,7 @@ class LFRecipe(Recipe):
         self.checkpointed = parallel.recompute(cfg, model)
         self.dataset, self.loader, self.tokenizer = self._data(rt, par)
         steps = total_steps(cfg, len(self.loader))
-        self.steps_per_epoch = max(len(self.loader) // cfg.gradient_accumulation_steps, 1)
+        self.steps_per_epoch = steps_per_epoch(cfg, len(self.loader))
         model = parallel.wrap(model, cfg, par, rt.device)
         self.model = model
         self.reference = self._reference(par, rt) if cfg.stage == "dpo" else None
@@ -285,10 +289,13 @@ class LFRecipe(Recipe):
 
     # ------------------------------------------------------------------ steps
     def next_micro_batches(self) -> list[dict]:
+        """gradient_accumulation_steps micro-batches, fewer at the end of an epoch (HF Trainer's last step of
+        an epoch takes what is left of it)."""
         device = self.rt.device
+        count = min(self.cfg.gradient_accumulation_steps, self.loader.left_in_epoch())
         return [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
                  for k, v in self._rows(next(self._batches)).items()}
-                for _ in range(self.cfg.gradient_accumulation_steps)]
+                for _ in range(count)]
 
     def _rows(self, mb: dict) -> dict:
         """Packed micro-batches come as one flat stream of rows; LLaMA-Factory's are a batch of rows

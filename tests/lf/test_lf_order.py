@@ -1,6 +1,8 @@
 """The sample order of backends.lf's loaders is LLaMA-Factory 0.9.5's: HF Trainer's RandomSampler as
-accelerate prepares it (SeedableRandomSampler from data_seed, else seed, + the epoch), batches dealt to
-ranks by BatchSamplerShard; disable_shuffling keeps the file order (LF's SequentialSampler)."""
+accelerate prepares it (SeedableRandomSampler from data_seed, else seed, + the epoch), each epoch cut by
+BatchSampler and dealt to ranks by BatchSamplerShard (partial and evened-out batches at the epoch's end),
+an epoch's last optimizer step over the micro-batches left; disable_shuffling keeps the file order (LF's
+SequentialSampler)."""
 
 from __future__ import annotations
 
@@ -45,30 +47,57 @@ def hf_batches(n: int, micro: int, world: int, rank: int, seed: int, data_seed: 
     return out
 
 
-@pytest.mark.parametrize("world,data_seed", [(1, None), (2, None), (2, 7)])
-def test_the_order_is_hf_trainers(world, data_seed):
-    n, micro, seed, epochs = 24, 3, 42, 2
+@pytest.mark.parametrize("n,world,data_seed", [(24, 1, None), (23, 1, None), (24, 2, None), (23, 2, 7), (7, 3, None),
+                                               (2, 3, 5)])
+def test_the_order_is_hf_trainers(n, world, data_seed):
+    micro, seed, epochs = 3, 42, 2
     for rank in range(world):
         want = hf_batches(n, micro, world, rank, seed, data_seed, epochs)
         cfg = type("Cfg", (), {"seed": seed, "data_seed": data_seed})
         ours = LFMicroBatchLoader(Samples(n), mode="dynamic", micro_batch=micro, dp_rank=rank, dp_world=world,
                                   seed=order_seed(cfg), group_by_length=False)
+        assert len(ours) * epochs == len(want)
         got = [(next(ours)["input_ids"][:, 0] - 1).tolist() for _ in range(len(want))]
         assert got == want
         pairs = UnitLoader(n, micro, dp_rank=rank, dp_world=world, seed=order_seed(cfg))
         assert [pairs.next_units() for _ in range(len(want))] == want
 
 
+def test_an_epochs_last_step_takes_the_micro_batches_left():
+    """HF Trainer (transformers 5): ceil(batches / accumulation) steps an epoch, the last over the rest."""
+    from types import SimpleNamespace
+
+    from backends.lf.recipe import LFRecipe, steps_per_epoch, total_steps
+
+    cfg = SimpleNamespace(gradient_accumulation_steps=3, max_steps=-1, num_train_epochs=2.0)
+    assert steps_per_epoch(cfg, 4) == 2 and total_steps(cfg, 4) == 4
+    assert total_steps(SimpleNamespace(gradient_accumulation_steps=8, max_steps=-1, num_train_epochs=3.0), 1090) == 411
+    recipe = LFRecipe(SimpleNamespace(gradient_accumulation_steps=3, cutoff_len=16, neat_packing=False))
+    recipe.rt = SimpleNamespace(device=torch.device("cpu"))
+    recipe.loader = LFMicroBatchLoader(Samples(10), mode="dynamic", micro_batch=3, seed=1, group_by_length=False)
+    recipe._batches = iter(recipe.loader)
+    steps = [[(mb["input_ids"][:, 0] - 1).tolist() for mb in recipe.next_micro_batches()] for _ in range(4)]
+    assert [len(s) for s in steps] == [3, 1, 3, 1]
+    assert sorted(u for mb in steps[0] + steps[1] for u in mb) == list(range(10))
+
+
 def test_disable_shuffling_keeps_the_file_order():
     ours = LFMicroBatchLoader(Samples(10), mode="dynamic", micro_batch=4, seed=42, shuffle=False,
                               group_by_length=False)
-    assert [(next(ours)["input_ids"][:, 0] - 1).tolist() for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7],
-                                                                                 [8, 9, 0, 1]]
+    assert [(next(ours)["input_ids"][:, 0] - 1).tolist() for _ in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9],
+                                                                                 [0, 1, 2, 3]]
     pairs = UnitLoader(5, 2, seed=42, shuffle=False)
-    assert [pairs.next_units() for _ in range(3)] == [[0, 1], [2, 3], [4, 0]]
+    assert [pairs.next_units() for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
     assert not np.array_equal(epoch_order(10, 0, 42), np.arange(10))
     with pytest.raises(ValueError, match="order would differ"):
         UnitLoader(5, 2, seed=42).load_state_dict(pairs.state_dict())
+    resumed = LFMicroBatchLoader(Samples(10), mode="dynamic", micro_batch=4, seed=42, shuffle=False,
+                                 group_by_length=False)
+    resumed.load_state_dict(ours.state_dict())
+    assert (next(resumed)["input_ids"][:, 0] - 1).tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="order would differ"):
+        LFMicroBatchLoader(Samples(10), mode="dynamic", micro_batch=2, seed=42, shuffle=False,
+                           group_by_length=False).load_state_dict(ours.state_dict())
 
 
 def test_the_keys_reach_the_loaders(tmp_path):
