@@ -215,6 +215,10 @@ class LFRecipe(Recipe):
         entries = read_dataset_info(cfg)
         for line in cfg.notices():
             log.info("notice: %s", line)
+        with_images = [e.name for e in entries if e.columns.get("images")]
+        if with_images and cfg.template == "gemma":  # LF's gemma has gemma3's text format but no image plugin
+            raise LFConfigError(f"template: gemma takes no images in LLaMA-Factory ({', '.join(with_images)} has an "
+                                "images column); use template gemma3")
         cache = Path(cfg.output_dir) / "data"
         template = build_template(cfg, tokenizer)
         if cfg.stage == "dpo" and not all(e.ranking for e in entries):
@@ -224,7 +228,6 @@ class LFRecipe(Recipe):
             raise LFConfigError(f"dataset: {', '.join(e.name for e in entries if e.ranking)} is a ranking dataset, "
                                 f"which stage {cfg.stage} cannot train (stage dpo does)")
 
-        with_images = [e.name for e in entries if e.columns.get("images")]
         vl_model = is_vl(cfg.model_name_or_path)
         if with_images and not vl_model:
             raise LFConfigError(f"dataset: {', '.join(with_images)} has an images column, but "

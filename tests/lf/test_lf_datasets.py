@@ -88,3 +88,15 @@ def test_video_keys_are_typed():
 
     with pytest.raises(LFConfigError, match="video_fps must be a number"):
         parse_config({"video_fps": "fast"})
+
+
+def test_template_gemma_takes_no_images(tmp_path):
+    """LF's gemma template has gemma3's text format (tests/lf/test_lf_templates.py) but the base plugin, which
+    refuses images."""
+    path = lf_file(tmp_path, dataset="vl", template="gemma")
+    info = json.loads((tmp_path / "dataset_info.json").read_text())
+    info["vl"] = {"file_name": str(DATA / "vl_sft.json"), "formatting": "sharegpt",
+                  "columns": {"messages": "messages", "images": "images"}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(LFConfigError, match="template: gemma takes no images"):
+        LFRecipe(parse_command(["train", str(path)]))._data(RT, PAR)
