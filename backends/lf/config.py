@@ -116,6 +116,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "packing": (None, _kind(bool, none=True)),
     "neat_packing": (False, _kind(bool)),
     "enable_thinking": (True, _kind(bool)),
+    "preserve_thinking": (False, _kind(bool)),
     "default_system": (None, _kind(str, none=True)),
     "val_size": (0.0, _only((0, 0.0), _NO_EVAL)),
     "streaming": (False, _only((False,), "the dataset is tokenized once into a memory-mapped cache")),
@@ -200,8 +201,7 @@ UNBUILT: dict[str, dict[str, Any]] = {
     "image options (pan-and-scan, crop-to-patches)": {"image_do_pan_and_scan": False, "crop_to_patches": False},
     "dataset mixing and tokenized-dataset files": {
         "buffer_size": 16384, "mix_strategy": "concat", "interleave_probs": None, "tokenized_path": None},
-    "tool calling and kept thoughts (tool_format, preserve_thinking)": {"tool_format": None,
-                                                                       "preserve_thinking": False},
+    "tool calling (tool_format)": {"tool_format": None},
     "loss variants (label smoothing, NEFTune, DFT, ASFT, EAFT, padding in the loss)": {
         "label_smoothing_factor": 0.0, "neftune_noise_alpha": None, "use_dft_loss": False, "use_asft_loss": False,
         "asft_alpha": 0.1, "use_eaft_loss": False, "eaft_alpha": 1.0, "ignore_pad_token_for_loss": True},

@@ -266,7 +266,7 @@ def build_template(cfg: LFConfig, tokenizer):
         return None
     try:
         return resolve_template(template_name(cfg), tokenizer, enable_thinking=cfg.enable_thinking,
-                                default_system=cfg.default_system)
+                                default_system=cfg.default_system, preserve_thinking=cfg.preserve_thinking)
     except TemplateError as err:
         raise LFConfigError(f"template: {err}") from None
 

@@ -1,5 +1,6 @@
 """LLaMA-Factory 0.9.5's template names that tests/lf/test_lf_tokenization.py does not cover (qwen3_nothink,
-mistral, deepseek, deepseek3, default, empty, gemma), through backends.lf's name table, against the ids and
+mistral, deepseek, deepseek3, default, empty, gemma; qwen3 with preserve_thinking), through backends.lf's name
+table, against the ids and
 labels LF's own code builds (tests/fixtures/upstream/llamafactory/lf_0.9.5_templates.json, written by
 make_templates_reference.py next to it); and MindSpeed-LLM's --prompt-type mixtral / deepseek2-lite."""
 
@@ -30,7 +31,8 @@ def tokenizer(family: str):
 def encode_ours(case: dict, tok) -> dict:
     rec = REFERENCE["records"][case["record"]]
     args = case["data_args"]
-    template = resolve_template(LF_NAMES[case["template"]], tok)
+    template = resolve_template(LF_NAMES[case["template"]], tok, enable_thinking=args.get("enable_thinking"),
+                                preserve_thinking=args.get("preserve_thinking"))
     if rec["ranking"]:
         chosen, rejected = formats.encode_pairwise(tok, template, rec["record"], FIXTURE, 0,
                                                    cutoff_len=args["cutoff_len"])
@@ -61,6 +63,7 @@ def test_the_fixture_covers_every_template_named_here():
     older = json.loads((ROOT / "tests" / "fixtures" / "llamafactory" / "lf_0.9.5_reference.json").read_text())
     covered = {c["template"] for c in REFERENCE["cases"]} | {c["template"] for c in older["cases"]}
     assert set(LF_NAMES) == covered, set(LF_NAMES) ^ covered
+    assert any(c["data_args"].get("preserve_thinking") for c in REFERENCE["cases"])
     assert REFERENCE["llamafactory_version"] == "0.9.5"
 
 
@@ -123,3 +126,15 @@ def test_tokenizer_slots_follow_the_tokenizer():
 
     with pytest.raises(TemplateError, match="resolve_template"):
         TEMPLATES["lf_default"].render(CONV[1:3])
+
+
+def test_the_training_files_thinking_keys_reach_the_template(tmp_path):
+    from backends.lf.data import build_template
+    from backends.lf.recipe import parse_command
+    from tests.helpers.lf_runs import lf_file
+
+    path = lf_file(tmp_path, template="qwen3")
+    template = build_template(parse_command(["train", str(path), "preserve_thinking=true", "enable_thinking=false"]),
+                              family_tokenizer("qwen3"))
+    assert (template.preserve_thinking, template.enable_thinking) == (True, False)
+    assert build_template(parse_command(["train", str(path)]), family_tokenizer("qwen3")).preserve_thinking is False

@@ -127,6 +127,7 @@ class NamedTemplate(ChatTemplate):
 
     thought_words: tuple[str, str] = ()   # a reasoning template's (open, close) of a thinking block
     enable_thinking: bool | None = None   # reasoning templates only, see pieces()
+    preserve_thinking: bool = False       # reasoning templates: earlier answers keep their thoughts (LF 0.9.5)
 
     def render(self, messages, add_generation_prompt=False):
         out = "".join(text for text, _, _ in self.pieces(messages))
@@ -171,7 +172,7 @@ class NamedTemplate(ChatTemplate):
                 out.append((self.user_fmt.format(content=content) + (self.assistant_header if answered else ""),
                             "source", turn))
             elif m["role"] == "assistant":
-                content, block = self._thinking(m["content"], history=mode != "multiturn" and k != last)
+                content, block = self._thinking(m["content"], mode, k == last)
                 if block:  # its own piece: LF tokenizes the block apart from the text around it
                     out.append((block, "target" if self.enable_thinking else "source", turn))
                 out.append((self.assistant_fmt.format(content=content), "target", turn))
@@ -180,12 +181,17 @@ class NamedTemplate(ChatTemplate):
                 raise TemplateError(f"template {self.name!r}: a system message may only come first")
         return out
 
-    def _thinking(self, content: str, history: bool) -> tuple[str, str]:
-        """(the answer as encoded, the empty thinking block to add or "")."""
+    def _thinking(self, content: str, mode: str, is_last: bool) -> tuple[str, str]:
+        """(the answer as encoded, the empty thinking block to add or ""). As LF's ReasoningTemplate: an
+        earlier answer of "oneturn" (pairwise) or of "mask_history" is history: no empty block, its thought
+        stripped, unless preserve_thinking (which makes mask_history encode as multiturn). enable_thinking
+        false strips every answer's thought ("oneturn": the last one's only)."""
         if not self.thought_words:
             return content, ""
+        keep = self.preserve_thinking
+        history = not is_last and (mode == "oneturn" or (mode == "mask_history" and not keep))
         opening, closing = self.thought_words
-        if self.enable_thinking is False or history:
+        if (self.enable_thinking is False and (mode != "oneturn" or is_last)) or (history and not keep):
             pattern = re.escape(opening) + "(.*?)" + re.escape(closing)
             content = re.sub(pattern, "", content, flags=re.DOTALL).lstrip("\n")
         if history or opening.strip() in content or closing.strip() in content:
@@ -224,7 +230,7 @@ class NamedTemplate(ChatTemplate):
     def __repr__(self):  # dataclass repr includes every field: a stable definition hash
         fields = (self.name, self.prefix, self.system_fmt, self.user_fmt, self.assistant_header, self.assistant_fmt,
                   self.required_tokens, self.default_system, self.system_in_first_user, self.train_suffix,
-                  self.thought_words, self.enable_thinking)
+                  self.thought_words, self.enable_thinking, self.preserve_thinking)
         return f"NamedTemplate{fields!r}"
 
 
@@ -326,11 +332,12 @@ def missing_tokens(tokenizer, tokens) -> list[str]:
 
 
 def resolve_template(name: str | ChatTemplate | None, tokenizer, *, enable_thinking: bool | None = None,
-                     default_system: str | None = None) -> ChatTemplate:
+                     default_system: str | None = None, preserve_thinking: bool | None = None) -> ChatTemplate:
     """None: the tokenizer's own chat_template. A name: that named template, checked against the vocab.
     enable_thinking: a reasoning template's switch (NamedTemplate.pieces; for the tokenizer's own
     template, passed to its Jinja: true renders thinking, else it is off). default_system replaces a
-    named template's default system prompt (as LLaMA-Factory's default_system argument)."""
+    named template's default system prompt (as LLaMA-Factory's default_system argument); preserve_thinking:
+    a reasoning template's earlier answers keep their thoughts (LLaMA-Factory's preserve_thinking)."""
     if isinstance(name, ChatTemplate):
         return name
     if name is None or name in ("", "auto", "tokenizer"):
@@ -353,6 +360,8 @@ def resolve_template(name: str | ChatTemplate | None, tokenizer, *, enable_think
             f"use the tokenizer's own chat_template")
     if template.thought_words and enable_thinking is not None:
         template = replace(template, enable_thinking=enable_thinking)
+    if template.thought_words and preserve_thinking is not None:
+        template = replace(template, preserve_thinking=bool(preserve_thinking))
     if default_system is not None:
         template = replace(template, default_system=default_system)
     return template
