@@ -216,3 +216,54 @@ def test_image_data_renders_the_images_column_and_media_dir(plan_of, tmp_path, m
         plan_of(**{**vl, "model": "qwen3-8b"})
     with pytest.raises(JobError, match="does not pack samples with images"):
         plan_of(**{**vl, "data": {**vl["data"], "packing": True}})
+
+
+def _upstream_default(raw: str):
+    """A TSV default as a value (an enum member's repr `<X.Y: 'v'>` as its value)."""
+    import ast
+
+    match = re.fullmatch(r"<[\w.]+: (.*)>", raw)
+    return ast.literal_eval(match.group(1) if match else raw)
+
+
+def test_every_llamafactory_key_has_exactly_one_treatment():
+    """Each key of LLaMA-Factory 0.9.5's parser is implemented (KEYS), accepted with a notice (NO_EFFECT) or
+    refused naming the feature not built (UNBUILT, at any value but LF's default, recorded here)."""
+    config = pytest.importorskip("backends.lf.config")
+
+    keys = read_tsv()
+    implemented = set(config.KEYS) - set(config.NO_EFFECT)
+    effectless, unbuilt = set(config.NO_EFFECT), {k for group in config.UNBUILT.values() for k in group}
+    assert implemented | effectless | unbuilt == set(keys), sorted(set(keys) - implemented - effectless - unbuilt)
+    assert not (implemented & unbuilt or effectless & unbuilt)
+    assert sum(len(group) for group in config.UNBUILT.values()) == len(unbuilt)
+    for group in config.UNBUILT.values():
+        for key, default in group.items():
+            if keys[key][1] != "'<factory>'":
+                assert default == _upstream_default(keys[key][1]), (key, default, keys[key][1])
+
+
+@pytest.mark.parametrize("key,value", [("use_dora", True), ("eval_strategy", "steps"), ("quantization_bit", 4),
+                                       ("ref_model", "some/model")])
+def test_an_unbuilt_feature_is_refused_by_name_and_its_default_accepted(key, value):
+    config = pytest.importorskip("backends.lf.config")
+
+    feature = next(f for f, group in config.UNBUILT.items() if key in group)
+    base = {"model_name_or_path": "m", "dataset": "d", "output_dir": "o", "do_train": True}
+    with pytest.raises(config.LFConfigError) as err:
+        config.parse_config({**base, key: value})
+    assert str(err.value).count("\n") == 0 and f"{key}: {value!r} asks for {feature}" in str(err.value)
+    assert config.parse_config({**base, key: config.UNBUILT[feature][key]}).notices() == []
+
+
+def test_effectless_keys_give_one_notice_line_per_reason():
+    config = pytest.importorskip("backends.lf.config")
+
+    base = {"model_name_or_path": "m", "dataset": "d", "output_dir": "o", "do_train": True}
+    cfg = config.parse_config({**base, "dataloader_num_workers": 4, "ddp_timeout": 180000000, "temperature": 0.5,
+                               "video_fps": 1.0, "learning_rate": 1e-4})
+    lines = cfg.notices()
+    assert len(lines) == 3, lines
+    assert any(line.startswith("dataloader_num_workers, ddp_timeout: no effect") for line in lines)
+    assert any(line.startswith("temperature: no effect") for line in lines)
+    assert not any("learning_rate" in line for line in lines)

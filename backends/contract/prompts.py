@@ -3,10 +3,14 @@ LLaMA-Factory's templates of those names): one table for the renderer and the en
 
 from __future__ import annotations
 
-# --prompt-type -> the chat template of the same format
+# --prompt-type -> the chat template of the same format (MindSpeed-LLM's configs/finetune/templates.json: its
+# mixtral is its mistral, "[INST] {content} [/INST]"; deepseek2 and deepseek2-lite are LLaMA-Factory's deepseek)
 PROMPT_TYPE_TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "glm4", "mistral": "mistral",
+                         "mixtral": "mistral", "deepseek2": "deepseek2", "deepseek2-lite": "deepseek2",
                          "deepseek3": "deepseek"}
 
-# a job's data.template (a template name, or MindSpeed-LLM's own spelling of it) -> the --prompt-type rendered
-TEMPLATE_PROMPT_TYPES = {**{template: prompt_type for prompt_type, template in PROMPT_TYPE_TEMPLATES.items()},
-                         **{prompt_type: prompt_type for prompt_type in PROMPT_TYPE_TEMPLATES}}
+# a job's data.template (a template name, or MindSpeed-LLM's own spelling of it) -> the --prompt-type rendered;
+# a template several prompt types share renders the first of them
+TEMPLATE_PROMPT_TYPES = {**{prompt_type: prompt_type for prompt_type in PROMPT_TYPE_TEMPLATES}}
+for _prompt_type, _template in PROMPT_TYPE_TEMPLATES.items():
+    TEMPLATE_PROMPT_TYPES.setdefault(_template, _prompt_type)

@@ -2,8 +2,11 @@
 the DeepSpeed JSON its `deepspeed:` names, and the engine sidecar (engine.yaml) for what LLaMA-Factory
 has no key for (model card, kernels, metrics file, resume policy).
 
-Every key is either implemented, accepted at the values that change nothing here (a logger set to
-none, a worker count), or refused by name with what to do: never read and ignored.
+Every key of LLaMA-Factory 0.9.5's parser has one treatment (tests/test_llamafactory_keys.py holds the
+tables against its key list): implemented with LF's meaning (KEYS; some only at the values that change
+nothing here), accepted with no effect and one notice line naming it (NO_EFFECT: performance, logging,
+inference and export switches), or refused naming the feature not built (UNBUILT, at any value but
+LF's default). Never read and ignored. All problems of a file are refused together, one line each.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "low_cpu_mem_usage": (True, _ANY),
     "image_max_pixels": (589824, _kind(int)),
     "image_min_pixels": (1024, _kind(int)),
+    "video_max_pixels": (65536, _kind(int)),
+    "video_min_pixels": (256, _kind(int)),
+    "video_fps": (2.0, _kind(float)),
+    "video_maxlen": (128, _kind(int)),
     "print_param_status": (False, _ANY),
     # method
     "stage": ("sft", _choice(STAGES, " (this engine trains pt, sft and dpo)")),
@@ -96,6 +103,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "simpo_gamma": (0.5, _kind(float)),
     "dpo_label_smoothing": (0.0, _kind(float)),
     "plot_loss": (False, _kind(bool)),
+    "disable_shuffling": (False, _kind(bool)),
     # dataset
     "dataset": (None, _kind(str, list)),
     "dataset_dir": ("data", _kind(str)),
@@ -108,6 +116,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "packing": (None, _kind(bool, none=True)),
     "neat_packing": (False, _kind(bool)),
     "enable_thinking": (True, _kind(bool)),
+    "preserve_thinking": (False, _kind(bool)),
     "default_system": (None, _kind(str, none=True)),
     "val_size": (0.0, _only((0, 0.0), _NO_EVAL)),
     "streaming": (False, _only((False,), "the dataset is tokenized once into a memory-mapped cache")),
@@ -148,6 +157,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "bf16": (False, _kind(bool)),
     "fp16": (False, _kind(bool)),
     "seed": (42, _kind(int)),
+    "data_seed": (None, _kind(int, none=True)),
     "deepspeed": (None, _kind(str, dict, none=True)),
     "ddp_timeout": (1800, _ANY),
     "ddp_find_unused_parameters": (None, _ANY),
@@ -157,6 +167,118 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
                                                             "the global batch")),
     "gradient_checkpointing": (False, _ANY),  # LLaMA-Factory decides it from disable_gradient_checkpointing
 }
+
+# LLaMA-Factory features not built here: feature -> {key: LF's default}. A key at its default changes
+# nothing and is accepted; any other value is refused naming the feature.
+UNBUILT: dict[str, dict[str, Any]] = {
+    "evaluation (an eval split, loop and metrics)": {
+        "eval_dataset": None, "eval_on_each_dataset": False, "eval_strategy": "no", "eval_steps": None,
+        "eval_delay": 0, "eval_on_start": False, "load_best_model_at_end": False, "metric_for_best_model": None,
+        "greater_is_better": None, "compute_accuracy": False, "early_stopping_steps": None},
+    "loading or stacking LoRA adapters": {
+        "adapter_name_or_path": None, "adapter_folder": None, "create_new_adapter": False,
+        "additional_target": None},
+    "LoRA variants (rsLoRA, DoRA, PiSSA, LoRA+, module dropout)": {
+        "use_rslora": False, "use_dora": False, "pissa_init": False, "pissa_iter": 16, "pissa_convert": False,
+        "loraplus_lr_ratio": None, "loraplus_lr_embedding": 1e-06, "module_dropout": 0.0},
+    "OFT fine-tuning": {"oft_rank": 0, "oft_block_size": 32, "oft_target": "all"},
+    "vocabulary changes (added tokens, resized embeddings)": {
+        "resize_vocab": False, "add_tokens": None, "add_special_tokens": None, "new_special_tokens_config": None,
+        "init_special_tokens": "noise_init", "split_special_tokens": False},
+    "quantized training (QLoRA)": {
+        "quantization_method": "bnb", "quantization_bit": None, "quantization_type": "nf4",
+        "double_quantization": True, "quantization_device_map": None},
+    "model patches (RoPE scaling, shift attention, mixture of depths, LLaMA Pro, upcasting, MoE aux loss, "
+    "training from scratch)": {
+        "rope_scaling": None, "shift_attn": False, "mixture_of_depths": None, "use_llama_pro": False,
+        "upcast_layernorm": False, "upcast_lmhead_output": False, "moe_aux_loss_coef": None,
+        "train_from_scratch": False},
+    "other kernel backends (Unsloth, KTransformers, Liger, LF v1 kernels; backends.kernels is this engine's)": {
+        "use_unsloth": False, "use_unsloth_gc": False, "use_kt": False, "kt_weight_path": None,
+        "kt_expert_checkpoint_path": None, "kt_use_lora_experts": None, "kt_lora_expert_num": None,
+        "kt_lora_expert_intermediate_size": None, "use_v1_kernels": False, "use_liger_kernel": False,
+        "liger_kernel_config": None},
+    "image options (pan-and-scan, crop-to-patches)": {"image_do_pan_and_scan": False, "crop_to_patches": False},
+    "dataset mixing and tokenized-dataset files": {
+        "buffer_size": 16384, "mix_strategy": "concat", "interleave_probs": None, "tokenized_path": None},
+    "tool calling (tool_format)": {"tool_format": None},
+    "loss variants (label smoothing, NEFTune, DFT, ASFT, EAFT, padding in the loss)": {
+        "label_smoothing_factor": 0.0, "neftune_noise_alpha": None, "use_dft_loss": False, "use_asft_loss": False,
+        "asft_alpha": 0.1, "use_eaft_loss": False, "eaft_alpha": 1.0, "ignore_pad_token_for_loss": True},
+    "other optimizers (GaLore, APOLLO, BAdam, Adam-mini, Muon; this engine trains with AdamW)": {
+        "optim_args": None, "optim_target_modules": None, "use_galore": False, "galore_target": "all",
+        "galore_rank": 16, "galore_update_interval": 200, "galore_scale": 2.0, "galore_proj_type": "std",
+        "galore_layerwise": False, "use_apollo": False, "apollo_target": "all", "apollo_rank": 16,
+        "apollo_update_interval": 200, "apollo_scale": 32.0, "apollo_proj": "random", "apollo_proj_type": "std",
+        "apollo_scale_type": "channel", "apollo_layerwise": False, "apollo_scale_front": False, "use_badam": False,
+        "badam_mode": "layer", "badam_start_block": None, "badam_switch_mode": "ascending",
+        "badam_switch_interval": 50, "badam_update_ratio": 0.05, "badam_mask_mode": "adjacent", "badam_verbose": 0,
+        "use_adam_mini": False, "use_muon": False},
+    "the rm, ppo and kto stages and separate reference / reward models": {
+        "pref_bco_weight": 0.0, "kto_chosen_weight": 1.0, "kto_rejected_weight": 1.0, "ppo_buffer_size": 1,
+        "ppo_epochs": 4, "ppo_score_norm": False, "ppo_target": 6.0, "ppo_whiten_rewards": False, "ref_model": None,
+        "ref_model_adapters": None, "ref_model_quantization_bit": None, "reward_model": None,
+        "reward_model_adapters": None, "reward_model_quantization_bit": None, "reward_model_type": "lora",
+        "ld_alpha": None},
+    "other precisions (pure bf16, fp8, tf32)": {
+        "pure_bf16": False, "fp8": False, "fp8_backend": "auto", "fp8_enable_fsdp_float8_all_gather": False,
+        "tf32": None},
+    "other distributed setups (TrainingArguments' FSDP, accelerator / parallelism configs, Ray, Megatron-Core, "
+    "HyperParallel; ZeRO comes from deepspeed:)": {
+        "fsdp": None, "fsdp_config": None, "accelerator_config": None, "parallelism_config": None,
+        "ray_num_workers": 1, "ray_init_kwargs": None, "use_mca": False, "use_hyper_parallel": False,
+        "hyper_parallel_args": None},
+    "other batching (dropped last batch, automatic batch size, length-grouped sampling, skipped data on resume)": {
+        "dataloader_drop_last": False, "auto_find_batch_size": False, "train_sampling_strategy": "random",
+        "ignore_data_skip": False},
+    "other logging (logging_strategy other than steps, SwanLab)": {
+        "logging_strategy": "steps", "use_swanlab": False, "swanlab_project": "llamafactory",
+        "swanlab_workspace": None, "swanlab_run_name": None, "swanlab_mode": "cloud", "swanlab_api_key": None,
+        "swanlab_logdir": None, "swanlab_lark_webhook_url": None, "swanlab_lark_secret": None},
+    "pushing to or loading from the Hugging Face Hub (give a local model directory)": {
+        "push_to_hub": False, "hub_token": None, "hub_private_repo": None, "hub_model_id": None,
+        "hub_strategy": "every_save", "hub_always_push": False, "hub_revision": None, "model_revision": "main"},
+}
+_UNBUILT_KEYS = {key: feature for feature, keys in UNBUILT.items() for key in keys}
+
+# keys accepted with no effect on this engine (performance, logging, tooling, or read by other llamafactory-cli
+# commands): when the file sets them, one notice line per reason naming them
+_EFFECTLESS = {
+    "no dataset has videos or audio (those columns are refused)": (
+        "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
+        "audio_sampling_rate"),
+    "no evaluation runs here": (
+        "per_device_eval_batch_size", "eval_num_beams", "eval_accumulation_steps", "eval_do_concat_batches",
+        "eval_use_gather_object", "bf16_full_eval", "fp16_full_eval", "prediction_loss_only", "include_for_metrics",
+        "batch_eval_metrics", "predict_with_generate", "generation_max_length", "generation_num_beams",
+        "generation_config", "sortish_sampler"),
+    "generation and inference settings (llamafactory-cli chat / api / predict), not read by train": (
+        "do_sample", "temperature", "top_p", "top_k", "num_beams", "max_length", "max_new_tokens",
+        "repetition_penalty", "length_penalty", "skip_special_tokens", "infer_backend", "use_kv_cache", "infer_dtype",
+        "offload_folder", "vllm_maxlen", "vllm_gpu_util", "vllm_enforce_eager", "vllm_max_lora_rank", "vllm_config",
+        "sglang_maxlen", "sglang_mem_fraction", "sglang_tp_size", "sglang_config", "sglang_lora_backend"),
+    "read by llamafactory-cli export, not train (this engine exports to output_dir)": (
+        "export_dir", "export_size", "export_device", "export_quantization_bit", "export_quantization_dataset",
+        "export_quantization_nsamples", "export_quantization_maxlen", "export_legacy_format", "export_hub_model_id"),
+    "Hub tokens: nothing is downloaded here": ("hf_hub_token", "ms_hub_token", "om_hub_token"),
+    "performance and process switches this engine sets itself": (
+        "cache_dir", "low_cpu_mem_usage", "overwrite_cache", "preprocessing_num_workers", "preprocessing_batch_size",
+        "data_shared_file_system", "dataloader_num_workers", "dataloader_pin_memory",
+        "dataloader_persistent_workers", "dataloader_prefetch_factor", "ddp_timeout", "ddp_find_unused_parameters",
+        "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "local_rank",
+        "master_addr", "master_port", "use_cpu", "torch_compile", "torch_compile_backend", "torch_compile_mode",
+        "torch_empty_cache_steps", "gradient_checkpointing", "gradient_checkpointing_kwargs", "use_cache",
+        "full_determinism", "remove_unused_columns", "label_names", "length_column_name", "save_on_each_node",
+        "enable_jit_checkpoint", "restore_callback_states_from_checkpoint", "skip_memory_metrics", "debug"),
+    "logging and profiling switches (this engine logs to trainer_log.jsonl and metrics.jsonl)": (
+        "print_param_status", "logging_first_step", "logging_dir", "run_name", "disable_tqdm", "log_on_each_node",
+        "logging_nan_inf_filter", "include_num_input_tokens_seen", "log_level", "log_level_replica", "project",
+        "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "include_effective_tokens_per_second",
+        "enable_torch_profiler", "profiler_output_dir", "profiler_wait_steps", "profiler_warmup_steps",
+        "profiler_active_steps", "profiler_repeat", "profiler_record_shapes", "profiler_profile_memory",
+        "profiler_with_stack", "profile_modules"),
+}
+NO_EFFECT = {key: why for why, keys in _EFFECTLESS.items() for key in keys}
 
 # the sidecar's keys (ascendfactory render writes them; a hand-written LLaMA-Factory YAML needs none)
 ENGINE_KEYS: dict[str, ef.Check] = {
@@ -182,12 +304,21 @@ class LFConfig:
     zero: Zero = field(default_factory=Zero)
     engine: dict[str, Any] = field(default_factory=dict)   # the sidecar's settings
     source: str = "the training file"
+    given: tuple[str, ...] = ()                # the keys the file (and its overrides) set
 
     def __getattr__(self, key: str) -> Any:
         try:
             return self.__dict__["args"][key]
         except KeyError:
             raise AttributeError(key) from None
+
+    def notices(self) -> list[str]:
+        """One line per reason for the keys the file sets that change nothing here (NO_EFFECT)."""
+        by_reason: dict[str, list[str]] = {}
+        for key, why in NO_EFFECT.items():
+            if key in self.given:
+                by_reason.setdefault(why, []).append(key)
+        return [f"{', '.join(keys)}: no effect on this engine: {why}" for why, keys in by_reason.items()]
 
     def names(self, key: str) -> list[str]:
         """A comma-separated key (dataset, lora_target, …) as a list."""
@@ -199,14 +330,14 @@ class LFConfig:
 
 
 def _unknown(key: str) -> str:
-    close = difflib.get_close_matches(key, KEYS, n=1)
+    close = difflib.get_close_matches(key, [*KEYS, *NO_EFFECT, *_UNBUILT_KEYS], n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return (f"{key}: backends.lf does not implement this key{hint} (it reads {len(KEYS)} LLaMA-Factory keys; "
-            f"remove it, or train with LLaMA-Factory itself)")
+    return f"{key}: not a LLaMA-Factory 0.9.5 training key{hint}"
 
 
 def read_deepspeed(value: str | Mapping, base: Path) -> Zero:
-    """The ZeRO settings of a DeepSpeed config (a path, relative to the training file, or a mapping)."""
+    """The ZeRO settings of a DeepSpeed config: a mapping, or a path, a relative one read from `base` (the
+    working directory, as transformers' TrainingArguments opens it under llamafactory-cli)."""
     source = "deepspeed"
     if not isinstance(value, Mapping):
         path = Path(value) if Path(value).is_absolute() else base / value
@@ -239,69 +370,101 @@ def read_deepspeed(value: str | Mapping, base: Path) -> Zero:
     return z
 
 
-def _check_rules(args: dict[str, Any], source: str) -> None:
-    """LLaMA-Factory's own cross-key rules (hparams/parser.py) and what this engine needs."""
-    def bad(msg: str) -> LFConfigError:
-        return LFConfigError(f"{source}: {msg}")
-
+def _check_rules(args: dict[str, Any]) -> list[str]:
+    """LLaMA-Factory's own cross-key rules (hparams/parser.py) and what this engine needs: every problem."""
+    problems = []
     if not args["model_name_or_path"]:
-        raise bad("model_name_or_path is required: a Hugging Face model directory")
+        problems.append("model_name_or_path is required: a Hugging Face model directory")
     if not args["dataset"]:
-        raise bad("dataset is required: one or more names from dataset_info.json in dataset_dir")
+        problems.append("dataset is required: one or more names from dataset_info.json in dataset_dir")
     if not args["output_dir"]:
-        raise bad("output_dir is required")
+        problems.append("output_dir is required")
     if args["stage"] != "sft" and (args["neat_packing"] or args["train_on_prompt"] or args["mask_history"]):
-        raise bad("neat_packing, train_on_prompt and mask_history apply to stage sft only (as in LLaMA-Factory)")
+        problems.append("neat_packing, train_on_prompt and mask_history apply to stage sft only (as in LLaMA-Factory)")
     if args["bf16"] and args["fp16"]:
-        raise bad("bf16 and fp16 exclude each other")
+        problems.append("bf16 and fp16 exclude each other")
     if args["max_steps"] <= 0 and args["num_train_epochs"] <= 0:
-        raise bad("give max_steps > 0 or num_train_epochs > 0")
+        problems.append("give max_steps > 0 or num_train_epochs > 0")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "cutoff_len", "lora_rank"):
         if args[key] < 1:
-            raise bad(f"{key} must be at least 1, not {args[key]}")
+            problems.append(f"{key} must be at least 1, not {args[key]}")
     if not 0 <= args["lora_dropout"] < 1:
-        raise bad(f"lora_dropout must be in [0, 1), not {args['lora_dropout']}")
+        problems.append(f"lora_dropout must be in [0, 1), not {args['lora_dropout']}")
     if args["learning_rate"] <= 0:
-        raise bad(f"learning_rate must be positive, not {args['learning_rate']}")
+        problems.append(f"learning_rate must be positive, not {args['learning_rate']}")
+    return problems
+
+
+def _refuse(source: str, problems: list[str]) -> None:
+    """One line per problem, each naming its key (the whole file is checked before anything is refused)."""
+    if problems:
+        raise LFConfigError("\n".join(f"{source}: {p}" for p in problems))
+
+
+def read_training_file(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The training YAML with `key=value` overrides, read as llamafactory-cli reads them: OmegaConf.load,
+    OmegaConf.from_cli merged over it (OmegaConf's YAML: `1e-4` is a float, not text)."""
+    import yaml
+
+    from backends.common import omegaconf_yaml
+
+    path = Path(path)
+    try:
+        tree = omegaconf_yaml.load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LFConfigError(f"{path}: no such training file") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise LFConfigError(f"{path}: cannot read it as YAML: {err}") from None
+    tree = {} if tree is None else tree
+    if not isinstance(tree, Mapping):
+        raise LFConfigError(f"{path}: expected a mapping of LLaMA-Factory keys, got {type(tree).__name__}")
+    tree = dict(tree)
+    problems = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"{item!r}: give overrides as key=value")
+            continue
+        tree[key.strip()] = omegaconf_yaml.value(value)
+    _refuse("the command line", problems)
+    return tree
 
 
 def parse_config(train_file: str | Path | Mapping, engine: Mapping | str | Path | None = None, *,
                  base: Path | None = None, source: str | None = None) -> LFConfig:
-    """The training YAML (a path, or its mapping), its DeepSpeed file and the sidecar, checked.
-    base: where relative paths of a mapping are read from (default: the working directory)."""
-    import yaml
-
+    """The training YAML (a path, or its mapping), its DeepSpeed file and the sidecar, checked; every
+    problem of the file refused at once, one line each.
+    base: where a relative `deepspeed` path is read from (default: the working directory, as in LLaMA-Factory)."""
     base, source = base or Path.cwd(), source or "the training file"
     if not isinstance(train_file, Mapping):
-        path = Path(train_file)
-        base, source = path.parent, str(path)
-        try:
-            train_file = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except FileNotFoundError:
-            raise LFConfigError(f"{path}: no such training file") from None
-        except (OSError, yaml.YAMLError) as err:
-            raise LFConfigError(f"{path}: cannot read it as YAML: {err}") from None
-        if not isinstance(train_file, Mapping):
-            raise LFConfigError(f"{path}: expected a mapping of LLaMA-Factory keys, got {type(train_file).__name__}")
-    unknown = [str(k) for k in train_file if k not in KEYS]
-    if unknown:
-        raise LFConfigError(f"{source}: " + "; ".join(_unknown(k) for k in unknown))
+        source = str(train_file)
+        train_file = read_training_file(train_file)
+    problems = [_unknown(str(k)) for k in train_file if k not in KEYS and k not in NO_EFFECT
+                and k not in _UNBUILT_KEYS]
     args = {key: default for key, (default, _) in KEYS.items()}
     for key, value in train_file.items():
+        if key in _UNBUILT_KEYS:
+            if value != UNBUILT[_UNBUILT_KEYS[key]][key]:
+                problems.append(f"{key}: {value!r} asks for {_UNBUILT_KEYS[key]}, which backends.lf does not build; "
+                                "remove it, or train with LLaMA-Factory itself")
+            continue
+        if key not in KEYS:
+            continue
         want = KEYS[key][1](value)
         if want:
-            raise LFConfigError(f"{source}: {key} must be {want}, not {value!r}")
+            problems.append(f"{key} must be {want}, not {value!r}")
         args[key] = value
+    _refuse(source, problems)
     if args["lora_alpha"] is None:
         args["lora_alpha"] = args["lora_rank"] * 2  # LLaMA-Factory's default
     if args["neat_packing"]:
         args["packing"] = True
     if args["packing"] is None:
         args["packing"] = args["stage"] == "pt"  # LLaMA-Factory packs pre-training by default
-    _check_rules(args, source)
+    _refuse(source, _check_rules(args))
     try:
         side, side_source = ef.read_engine_file(ENGINE_KEYS, engine)
     except ef.EngineFileError as err:
         raise LFConfigError(str(err)) from None
     zero = read_deepspeed(args["deepspeed"], base) if args["deepspeed"] else Zero()
-    return LFConfig(args, zero, side, source)
+    return LFConfig(args, zero, side, source, tuple(k for k in train_file if k in KEYS or k in NO_EFFECT))

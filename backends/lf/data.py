@@ -7,6 +7,7 @@ onto canonical alpaca / sharegpt / text records, then tokenized once into the ca
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,11 @@ SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human"
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 _ENTRY_KEYS = {"file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "formatting",
                "ranking", "columns", "tags", "subset", "split", "folder", "num_samples", "load_from"}
-# our template names for LLaMA-Factory's (backends.common.data.templates implements these)
-TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "glm4": "glm4", "qwen2_vl": "qwen2_vl",
-             "gemma3": "gemma3", "mistral": "mistral", "deepseek3": "deepseek"}
+# LLaMA-Factory 0.9.5's template name -> ours of the same strings (backends.common.data.templates); gemma's
+# text format is gemma3's (LF registers the same slots, without the image plugin)
+TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "qwen3_nothink": "qwen3_nothink", "qwen2_vl": "qwen2_vl",
+             "llama3": "llama3", "glm4": "glm4", "gemma": "gemma3", "gemma3": "gemma3", "mistral": "mistral_v3",
+             "deepseek": "deepseek2", "deepseek3": "deepseek", "default": "lf_default", "empty": "empty"}
 
 
 @dataclass
@@ -68,6 +71,9 @@ def _entry(name: str, raw: Any, folder: Path, info_path: Path) -> DatasetEntry:
         hub = next((k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url") if k in raw), None)
         why = f"{hub} needs a download, which this engine does not do" if hub else "it has no file_name"
         raise LFConfigError(f"{where}: {why}; download the data and give file_name (relative to dataset_dir)")
+    if raw.get("num_samples") is not None:
+        raise LFConfigError(f"{where}: num_samples (LF's random resampling of a dataset) is not built here; use "
+                            "max_samples, or resample the file beforehand")
     fmt = raw.get("formatting", "alpaca")
     if fmt not in ("alpaca", "sharegpt"):
         raise LFConfigError(f"{where}: formatting must be alpaca or sharegpt, not {fmt!r}")
@@ -198,8 +204,10 @@ def _canonical(entry: DatasetEntry, stage: str, record: dict, where: str) -> dic
     return out
 
 
-def _records(entry: DatasetEntry, stage: str, media_dir: Path | None) -> Iterator[dict]:
-    for file, index, record in iter_records(entry.file):
+def _records(entry: DatasetEntry, stage: str, media_dir: Path | None, max_samples: int | None = None) -> Iterator[dict]:
+    """The entry's canonical records; with max_samples only its first max_samples (LF's loader truncates
+    each dataset before the datasets are merged)."""
+    for file, index, record in itertools.islice(iter_records(entry.file), max_samples):
         yield canonical(entry, stage, record, f"{file} record {index} (dataset {entry.name!r})", media_dir)
 
 
@@ -209,8 +217,9 @@ def media_dir(cfg: LFConfig) -> Path:
 
 
 def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path,
-                    media: Path | None = None) -> tuple[Path, str]:
-    """(a JSONL of every named dataset's canonical records, its format), content-addressed in the cache."""
+                    media: Path | None = None, max_samples: int | None = None) -> tuple[Path, str]:
+    """(a JSONL of every named dataset's canonical records, its format), content-addressed in the cache;
+    max_samples: records kept of each dataset."""
     fmt = "text" if stage == "pt" else ("sharegpt" if any(e.formatting == "sharegpt" for e in entries) else "alpaca")
     if any(e.ranking for e in entries) and len({e.formatting for e in entries}) > 1:
         raise LFConfigError("dataset: ranking datasets of both formattings (alpaca and sharegpt) in one run are not "
@@ -219,7 +228,7 @@ def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path,
     for e in entries:
         stat = e.file.stat()
         digest.update(json.dumps([e.name, str(e.file.resolve()), stat.st_size, stat.st_mtime_ns, e.formatting,
-                                  e.columns, e.tags, stage, str(media)]).encode())
+                                  e.columns, e.tags, stage, str(media), max_samples]).encode())
     out = cache_root / f"records-{digest.hexdigest()[:16]}.jsonl"
     if out.is_file():
         return out, fmt
@@ -227,7 +236,7 @@ def write_canonical(entries: list[DatasetEntry], stage: str, cache_root: Path,
     tmp = out.with_suffix(".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for e in entries:
-            for rec in _records(e, stage, media):
+            for rec in _records(e, stage, media, max_samples):
                 if fmt == "sharegpt" and "instruction" in rec:  # mixed formats: one shape for all
                     rec = _alpaca_as_sharegpt(rec)
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -257,7 +266,7 @@ def build_template(cfg: LFConfig, tokenizer):
         return None
     try:
         return resolve_template(template_name(cfg), tokenizer, enable_thinking=cfg.enable_thinking,
-                                default_system=cfg.default_system)
+                                default_system=cfg.default_system, preserve_thinking=cfg.preserve_thinking)
     except TemplateError as err:
         raise LFConfigError(f"template: {err}") from None
 

@@ -4,7 +4,7 @@ of ids and labels (sequence 2i the chosen sample of pair i, 2i + 1 its rejected 
 LLaMA-Factory's pairwise collator lays them out: a micro-batch of B pairs is 2B rows, the B chosen
 answers first, then the B rejected ones, right-padded to the longest row (a multiple of 8).
 
-Pairs are shuffled per epoch from (seed, epoch); global micro-step k covers pairs [k·G, (k+1)·G) of
+Pairs are shuffled per epoch as LLaMA-Factory's trainer does (backends.lf.order); global micro-step k covers pairs [k·G, (k+1)·G) of
 the stream with G = micro × dp, rank r taking its micro of them, so a step's pairs do not depend on
 how they are split over ranks and accumulation steps.
 """
@@ -107,30 +107,32 @@ def _write(tmp: Path, records: Path, tokenizer, template, cutoff_len: int, max_s
 
 
 class UnitLoader:
-    """A seeded, dp-sharded, resumable stream of units (pairs, or vision-language samples): each epoch a
-    permutation from (seed, epoch); global micro-step k covers units [k·G, (k+1)·G) with G = micro × dp,
-    rank r taking its micro of them. Subclasses turn a micro-batch's units into tensors."""
+    """A seeded, dp-sharded, resumable stream of units (pairs, or vision-language samples), batched epoch by
+    epoch as HF Trainer batches LLaMA-Factory's data (backends.lf.order; in order when not shuffle).
+    Subclasses turn a micro-batch's units into tensors."""
 
     def __init__(self, n_units: int, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
-                 pad_id: int = 0, pad_to_multiple_of: int = 8):
+                 pad_id: int = 0, pad_to_multiple_of: int = 8, shuffle: bool = True):
+        from backends.lf.order import EpochBatches
+
         self.n_units, self.micro_batch, self.dp_rank, self.dp_world = n_units, micro_batch, dp_rank, dp_world
-        self.seed, self.pad_id, self.multiple = seed, pad_id, pad_to_multiple_of
-        self.position = 0
-        self._orders: dict[int, np.ndarray] = {}
+        self.seed, self.pad_id, self.multiple, self.shuffle = seed, pad_id, pad_to_multiple_of, shuffle
+        self.batches = EpochBatches()
+        self.batches._setup(n_units, micro_batch, dp_rank, dp_world, seed, shuffle)
+
+    @property
+    def position(self) -> int:
+        return self.batches.position
 
     def __len__(self) -> int:
-        return -(-self.n_units // (self.micro_batch * self.dp_world))
+        return self.batches.per_epoch
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n_units)}
-        return self._orders[epoch]
+    def left_in_epoch(self) -> int:
+        return self.batches.left_in_epoch()
 
     def next_units(self) -> list[int]:
-        """This rank's units of the next micro-step (the stream moves on by the whole global micro-batch)."""
-        start = self.position + self.dp_rank * self.micro_batch
-        self.position += self.micro_batch * self.dp_world
-        return [int(self._order(p // self.n_units)[p % self.n_units]) for p in range(start, start + self.micro_batch)]
+        """This rank's units of the next micro-batch."""
+        return self.batches.take()
 
     def padded(self, rows: list) -> tuple[np.ndarray, np.ndarray]:
         """(ids, shifted labels) of (ids, labels) rows, right-padded to the longest (a multiple of 8)."""
@@ -146,13 +148,11 @@ class UnitLoader:
         return self
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "n_units": self.n_units}
+        return self.batches._state()
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("n_units") != self.n_units or state.get("seed") != self.seed:
-            raise ValueError(f"loader state was saved with {state.get('n_units')} units and seed {state.get('seed')}, "
-                             f"this run has {self.n_units} and {self.seed}: the order would differ")
-        self.position = int(state["position"])
+        self.batches._check_state(state)
+        self.batches.position = int(state["position"])
 
 
 class PairLoader(UnitLoader):

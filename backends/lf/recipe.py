@@ -30,13 +30,17 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
                "adapter_model.bin")
 
 
+def steps_per_epoch(cfg: LFConfig, batches_per_epoch: int) -> int:
+    """HF Trainer (transformers 5): ceil(per-rank micro-batches / accumulation), the last step of an epoch
+    taking the micro-batches left."""
+    return max(-(-batches_per_epoch // cfg.gradient_accumulation_steps), 1)
+
+
 def total_steps(cfg: LFConfig, batches_per_epoch: int) -> int:
-    """HF Trainer's count: max_steps when given, else ceil(epochs × optimizer steps per epoch), an epoch
-    being floor(per-rank micro-batches / accumulation) steps (at least one)."""
+    """HF Trainer's count: max_steps when given, else ceil(epochs × optimizer steps per epoch)."""
     if cfg.max_steps > 0:
         return int(cfg.max_steps)
-    per_epoch = max(batches_per_epoch // cfg.gradient_accumulation_steps, 1)
-    return max(1, math.ceil(cfg.num_train_epochs * per_epoch))
+    return max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch(cfg, batches_per_epoch)))
 
 
 def warmup_steps(cfg: LFConfig, total: int) -> int:
@@ -139,7 +143,7 @@ class LFRecipe(Recipe):
         self.checkpointed = parallel.recompute(cfg, model)
         self.dataset, self.loader, self.tokenizer = self._data(rt, par)
         steps = total_steps(cfg, len(self.loader))
-        self.steps_per_epoch = max(len(self.loader) // cfg.gradient_accumulation_steps, 1)
+        self.steps_per_epoch = steps_per_epoch(cfg, len(self.loader))
         model = parallel.wrap(model, cfg, par, rt.device)
         self.model = model
         self.reference = self._reference(par, rt) if cfg.stage == "dpo" else None
@@ -200,14 +204,21 @@ class LFRecipe(Recipe):
         return parallel.wrap(ref, cfg, par, rt.device, frozen=True)
 
     def _data(self, rt, par):
-        from backends.common.data import MicroBatchLoader, load_tokenizer, pad_id, preprocess
+        from backends.common.data import load_tokenizer, pad_id, preprocess
         from backends.lf.data import build_template, media_dir, read_dataset_info, write_canonical
         from backends.lf.mm_plugin import is_vl
+        from backends.lf.order import LFMicroBatchLoader, order_seed
         from backends.lf.pairs import PairLoader, build_pairs
 
         cfg = self.cfg
         tokenizer = load_tokenizer(cfg.model_name_or_path, use_fast=cfg.use_fast_tokenizer)
         entries = read_dataset_info(cfg)
+        for line in cfg.notices():
+            log.info("notice: %s", line)
+        with_images = [e.name for e in entries if e.columns.get("images")]
+        if with_images and cfg.template == "gemma":  # LF's gemma has gemma3's text format but no image plugin
+            raise LFConfigError(f"template: gemma takes no images in LLaMA-Factory ({', '.join(with_images)} has an "
+                                "images column); use template gemma3")
         cache = Path(cfg.output_dir) / "data"
         template = build_template(cfg, tokenizer)
         if cfg.stage == "dpo" and not all(e.ranking for e in entries):
@@ -217,7 +228,6 @@ class LFRecipe(Recipe):
             raise LFConfigError(f"dataset: {', '.join(e.name for e in entries if e.ranking)} is a ranking dataset, "
                                 f"which stage {cfg.stage} cannot train (stage dpo does)")
 
-        with_images = [e.name for e in entries if e.columns.get("images")]
         vl_model = is_vl(cfg.model_name_or_path)
         if with_images and not vl_model:
             raise LFConfigError(f"dataset: {', '.join(with_images)} has an images column, but "
@@ -231,23 +241,24 @@ class LFRecipe(Recipe):
             return self._vl_data(rt, par, entries, tokenizer, template, cache)
 
         def build():
-            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg))
+            # max_samples per dataset, before merging (as LF's loader); the merged records are all kept
+            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
             if cfg.stage == "dpo":
-                return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples)
-            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache, max_samples=cfg.max_samples,
+                return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache)
+            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache,
                               lf_rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
         dataset = kit.rank_zero_first(rt.is_main, build)
         if cfg.stage == "dpo":
             loader = PairLoader(dataset, cfg.per_device_train_batch_size, dp_rank=par.dp_rank, dp_world=par.layout.dp,
-                                seed=cfg.seed, pad_id=pad_id(tokenizer))
+                                seed=order_seed(cfg), shuffle=not cfg.disable_shuffling, pad_id=pad_id(tokenizer))
             log.info("data: %s", dataset.summary())
             return dataset, loader, tokenizer
         mode = "packed" if cfg.packing else "dynamic"
-        loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.per_device_train_batch_size,
-                                  seq_len=cfg.cutoff_len, dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.seed,
-                                  shuffle=True, pad_id=pad_id(tokenizer), pad_to_multiple_of=8,
-                                  group_by_length=False)
+        loader = LFMicroBatchLoader(dataset, mode=mode, micro_batch=cfg.per_device_train_batch_size,
+                                    seq_len=cfg.cutoff_len, dp_rank=par.dp_rank, dp_world=par.layout.dp,
+                                    seed=order_seed(cfg), shuffle=not cfg.disable_shuffling, pad_id=pad_id(tokenizer),
+                                    pad_to_multiple_of=8, group_by_length=False)
         packing = getattr(loader, "packing", None)
         log.info("data: %s; %s batches%s", dataset.summary(), mode,
                  f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
@@ -258,32 +269,36 @@ class LFRecipe(Recipe):
         from backends.common.data import pad_id
         from backends.lf.data import media_dir, write_canonical
         from backends.lf.mm_plugin import load_plugin
+        from backends.lf.order import order_seed
         from backends.lf.vl_data import VLLoader, build_vl
 
         cfg = self.cfg
         plugin = load_plugin(cfg.model_name_or_path, tokenizer, cfg.image_max_pixels, cfg.image_min_pixels)
 
         def build():
-            records, _ = write_canonical(entries, cfg.stage, cache, media_dir(cfg))
-            return build_vl(records, "sharegpt", tokenizer, template, plugin, cfg.cutoff_len, cache,
-                            pairwise=cfg.stage == "dpo", max_samples=cfg.max_samples,
+            # text datasets may come with the image ones (LF's mllm_demo,identity,alpaca_en_demo): their records
+            # are samples without images; mixed formattings are all written as sharegpt
+            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
+            return build_vl(records, fmt, tokenizer, template, plugin, cfg.cutoff_len, cache,
+                            pairwise=cfg.stage == "dpo",
                             rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
-        if any(e.formatting == "alpaca" for e in entries) and not all(e.formatting == "alpaca" for e in entries):
-            raise LFConfigError("dataset: image datasets of both formattings in one run are not built; convert "
-                                "them to one formatting")
         dataset = kit.rank_zero_first(rt.is_main, build)
         loader = VLLoader(dataset, plugin, cfg.per_device_train_batch_size, dp_rank=par.dp_rank,
-                          dp_world=par.layout.dp, seed=cfg.seed, pad_id=pad_id(tokenizer))
+                          dp_world=par.layout.dp, seed=order_seed(cfg), shuffle=not cfg.disable_shuffling,
+                          pad_id=pad_id(tokenizer))
         log.info("data: %s; dynamic batches with images (%s plugin)", dataset.summary(), plugin.kind)
         return dataset, loader, tokenizer
 
     # ------------------------------------------------------------------ steps
     def next_micro_batches(self) -> list[dict]:
+        """gradient_accumulation_steps micro-batches, fewer at the end of an epoch (HF Trainer's last step of
+        an epoch takes what is left of it)."""
         device = self.rt.device
+        count = min(self.cfg.gradient_accumulation_steps, self.loader.left_in_epoch())
         return [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
                  for k, v in self._rows(next(self._batches)).items()}
-                for _ in range(self.cfg.gradient_accumulation_steps)]
+                for _ in range(count)]
 
     def _rows(self, mb: dict) -> dict:
         """Packed micro-batches come as one flat stream of rows; LLaMA-Factory's are a batch of rows
@@ -384,23 +399,6 @@ def parse_command(args: list[str]) -> LFConfig:
     if not args or args[0] != "train" or len(args) < 2:
         raise LFConfigError("usage: python -m backends.lf train <file>.yaml [key=value …] (as llamafactory-cli "
                             "train); only the train command is built")
-    import yaml
+    from backends.lf.config import read_training_file
 
-    path = Path(args[1])
-    if not path.is_file():
-        raise LFConfigError(f"{path}: no such training file")
-    overrides = {}
-    for item in args[2:]:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise LFConfigError(f"{item!r}: give overrides as key=value")
-        overrides[key.strip()] = yaml.safe_load(value)
-    if not overrides:
-        return parse_config(path)
-    try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise LFConfigError(f"{path}: cannot read it as YAML: {err}") from None
-    if not isinstance(tree, dict):
-        raise LFConfigError(f"{path}: expected a mapping of LLaMA-Factory keys")
-    return parse_config({**tree, **overrides}, base=path.parent, source=str(path))
+    return parse_config(read_training_file(args[1], args[2:]), source=args[1])

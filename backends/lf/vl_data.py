@@ -5,8 +5,8 @@ images' model inputs.
 
 Rules: image tokens never carry a label (train_on_prompt included); a cutoff_len that would cut into an
 image's tokens is an error naming the record (the model needs every token of an image); packing is
-refused by the recipe. Batches are dynamically padded rows (a multiple of 8), shuffled per epoch from
-(seed, epoch); global micro-step k covers units [k·G, (k+1)·G), G = micro × dp, rank r taking its micro of
+refused by the recipe. Batches are dynamically padded rows (a multiple of 8), in LLaMA-Factory's order
+(backends.lf.order); global micro-step k covers units [k·G, (k+1)·G), G = micro × dp, rank r taking its micro of
 them (as pairs.PairLoader). For DPO a unit is a pair: the chosen rows, then the rejected rows, both with
 the prompt's images.
 """

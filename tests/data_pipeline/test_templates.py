@@ -33,11 +33,18 @@ EXPECTED = {
                  "<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nCiao<|im_end|>\n"),
     "gemma3": ("<bos><start_of_turn>user\nS\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
                "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\nCiao<end_of_turn>\n"),
+    "qwen3_nothink": ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello"
+                      "<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nCiao<|im_end|>\n"),
+    "empty": "SHiHelloByeCiao",
 }
+# templates whose BOS / EOS are the tokenizer's (LF's bos_token / eos_token slots): rendered once bound to a
+# tokenizer; tests/lf/test_lf_templates.py holds them against LLaMA-Factory's own ids
+TOKENIZER_BOUND = {"deepseek2", "mistral_v3", "lf_default"}
 GENERATION_PROMPT = {"qwen": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n<think>\n\n</think>\n\n",
                      "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n", "glm4": "<|assistant|>",
                      "mistral": "[INST] Bye [/INST]", "deepseek": "<｜Assistant｜>",
-                     "qwen2_vl": "<|im_start|>assistant\n", "gemma3": "<start_of_turn>model\n"}
+                     "qwen2_vl": "<|im_start|>assistant\n", "gemma3": "<start_of_turn>model\n",
+                     "qwen3_nothink": "<|im_start|>assistant\n", "empty": "Bye"}
 TRAINED = {
     "qwen": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
     "qwen3": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
@@ -47,6 +54,8 @@ TRAINED = {
     "deepseek": ["Hello<｜end▁of▁sentence｜>", "Ciao<｜end▁of▁sentence｜>"],
     "qwen2_vl": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
     "gemma3": ["Hello<end_of_turn>\n", "Ciao<end_of_turn>\n"],
+    "qwen3_nothink": ["Hello<|im_end|>\n", "Ciao<|im_end|>\n"],
+    "empty": ["Hello", "Ciao"],
 }
 
 
@@ -73,7 +82,7 @@ def tokenizer_for(make_tokenizer, name):
 
 
 def test_all_named_templates_exist():
-    assert set(TEMPLATES) == set(EXPECTED)
+    assert set(TEMPLATES) == set(EXPECTED) | TOKENIZER_BOUND
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

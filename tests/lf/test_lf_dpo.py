@@ -71,8 +71,8 @@ def runs(engine_runs, qwen2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lf-dpo")
     files = {f"first-{t}": dpo_file(tmp / f"first-{t}", qwen2, max_steps=1, pref_loss=t) for t in LOSS_TYPES}
     for finetuning in FINETUNING:
-        keys = {"finetuning_type": finetuning, "learning_rate": 5e-3 if finetuning == "full" else 2e-2,
-                "max_steps": 12}
+        keys = {"finetuning_type": finetuning, "learning_rate": 5e-3 if finetuning == "full" else 5e-2,
+                "max_steps": 16}  # two epochs of the 32 pairs
         files[f"rewards-{finetuning}"] = dpo_file(tmp / f"rewards-{finetuning}", qwen2, **keys)
     files["one"] = dpo_file(tmp / "one", qwen2, max_steps=3, gradient_accumulation_steps=2)
     ds = tmp / "ds3.json"
@@ -109,10 +109,15 @@ def test_rewards_separate_as_dpo_trains(runs, finetuning):
     rows = steps(runs[f"rewards-{finetuning}"][1]())
     assert rows[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the reference is the starting model
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
-    late = rows[-4:]
-    assert sum(r["rewards/margins"] for r in late) / 4 > 0.05
-    assert sum(r["rewards/accuracies"] for r in late) / 4 > 0.6
-    assert sum(r["loss"] for r in late) / 4 < math.log(2) - 0.01
+    # the second epoch (the same 32 pairs, reshuffled) against the first: 4 pairs a step are noisy alone
+    first, second = rows[:8], rows[8:16]
+
+    def mean(key, part):
+        return sum(r[key] for r in part) / len(part)
+
+    assert mean("rewards/margins", second) > mean("rewards/margins", first) + 0.02
+    assert mean("rewards/accuracies", second) > 0.6
+    assert mean("loss", second) < math.log(2) - 0.01
 
 
 def test_zero3_dpo_with_a_sharded_reference_matches_one_process(runs):

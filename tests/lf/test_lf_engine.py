@@ -182,7 +182,7 @@ def test_resume_continues_the_same_run(runs):
 
 
 @pytest.mark.parametrize("change,needle", [
-    ({"lora_rnak": 8}, "lora_rnak: backends.lf does not implement this key; did you mean 'lora_rank'?"),
+    ({"lora_rnak": 8}, "lora_rnak: not a LLaMA-Factory 0.9.5 training key; did you mean 'lora_rank'?"),
     ({"dataset": "missing"}, "dataset: 'missing' is not in"),
     ({"template": "nonesuch"}, "template: 'nonesuch' is not a template"),
     ({"deepspeed": "nowhere.json"}, "deepspeed:"),
