@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from ascendfactory.frameworks.base import PARALLEL_DIMS, Adapter, FeatureUse, States
+from backends.contract.prompts import LF_TEMPLATES
 
 # a family's LLaMA-Factory template (its `template:` names; Qwen2.5-VL speaks qwen2_vl)
 TEMPLATE_OF_FAMILY = {"qwen2": "qwen", "qwen3": "qwen3", "llama": "llama3", "glm": "glm4", "qwen2_vl": "qwen2_vl",
                       "qwen2_5_vl": "qwen2_vl", "gemma3": "gemma3"}
 # the templates backends.lf implements (a subset of llamafactory-0.9.5-templates.txt)
-TEMPLATES = ("qwen", "qwen3", "llama3", "glm4", "qwen2_vl", "gemma3", "mistral", "deepseek3")
+TEMPLATES = tuple(LF_TEMPLATES)
 # our schedules → lr_scheduler_type (HF's names); cosine with a floor is cosine_with_min_lr
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 DATA_FORMATS = ("alpaca", "sharegpt", "text", "pairwise")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ascendfactory.field_effects import is_set
 from ascendfactory.frameworks.base import Adapter, FeatureUse
 
 RL_STAGES = ("grpo", "dapo", "ppo")
@@ -52,7 +51,7 @@ class RLAdapter(Adapter):
 
     def plan_problems(self, job, arch):
         out = super().plan_problems(job, arch)
-        if is_set(job, "train.schedule") and job.train.schedule != "constant":
+        if "schedule" in job.train.model_fields_set and job.train.schedule != "constant":  # given, not defaulted
             out.append(self.refuse("train.schedule", f"runs backends.rl, which trains at a constant learning rate "
                                    f"after warm-up ({job.train.schedule} decay is not built)",
                                    "set train.schedule: constant (or leave it out)"))

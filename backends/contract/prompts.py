@@ -14,3 +14,9 @@ PROMPT_TYPE_TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "llama3": "llama3", "
 TEMPLATE_PROMPT_TYPES = {**{prompt_type: prompt_type for prompt_type in PROMPT_TYPE_TEMPLATES}}
 for _prompt_type, _template in PROMPT_TYPE_TEMPLATES.items():
     TEMPLATE_PROMPT_TYPES.setdefault(_template, _prompt_type)
+
+# LLaMA-Factory 0.9.5's template names that backends.lf implements -> the engines' chat template of that format
+# (backends.common.data.templates); the llamafactory adapter accepts a job's data.template from the same table
+LF_TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "qwen3_nothink": "qwen3_nothink", "qwen2_vl": "qwen2_vl",
+                "llama3": "llama3", "glm4": "glm4", "gemma": "gemma3", "gemma3": "gemma3", "mistral": "mistral_v3",
+                "deepseek": "deepseek2", "deepseek3": "deepseek", "default": "lf_default", "empty": "empty"}

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from backends.common.data.formats import DataFormatError, iter_records
 from backends.lf.config import LFConfig, LFConfigError
+from backends.contract.prompts import LF_TEMPLATES
 
 INFO_FILE = "dataset_info.json"
 # LLaMA-Factory's column and tag defaults (data/parser.py DatasetAttr)
@@ -26,9 +27,7 @@ _ENTRY_KEYS = {"file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_ur
                "ranking", "columns", "tags", "subset", "split", "folder", "num_samples", "load_from"}
 # LLaMA-Factory 0.9.5's template name -> ours of the same strings (backends.common.data.templates); gemma's
 # text format is gemma3's (LF registers the same slots, without the image plugin)
-TEMPLATES = {"qwen": "qwen", "qwen3": "qwen3", "qwen3_nothink": "qwen3_nothink", "qwen2_vl": "qwen2_vl",
-             "llama3": "llama3", "glm4": "glm4", "gemma": "gemma3", "gemma3": "gemma3", "mistral": "mistral_v3",
-             "deepseek": "deepseek2", "deepseek3": "deepseek", "default": "lf_default", "empty": "empty"}
+TEMPLATES = LF_TEMPLATES
 
 
 @dataclass
