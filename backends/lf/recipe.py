@@ -21,6 +21,7 @@ from backends.common import kit
 from backends.common.trainer import Loss, Recipe, Settings, seed_everything
 from backends.lf.config import LFConfig, LFConfigError, parse_config
 from backends.lf.model import HFCausalLMWithLoss
+from backends.lf.outputs import TrainerOutputs
 
 log = logging.getLogger("backends.lf")
 
@@ -137,7 +138,9 @@ class LFRecipe(Recipe):
         cfg = self.cfg
         kit.refuse_unbuilt(capabilities, "llamafactory", job_fields(cfg), LFConfigError, "backends.lf")
         seed_everything(cfg.seed)
-        model = HFCausalLMWithLoss(self._hf_model())
+        hf = self._hf_model()
+        hf_embeddings = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Embedding))
+        model = HFCausalLMWithLoss(hf)
         self.rt = rt
         par = self.par = parallel.setup(cfg, model, rt)
         self.checkpointed = parallel.recompute(cfg, model)
@@ -152,7 +155,19 @@ class LFRecipe(Recipe):
             eps=cfg.adam_epsilon, schedule=lambda optimizer: build_scheduler(optimizer, cfg, steps),
             precision=precision(cfg), grad_clip=cfg.max_grad_norm)}
         self._batches = iter(self.loader)
+        self.outputs = self._outputs(hf_embeddings, steps, par)
         return self._settings(rt, steps)
+
+    def _outputs(self, embeddings: int, steps: int, par) -> TrainerOutputs:
+        cfg = self.cfg
+        # the Trainer's num_train_epochs: what max_steps makes of it, else the key
+        epochs = math.ceil(steps / self.steps_per_epoch) if cfg.max_steps > 0 else cfg.num_train_epochs
+        return TrainerOutputs(cfg.output_dir, max_steps=steps, steps_per_epoch=self.steps_per_epoch,
+                              logging_steps=cfg.logging_steps, save_steps=cfg.save_steps,
+                              micro_batch=cfg.per_device_train_batch_size, num_train_epochs=epochs,
+                              flops_params=self.total - embeddings,
+                              global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+                              * par.grad_world)
 
     def _hf_model(self):
         """The transformers model of model_name_or_path with the kernels patched in and the finetuning type's
@@ -349,11 +364,18 @@ class LFRecipe(Recipe):
                    "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
         return Loss(losses.sum(), metrics={k: float(v) for k, v in metrics.items()})
 
+    def step(self, trainer, step: int):
+        result = super().step(trainer, step)
+        self.outputs.stepped(step + 1, result.loss, result.tokens)
+        return result
+
     def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict()}
+        return {"loader": self.loader.state_dict(), "outputs": self.outputs.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
+        if "outputs" in state:  # checkpoints written before trainer_state.json was kept
+            self.outputs.load_state_dict(state["outputs"])
 
     def start_info(self) -> dict:
         return {"grad_accum": self.cfg.gradient_accumulation_steps,
@@ -361,6 +383,9 @@ class LFRecipe(Recipe):
                 "parameters": self.total, "trainable": self.trainable, "zero_stage": self.cfg.zero.stage}
 
     def logged(self, record: dict) -> None:
+        # the Trainer logs the mean loss of the steps since its last log (trainer_log.jsonl reads that entry)
+        loss = self.outputs.logged(int(record["step"]), record["lr"], record.get("grad_norm"))
+        record = {**record, "loss": loss}
         if not self.rt.is_main:
             return
         if self.trainer_log is None:
@@ -378,6 +403,8 @@ class LFRecipe(Recipe):
 
         if self.cfg.engine.get("export_hf", True):
             export(self.model, self.cfg, self.tokenizer)
+        if self.rt.is_main:
+            self.outputs.finish(trainer.step)
 
 
 def _vision(mb: dict) -> dict:

@@ -145,6 +145,41 @@ def test_sft_leaves_what_llamafactory_leaves(sft_run):
         assert (trained(ids).logits - base(ids).logits).abs().max() > 1e-3  # it is the trained model
     assert (sft_run / "tokenizer.json").is_file() and (sft_run / "checkpoints").is_dir()
     assert end_event(sft_run)["step"] == 12
+    # transformers' Trainer files: its own TrainerState reads trainer_state.json back
+    from transformers import TrainerState
+
+    state = TrainerState.load_from_json(str(sft_run / "trainer_state.json"))
+    rows = [r for r in metrics(sft_run) if "step" in r and "event" not in r]
+    assert state.global_step == 12 and state.max_steps == 12
+    assert [e["loss"] for e in state.log_history[:-1]] == pytest.approx([r["loss"] for r in rows], abs=1e-6)
+    assert [e["learning_rate"] for e in state.log_history[:-1]] == pytest.approx([r["lr"] for r in rows])
+    results = json.loads((sft_run / "train_results.json").read_text())
+    assert results == json.loads((sft_run / "all_results.json").read_text()) == \
+        {k: v for k, v in state.log_history[-1].items() if k != "step"}
+    assert results["train_loss"] == pytest.approx(sum(r["loss"] for r in rows) / 12, abs=1e-6)
+    # 6 x the parameters outside the embeddings x every input position (PreTrainedModel.floating_point_ops)
+    dense = sum(p.numel() for p in base.parameters()) - base.get_input_embeddings().weight.numel()
+    positions = results["total_flos"] / (6 * dense)
+    assert positions == int(positions) and positions >= sum(r["trained_tokens"] for r in rows)
+
+
+def test_trainer_outputs_log_the_interval_mean(tmp_path):
+    """A logged loss is the mean of the steps since the last log, as the Trainer logs it; train_loss the mean of
+    all; the files round-trip through transformers' TrainerState."""
+    from transformers import TrainerState
+
+    from backends.lf.outputs import TrainerOutputs
+
+    out = TrainerOutputs(tmp_path, max_steps=4, steps_per_epoch=2, logging_steps=2, save_steps=500, micro_batch=1,
+                         num_train_epochs=2, flops_params=10, global_batch=4)
+    for step, loss in enumerate((4.0, 2.0, 1.0, 3.0), start=1):
+        out.stepped(step, loss, tokens=7)
+        if step % 2 == 0:
+            out.logged(step, lr=0.1, grad_norm=1.0)
+    out.finish(4)
+    state = TrainerState.load_from_json(str(tmp_path / "trainer_state.json"))
+    assert [(e["step"], e["loss"], e["epoch"]) for e in state.log_history[:2]] == [(2, 3.0, 1.0), (4, 2.0, 2.0)]
+    assert state.log_history[-1]["train_loss"] == 2.5 and state.total_flos == 6 * 10 * 7 * 4
 
 
 def test_lora_adapter_loads_in_peft_and_base_is_untouched(runs):

@@ -1,0 +1,81 @@
+"""What transformers' Trainer leaves in LLaMA-Factory's output_dir beside trainer_log.jsonl: trainer_state.json
+(TrainerState.save_to_json, its log_history one entry per logged step and the closing metrics),
+train_results.json and all_results.json (Trainer.save_metrics("train", ...): runtime, samples and steps per
+second, total_flos, train_loss, epoch).
+
+The numbers follow the Trainer: a logged loss is the mean of the steps since the last log; train_loss the mean
+over this session's steps; total_flos 6 x the parameters outside the embeddings x every input position on every
+rank (PreTrainedModel.floating_point_ops, padding included); samples per second count the schedule's samples
+(max_steps x the global batch) over the wall time of the session's steps."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class TrainerOutputs:
+    def __init__(self, output_dir: str | Path, *, max_steps: int, steps_per_epoch: int, logging_steps: int,
+                 save_steps: int, micro_batch: int, num_train_epochs: float, flops_params: int,
+                 global_batch: int):
+        self.dir = Path(output_dir)
+        self.max_steps, self.per_epoch = max_steps, max(steps_per_epoch, 1)
+        self.logging_steps, self.save_steps, self.micro_batch = logging_steps, save_steps, micro_batch
+        self.num_train_epochs, self.flops_params, self.global_batch = num_train_epochs, flops_params, global_batch
+        self.log_history: list[dict] = []
+        self.total_flos = 0.0
+        self._interval: list[float] = []
+        self._losses: list[float] = []
+        self._start: float | None = None
+        self._first_step: int | None = None
+
+    def stepped(self, step: int, loss: float, tokens: int) -> None:
+        """After every optimizer step (`step` counted from 1)."""
+        if self._start is None:
+            self._start, self._first_step = time.time(), step - 1
+        self._interval.append(loss)
+        self._losses.append(loss)
+        self.total_flos += 6.0 * self.flops_params * tokens
+
+    def logged(self, step: int, lr: float, grad_norm: float | None) -> float:
+        """At a logged step: the log_history entry; returns the logged loss (the interval's mean)."""
+        loss = sum(self._interval) / max(len(self._interval), 1)
+        self._interval = []
+        entry = {"loss": loss, **({"grad_norm": grad_norm} if grad_norm is not None else {}), "learning_rate": lr,
+                 "epoch": step / self.per_epoch, "step": step}
+        self.log_history.append(entry)
+        return loss
+
+    def finish(self, step: int) -> None:
+        """The closing metrics into log_history and the three files (rank 0, after the last step)."""
+        runtime = time.time() - (self._start or time.time())
+        steps = step - (self._first_step or 0)
+        metrics = {"train_runtime": round(runtime, 4)}
+        if runtime:
+            samples = self.max_steps * self.global_batch * steps / max(self.max_steps, 1)
+            metrics.update(train_samples_per_second=round(samples / runtime, 3),
+                           train_steps_per_second=round(steps / runtime, 3))
+        metrics.update(total_flos=self.total_flos, train_loss=sum(self._losses) / max(len(self._losses), 0.001),
+                       epoch=step / self.per_epoch)
+        self.log_history.append({**metrics, "step": step})
+        self._write_state(step)
+        for name in ("train_results.json", "all_results.json"):
+            path = self.dir / name
+            combined = json.loads(path.read_text()) if name == "all_results.json" and path.exists() else {}
+            path.write_text(json.dumps({**combined, **metrics}, indent=4, sort_keys=True) + "\n")
+
+    def _write_state(self, step: int) -> None:
+        from transformers import TrainerState
+
+        state = TrainerState(epoch=step / self.per_epoch, global_step=step, max_steps=self.max_steps,
+                             logging_steps=self.logging_steps, save_steps=self.save_steps,
+                             train_batch_size=self.micro_batch, num_train_epochs=self.num_train_epochs,
+                             total_flos=self.total_flos, log_history=self.log_history)
+        state.save_to_json(str(self.dir / "trainer_state.json"))
+
+    def state_dict(self) -> dict:
+        return {"log_history": self.log_history, "total_flos": self.total_flos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.log_history, self.total_flos = list(state["log_history"]), float(state["total_flos"])
