@@ -7,7 +7,7 @@ directory, kernel choice, metrics file, HF export, epochs, LoRA dropout) comes f
 file that $AF_ENGINE_FILE names (ascendfactory renders it as engine.yaml next to the flags).
 MindSpeed-LLM's published scripts run as they are: `--enable-hf2mg-convert --load <HF dir>` is the
 native HF load (no engine.yaml needed), architecture flags are checked against the model, switches
-with no effect on the numbers are accepted (NO_EFFECT), and what is not built is refused by name.
+with no effect on the numbers are accepted with a notice (backends.contract.megatron.NO_EFFECT), and what is not built is refused by name.
 """
 
 from __future__ import annotations
@@ -252,7 +252,6 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     """The rest of what MindSpeed-LLM's published pretrain / tune scripts pass (types as upstream)."""
     a = p.add_argument
     # the model: the native decoder of the family stands for every Megatron build of it
-    a("--use-mcore-models", action="store_true")
     a("--spec", nargs="*")
     a("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
     a("--use-rotary-position-embeddings", action="store_true")
@@ -289,8 +288,10 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     a("--exit-on-missing-checkpoint", action="store_true")
     a("--dataloader-type", choices=["single", "cyclic", "external"])
     a("--initial-loss-scale", type=float)
-    # how a step is scheduled, overlapped or fused: no effect on the numbers (see NO_EFFECT)
-    megatron_args.add_no_effect(p, NO_EFFECT)
+    # how a step is scheduled, overlapped, fused, checked or logged: accepted with a notice
+    # (backends.contract.megatron.NO_EFFECT)
+    megatron_args.add_no_effect(p, "llm")
+    a("--padded-samples", action="store_true")  # changes the sample order: refused (see refusals)
     a("--manual-gc-interval", type=int, default=0)
     a("--shape-order", choices=["SBH", "BSH", "BSND", "BNSD"], default="SBH")
     a("--workers", type=int, default=1)  # preprocess_data.py's, in scripts that list data and training flags together
@@ -300,15 +301,6 @@ def _true_false_none(text: str):
     return {"true": True, "false": False, "none": None}[text.lower()]
 
 
-# switches for fusions, overlap, memory placement and logging: the engine computes the same loss
-# whichever way they are set (its kernels are chosen by kernels.* in engine.yaml and --use-flash-attn /
-# --use-fused-*), so they are accepted and have nothing to change; these besides the ones backends.mm
-# accepts too (backends.contract.megatron.NO_EFFECT)
-NO_EFFECT = ("--no-gradient-accumulation-fusion", "--gemm-gradient-accumulation-fusion",
-             "--attention-softmax-in-fp32", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
-             "--use-ascend-coc", "--coc-fused-kernel", "--use-ascend-mc2", "--reuse-fp32-param", "--swap-attention",
-             "--recompute-activation-function", "--no-shared-storage", "--manual-gc", "--log-throughput",
-             "--lora-fusion", "--padded-samples")
 # flag → the native model's attribute it states; a model that differs is refused (build_decoder)
 MODEL_FACTS = {"--norm-epsilon": "rms_norm_eps", "--moe-router-topk-scaling-factor": "moe.routed_scaling_factor",
                "--norm-topk-prob": "moe.norm_topk_prob", "--moe-router-num-groups": "moe.n_group",
@@ -421,6 +413,9 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     if ns.seq_aux:
         out.append("--seq-aux: the sequence-level auxiliary loss is not built; drop it (the batch-level aux_loss "
                    "applies)")
+    if ns.padded_samples:
+        out.append("--padded-samples: completing an epoch's last global batch with the epoch's first samples "
+                   "(MindSpeed-LLM's sample index) is not built; drop it")
     if ns.model_type_hf is not None and ns.model_type_hf not in MODEL_TYPE_HF:
         out.append(f"--model-type-hf {ns.model_type_hf}: no native decoder for it; use one of "
                    f"{', '.join(MODEL_TYPE_HF)}")
@@ -484,7 +479,7 @@ def check_model_facts(config, checks: dict[str, tuple[str, Any]], source: str) -
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
     """The flags, plus the sidecar (`engine`: a mapping or a path; None: the file $AF_ENGINE_FILE names)."""
-    ns = megatron_args.parse(_parser(), argv, "MindSpeed-LLM", _HINTS)
+    ns = megatron_args.parse(_parser(), argv, "MindSpeed-LLM", _HINTS, engine="llm")
     refused = refusals(ns)
     if refused:
         raise ConfigError("this build of backends.llm does not implement: " + "; ".join(refused))

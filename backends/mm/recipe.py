@@ -147,7 +147,7 @@ class MMRecipe(Recipe):
         return dataset, Loader(dataset, t.micro_batch, par.dp_rank, par.layout.dp, t.seed, d.shuffle)
 
     def _resume(self) -> str | None:
-        return kit.megatron_resume(self.cfg.load, self.cfg.save, error=ConfigError)
+        return kit.megatron_resume(self.cfg.load, self.cfg.save, partial=self.cfg.partial_load, error=ConfigError)
 
     def next_micro_batches(self) -> list[dict]:
         dev, p = self.rt.device, self.cfg.parallel

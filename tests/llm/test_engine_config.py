@@ -170,6 +170,7 @@ REFUSALS = {
     "--lr-warmup-fraction": ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
     "--initial-loss-scale": ["--initial-loss-scale", "65536", "--fp16"],
     "--moe-layer-freq": ["--moe-layer-freq", "[0]*1+[1]*26"],
+    "--padded-samples": ["--padded-samples"],
 }
 
 

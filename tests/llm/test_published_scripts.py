@@ -163,7 +163,8 @@ def test_every_published_data_convert_flag_parses(name):
 
 # the published scripts this build refuses, and the flags that make it refuse them
 REFUSED = {"pretrain_deepseek2_lite_16b_ptd_8p": {"--split", "--moe-router-load-balancing-type", "--seq-aux"},
-           "tune_deepseek2_lite_16b_full_ptd": {"--moe-router-load-balancing-type", "--seq-aux"}}
+           "tune_deepseek2_lite_16b_full_ptd": {"--moe-router-load-balancing-type", "--seq-aux"},
+           "tune_qwen25_72b_4k_full_pack": {"--padded-samples"}, "tune_qwen25_72b_4k_lora_ptd": {"--padded-samples"}}
 
 
 @pytest.mark.parametrize("name", TRAINING)
