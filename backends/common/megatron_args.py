@@ -4,7 +4,7 @@ backends.mm: MindSpeed-MM's), argparse only (no torch).
 The flags themselves (names, upstream types, defaults and choices, the no-effect switches) are facts
 of backends.contract.megatron; this module turns them into argparse arguments, narrowed the same way
 for both engines (BUILT), and refuses an unknown flag by name with the closest known one. Each
-engine adds its own flags next to these and keeps its own defaults where they are not upstream's.
+engine adds its own flags next to these.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ BUILT: dict[str, dict[str, Any]] = {
 }
 
 
-def add(parser: argparse.ArgumentParser, flags: Iterable[str], defaults: Mapping[str, Any] | None = None) -> None:
+def add(parser: argparse.ArgumentParser, flags: Iterable[str]) -> None:
     """Add these flags of backends.contract.megatron (a group such as PARALLEL, or names), in order: upstream's
-    type, default and choices, narrowed by BUILT; `defaults` are the engine's own where it differs."""
+    type, default and choices (an omitted flag reads as upstream's default), narrowed by BUILT."""
     for name in flags:
         flag = FLAGS[name]
         if flag.switch:
@@ -54,8 +54,6 @@ def add(parser: argparse.ArgumentParser, flags: Iterable[str], defaults: Mapping
                       "choices": list(flag.choices) if flag.choices else None}
             kwargs = {key: value for key, value in kwargs.items() if value is not None}
         kwargs.update(BUILT.get(name, {}))
-        if defaults and name in defaults:
-            kwargs["default"] = defaults[name]
         parser.add_argument(name, **kwargs)
 
 

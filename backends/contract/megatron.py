@@ -72,6 +72,7 @@ OPTIMIZER = {
     "--clip-grad": Flag(float, 1.0),
     "--adam-beta1": Flag(float, 0.9),
     "--adam-beta2": Flag(float, 0.999),
+    "--adam-eps": Flag(float, 1e-8),
 }
 PRECISION = {"--bf16": _SWITCH, "--fp16": _SWITCH}
 RUN = {

@@ -97,6 +97,7 @@ class TrainArgs:
     warmup: int
     weight_decay: float
     betas: tuple[float, float]
+    eps: float                 # --adam-eps
     grad_clip: float
     precision: str
     seed: int
@@ -158,12 +159,6 @@ def prompt_template(template: str | None, tokenizer, enable_thinking: bool | Non
 
     return resolve_template(template, tokenizer, enable_thinking=enable_thinking,
                             default_system=PROMPT_TYPE_SYSTEMS.get(template))
-
-
-# backends.llm's defaults where they are not Megatron-LM's (linear, 0.01, 0.999, 1.0, 100): an omitted flag
-# has always read as these here
-DEFAULTS = {"--lr-decay-style": "cosine", "--weight-decay": 0.0, "--adam-beta2": 0.95, "--clip-grad": 0.0,
-            "--log-interval": 1}
 
 
 def _parser() -> megatron_args.Parser:
@@ -237,13 +232,13 @@ def _parser() -> megatron_args.Parser:
     megatron_args.add(p, megatron.SEQUENCE)  # required: after --data-path in argparse's message
     # training
     megatron_args.add(p, megatron.BATCH)
-    megatron_args.add(p, megatron.OPTIMIZER, DEFAULTS)
+    megatron_args.add(p, megatron.OPTIMIZER)
     megatron_args.add(p, megatron.PRECISION)
-    megatron_args.add(p, megatron.RUN, DEFAULTS)
+    megatron_args.add(p, megatron.RUN)
     # LoRA
-    a("--lora-r", type=int)
+    a("--lora-r", type=int, default=16)
     a("--lora-alpha", type=int, default=32)
-    a("--lora-target-modules", nargs="+", default=["all"])
+    a("--lora-target-modules", nargs="+", default=[])  # LoRA is on when it names modules, as in MindSpeed-LLM
     _published_script_flags(p)
     return p
 
@@ -524,7 +519,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
     fmt = HANDLER_FORMATS[ns.handler_name]
     template = PROMPT_TYPE_TEMPLATES.get(ns.prompt_type, ns.prompt_type)
     lora = None
-    if ns.lora_r:
+    if ns.lora_target_modules:
         lora = LoraArgs(ns.lora_r, float(ns.lora_alpha), side.lora_dropout, list(ns.lora_target_modules),
                         side.lora_merge_on_export)
     return LLMConfig(
@@ -550,7 +545,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
             epochs=side.train_epochs, lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,
             warmup=ns.lr_warmup_iters, weight_decay=ns.weight_decay, betas=(ns.adam_beta1, ns.adam_beta2),
-            grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
+            eps=ns.adam_eps, grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
             seed=ns.seed, log_interval=ns.log_interval, save_interval=ns.save_interval,
             moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval,
             warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters),

@@ -201,7 +201,7 @@ class LLMRecipe(Recipe):
         total_steps = t.steps or max(1, math.ceil(t.epochs * self.loader.n_units / t.global_batch))
         model = self._load(CausalLMWithLoss(decoder), par, rt)
         self.parts = {"model": kit.train_part(
-            model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
+            model, par, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
                 t, total_steps), precision=t.precision, grad_clip=t.grad_clip,
             forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         self._batches = iter(self.loader)

@@ -87,6 +87,7 @@ class TrainArgs:
     warmup_fraction: float | None
     weight_decay: float
     betas: tuple[float, float]
+    eps: float                 # --adam-eps
     grad_clip: float
     precision: str
     seed: int
@@ -497,7 +498,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
             epochs=side.get("train_epochs"), lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,
             warmup=ns.lr_warmup_iters, warmup_fraction=ns.lr_warmup_fraction, weight_decay=ns.weight_decay,
-            betas=(ns.adam_beta1, ns.adam_beta2), grad_clip=ns.clip_grad,
+            betas=(ns.adam_beta1, ns.adam_beta2), eps=ns.adam_eps, grad_clip=ns.clip_grad,
             precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", seed=ns.seed,
             log_interval=ns.log_interval, save_interval=ns.save_interval, exit_interval=ns.exit_interval),
         model_id=side.get("model_id"), load_hf=load_hf, save=ns.save, load=ns.load or None,

@@ -86,6 +86,7 @@ def test_unknown_flag_names_the_closest_and_lists_the_supported():
 
 def test_upstream_types_and_current_names():
     cfg = parse_args(BASE + ["--rotary-base", "1000000", "--lora-r", "8", "--lora-alpha", "16",
+                             "--lora-target-modules", "linear_qkv",
                              "--attention-mask-type", "causal", "--multi-latent-attention", "--pack",
                              "--prompt-type", "deepseek3"], engine=CARD)
     assert cfg.model.overrides["rope_theta"] == 1e6 and isinstance(cfg.model.overrides["rope_theta"], float)
@@ -101,7 +102,7 @@ def test_sidecar_is_read_from_af_engine_file_and_checked(tmp_path, monkeypatch):
     side.write_text("model_id: qwen3-8b\nkernels: {backend: reference, overrides: {attention: cuda}}\n"
                     "metrics_file: m.jsonl\nexport_hf: hf\nlora: {dropout: 0.05, merge_on_export: true}\n")
     monkeypatch.setenv("AF_ENGINE_FILE", str(side))
-    cfg = parse_args(BASE + ["--lora-r", "4"])
+    cfg = parse_args(BASE + ["--lora-r", "4", "--lora-target-modules", "all"])
     assert (cfg.model.model_id, cfg.kernel_backend, cfg.kernel_overrides) == ("qwen3-8b", "reference",
                                                                               {"attention": "cuda"})
     assert (cfg.metrics_file, cfg.export_hf, cfg.lora.dropout, cfg.lora.merge_on_export) == \
