@@ -266,13 +266,19 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     a("--moe-layer-freq")  # an integer: the model's config.json / card places its MoE layers
     a("--moe-router-load-balancing-type", default="aux_loss")
     a("--seq-aux", action="store_true")
-    a("--rope-scaling-type", choices=["yarn"])
+    a("--rope-scaling-type", choices=["llama3", "yarn", "longrope", "plm"])
     a("--rope-scaling-factor", type=float, default=8.0)
+    a("--low-freq-factor", type=float)                     # llama3
+    a("--high-freq-factor", type=float)
+    a("--original-max-position-embeddings", type=float)    # llama3 (yarn has its own flag)
     a("--beta-fast", type=int, default=32)
     a("--beta-slow", type=int, default=1)
     a("--rope-scaling-mscale", type=float, default=1.0)
     a("--rope-scaling-mscale-all-dim", type=float, default=0.0)
     a("--rope-scaling-original-max-position-embeddings", type=int)
+    # partial / GLM rotary: default None, the model's own (Megatron's omitted --rotary-percent is 1.0)
+    a("--use-glm-rope", action="store_true")
+    a("--rotary-percent", type=float)
     # schedule, data split, evaluation, checkpoints
     a("--lr-decay-iters", type=int)
     a("--split")
@@ -304,6 +310,9 @@ MODEL_FACTS = {"--norm-epsilon": "rms_norm_eps", "--moe-router-topk-scaling-fact
                "--beta-slow": "rope_scaling.beta_slow", "--rope-scaling-mscale": "rope_scaling.mscale",
                "--rope-scaling-mscale-all-dim": "rope_scaling.mscale_all_dim",
                "--rope-scaling-original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
+               "--low-freq-factor": "rope_scaling.low_freq_factor", "--high-freq-factor": "rope_scaling.high_freq_factor",
+               "--original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
+               "--rotary-percent": "rotary_fraction", "--use-glm-rope": "rotary_interleaved",
                "--init-method-std": "initializer_range", "--vocab-size": "vocab_size"}
 # --model-type-hf → the config.json model_type(s) of the native families it names
 MODEL_TYPE_HF = {"qwen3": ("qwen3",), "qwen3-moe": ("qwen3_moe",), "qwen25": ("qwen2",), "qwen": ("qwen2",),
@@ -408,6 +417,16 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     if ns.seq_aux:
         out.append("--seq-aux: the sequence-level auxiliary loss is not built; drop it (the batch-level aux_loss "
                    "applies)")
+    if ns.rope_scaling_type in ("longrope", "plm"):
+        out.append(f"--rope-scaling-type {ns.rope_scaling_type}: this rotary scaling is not built (llama3 and yarn "
+                   f"are); use a model whose rope is one of those")
+    missing = [flag for flag, value in (("--low-freq-factor", ns.low_freq_factor),
+                                        ("--high-freq-factor", ns.high_freq_factor),
+                                        ("--original-max-position-embeddings", ns.original_max_position_embeddings))
+               if value is None]
+    if ns.rope_scaling_type == "llama3" and missing:
+        out.append(f"--rope-scaling-type llama3: give {', '.join(missing)} too (MindSpeed-LLM's llama3 scaling "
+                   f"divides by them; the model's config.json rope_scaling has the values)")
     if ns.padded_samples:
         out.append("--padded-samples: completing an epoch's last global batch with the epoch's first samples "
                    "(MindSpeed-LLM's sample index) is not built; drop it")
@@ -435,7 +454,16 @@ def model_facts(ns: argparse.Namespace, random_init: bool) -> dict[str, tuple[st
     if ns.vocab_size is not None and ns.padded_vocab_size is None:  # Megatron pads the tokenizer's vocab
         m = ns.make_vocab_size_divisible_by * ns.tensor_model_parallel_size
         given["--vocab-size"] = -(-ns.vocab_size // m) * m
-    if ns.rope_scaling_type:  # the yarn numbers only mean something with yarn
+    if ns.rope_scaling_type == "llama3":  # MindSpeed-LLM's apply_llama3_scaling reads these four
+        given.update({"--rope-scaling-factor": ns.rope_scaling_factor, "--low-freq-factor": ns.low_freq_factor,
+                      "--high-freq-factor": ns.high_freq_factor,
+                      "--original-max-position-embeddings": ns.original_max_position_embeddings})
+    if ns.use_glm_rope or ns.rotary_percent is not None:
+        # Megatron rotates the first --rotary-percent of each head by halves; --use-glm-rope by adjacent pairs
+        # (MindSpeed-LLM's _process_partial_rope, transformers' Glm): both facts of the model
+        given.update({"--rotary-percent": 1.0 if ns.rotary_percent is None else ns.rotary_percent,
+                      "--use-glm-rope": bool(ns.use_glm_rope)})
+    if ns.rope_scaling_type == "yarn":  # the yarn numbers only mean something with yarn
         given.update({"--rope-scaling-factor": ns.rope_scaling_factor, "--beta-fast": ns.beta_fast,
                       "--beta-slow": ns.beta_slow, "--rope-scaling-mscale": ns.rope_scaling_mscale,
                       "--rope-scaling-mscale-all-dim": ns.rope_scaling_mscale_all_dim,

@@ -4,6 +4,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ascendfactory.job_file import load_job, parse_job
@@ -297,3 +298,114 @@ def test_prompt_types_encode_as_mindspeed_llm():
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert prompt_template("qwen3", tok, None).render(conv) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n")
+
+
+LLAMA3_FLAGS = ["--rope-scaling-type", "llama3", "--rope-scaling-factor", "8.0", "--low-freq-factor", "1.0",
+                "--high-freq-factor", "4.0", "--original-max-position-embeddings", "8192"]  # Llama 3.1's scripts
+
+
+def _hf_dir(tmp_path, config) -> str:
+    """A model directory with only config.json: enough for build_decoder (the meta model, no weights)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(str(tmp_path / "config.json"))
+    return str(tmp_path)
+
+
+def _tiny_llama(**rope):
+    import transformers
+
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, num_hidden_layers=2, vocab_size=256, max_position_embeddings=16384,
+                                    rope_parameters={"rope_theta": 10000.0, **rope})
+
+
+def test_llama3_rope_flags_are_the_models_rope_as_transformers_computes_it(tmp_path):
+    """Llama 3.1's rope flags on a model whose config.json has the same llama3 scaling: the engine's rotary
+    tables equal transformers' LlamaRotaryEmbedding for a config built from the flags' values (each flag
+    mapped to its rope_parameters key); a flag the model contradicts, one left out, or a model without the
+    scaling is refused by name (MindSpeed-LLM would build the flags' rope onto the checkpoint)."""
+    from transformers.models.llama import modeling_llama
+
+    from backends.llm.recipe import build_decoder
+
+    values = dict(zip(LLAMA3_FLAGS[0::2], LLAMA3_FLAGS[1::2]))
+    said = _tiny_llama(rope_type="llama3", factor=float(values["--rope-scaling-factor"]),
+                       low_freq_factor=float(values["--low-freq-factor"]),
+                       high_freq_factor=float(values["--high-freq-factor"]),
+                       original_max_position_embeddings=float(values["--original-max-position-embeddings"]))
+    model_dir = _hf_dir(tmp_path / "llama31", _tiny_llama(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                          high_freq_factor=4.0, original_max_position_embeddings=8192))
+    decoder = build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"load_hf": model_dir}))
+    pos = torch.tensor([[0, 1, 7, 100, 2047, 8191, 16000]])
+    cos, sin = decoder.model.rotary(pos, torch.float32)
+    want_cos, want_sin = modeling_llama.LlamaRotaryEmbedding(said)(torch.zeros(1), pos)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-6)
+    # the tiny head still has all three bands: kept (short wavelengths), divided by the factor, blended
+    plain = modeling_llama.LlamaRotaryEmbedding(_tiny_llama(rope_type="default")).inv_freq
+    ratio = (modeling_llama.LlamaRotaryEmbedding(said).inv_freq / plain).tolist()
+    assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(1 / 8) and any(1 / 8 < r < 1 for r in ratio)
+
+    for flag, other in (("--rope-scaling-factor", "16.0"), ("--low-freq-factor", "2.0"), ("--high-freq-factor", "2.0"),
+                        ("--original-max-position-embeddings", "4096.0")):
+        argv = list(LLAMA3_FLAGS)
+        argv[argv.index(flag) + 1] = other
+        with pytest.raises(ConfigError, match=f"is not the model these flags describe: {flag} {other} "):
+            build_decoder(parse_args(BASE + argv, engine={"load_hf": model_dir}))
+    plain_dir = _hf_dir(tmp_path / "plain", _tiny_llama(rope_type="default"))
+    with pytest.raises(ConfigError, match="--rope-scaling-type llama3 \\(the model has rope_scaling.rope_type=None"):
+        build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"load_hf": plain_dir}))
+    with pytest.raises(ConfigError, match="--rope-scaling-type llama3: give --high-freq-factor, "
+                                          "--original-max-position-embeddings too"):
+        parse_args(BASE + LLAMA3_FLAGS[:6], engine={"load_hf": model_dir})
+    with pytest.raises(ConfigError, match="--rope-scaling-type longrope: this rotary scaling is not built"):
+        parse_args(BASE + ["--rope-scaling-type", "longrope"], engine={"load_hf": model_dir})
+    # the model cards are held to the same flags: Llama 3.1's match, Llama 3.2's factor is 32
+    build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"model_id": "llama3.1-8b"}))
+    with pytest.raises(ConfigError, match="--rope-scaling-factor 8.0 \\(the model has rope_scaling.factor=32.0"):
+        build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"model_id": "llama3.2-1b"}))
+
+
+def test_glm_rope_flags_are_glms_interleaved_half_rotary(tmp_path):
+    """GLM-4's --use-glm-rope --rotary-percent 0.5: the first half of each head rotated by adjacent pairs, which is
+    MindSpeed-LLM's _process_partial_rope and transformers' Glm apply_rotary_pos_emb; the engine's GLM attention
+    rotates q as transformers does for a GlmConfig with partial_rotary_factor = --rotary-percent. Megatron's
+    partial rope without --use-glm-rope (halves, not pairs) and other fractions are refused for this model."""
+    import transformers
+    from transformers.models.glm import modeling_glm
+
+    from backends.llm.recipe import build_decoder
+
+    def glm(partial):
+        return transformers.GlmConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                      head_dim=32, num_hidden_layers=1, vocab_size=256, attention_bias=True,
+                                      partial_rotary_factor=partial)
+
+    flags = ["--use-glm-rope", "--rotary-percent", "0.5"]
+    model_dir = _hf_dir(tmp_path / "glm", glm(0.5))
+    decoder = build_decoder(parse_args(BASE + flags, engine={"load_hf": model_dir}))
+    attn = decoder.model.layers[0].self_attn
+    torch.manual_seed(0)
+    q, pos = torch.randn(1, 5, 2, 32), torch.arange(5)[None]
+    cos, sin = decoder.model.rotary(pos, torch.float32)
+    got = kernels_apply_rotary(q, cos, sin, attn)
+    said = glm(float(flags[2]))
+    want_cos, want_sin = modeling_glm.GlmRotaryEmbedding(said)(q, pos)
+    want, _ = modeling_glm.apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), want_cos, want_sin)
+    torch.testing.assert_close(got, want.transpose(1, 2))
+    assert not torch.equal(got[..., :16], q[..., :16]) and torch.equal(got[..., 16:], q[..., 16:])
+    for argv, wrong in ((["--rotary-percent", "0.5"], "--use-glm-rope False"),
+                        (["--use-glm-rope"], "--rotary-percent 1.0"),
+                        (["--use-glm-rope", "--rotary-percent", "0.25"], "--rotary-percent 0.25")):
+        with pytest.raises(ConfigError, match=f"flags describe: .*{wrong} \\(the model has"):
+            build_decoder(parse_args(BASE + argv, engine={"load_hf": model_dir}))
+    with pytest.raises(ConfigError, match="--use-glm-rope True \\(the model has rotary_interleaved=False"):
+        build_decoder(parse_args(BASE + flags[:1] + ["--rotary-percent", "1.0"],
+                                 engine={"load_hf": _hf_dir(tmp_path / "llama", _tiny_llama(rope_type="default"))}))
+    build_decoder(parse_args(BASE + flags, engine={"model_id": "glm-4-9b-chat"}))
+
+
+def kernels_apply_rotary(q, cos, sin, attn):
+    from backends import kernels
+
+    return kernels.apply_rotary(q, cos, sin, interleaved=attn.interleaved, rotary_dim=attn.rotary_dim)

@@ -190,3 +190,30 @@ def test_published_runner_scripts_are_bash_valid():
     for script in FIXTURES.glob("*.sh"):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
     assert shutil.which("torchrun") and sys.executable
+
+
+UPSTREAM_ARGS = ROOT / "tests" / "fixtures" / "upstream" / "mindspeed-llm" / "published_args"
+# script → the card of the checkpoint it loads (a Megatron checkpoint upstream; here its config.json, no weights)
+CHECKPOINT_CARDS = {"tune_llama31_8b_4k_full_ptd": "llama3.1-8b", "tune_glm4_9b_32k_full_ptd": "glm-4-9b-chat"}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINT_CARDS))
+def test_llama31_and_glm4_scripts_rope_flags_describe_their_models(name, tmp_path, capsys, monkeypatch):
+    """Llama 3.1's llama3 rope scaling flags and GLM-4's --use-glm-rope --rotary-percent 0.5 parse, and hold for
+    the model each script is for (config.json as transformers writes it for the card); the fusion switches among
+    them (--no-rope-fusion, --no-gradient-accumulation-fusion ...) are one notice line each."""
+    from backends.llm.recipe import build_decoder
+    from backends.models.decoder import card_config
+
+    argv = [line for line in (UPSTREAM_ARGS / f"{name}.args").read_text().splitlines() if not line.startswith("#")]
+    assert {a for a in argv if a.startswith("--")} <= set(supported_flags())
+    (tmp_path / "config.json").write_text(json.dumps(card_config(CHECKPOINT_CARDS[name]).to_hf()))
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = parse_args(argv, engine={"load_hf": str(tmp_path)})
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert "--no-gradient-accumulation-fusion" in noticed and len(noticed) == len(set(noticed))
+    rope = {"tune_llama31_8b_4k_full_ptd": {"--rope-scaling-type", "--low-freq-factor", "--high-freq-factor",
+                                            "--original-max-position-embeddings", "--rope-scaling-factor"},
+            "tune_glm4_9b_32k_full_ptd": {"--use-glm-rope", "--rotary-percent"}}[name]
+    assert rope <= set(cfg.checks) and (name != "tune_glm4_9b_32k_full_ptd" or "--no-rope-fusion" in noticed)
+    build_decoder(cfg)   # refuses a model these flags do not describe (test_engine_config's rope tests)
