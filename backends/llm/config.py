@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,6 +267,7 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     a("--moe-router-group-topk", type=int)
     a("--moe-layer-freq")  # an integer: the model's config.json / card places its MoE layers
     a("--moe-router-load-balancing-type", default="aux_loss")
+    a("--moe-router-pre-softmax", action="store_true")
     a("--seq-aux", action="store_true")
     a("--rope-scaling-type", choices=["llama3", "yarn", "longrope", "plm"])
     a("--rope-scaling-factor", type=float, default=8.0)
@@ -411,12 +414,19 @@ def refusals(ns: argparse.Namespace) -> list[str]:
                    f"built; use --split 100,0,0 (then --eval-iters has nothing to evaluate)")
     if ns.dataloader_type == "external":
         out.append("--dataloader-type external: not built; use single or cyclic (the engine's loader cycles epochs)")
-    if ns.moe_router_load_balancing_type not in ("aux_loss", "none"):
-        out.append(f"--moe-router-load-balancing-type {ns.moe_router_load_balancing_type}: this build computes "
-                   f"Megatron's aux_loss only; use aux_loss (or none with --moe-aux-loss-coeff 0)")
-    if ns.seq_aux:
-        out.append("--seq-aux: the sequence-level auxiliary loss is not built; drop it (the batch-level aux_loss "
-                   "applies)")
+    balance = ns.moe_router_load_balancing_type
+    if balance not in BALANCING:
+        out.append(f"--moe-router-load-balancing-type {balance}: this routing / balancing loss is not built; use "
+                   f"{', '.join(BALANCING)} (none with --moe-aux-loss-coeff 0)")
+    if ns.seq_aux and balance == "none" and ns.moe_aux_loss_coeff:
+        out.append("--seq-aux: MindSpeed-LLM's sequence-wise auxiliary loss (routing type none) is not built; drop "
+                   "it, or use --moe-router-load-balancing-type aux_loss")
+    groups, group_topk, topk = ns.moe_router_num_groups or 1, ns.moe_router_group_topk, ns.moe_router_topk
+    if balance != "pai_megatron_aux_loss" and group_topk and group_topk < groups and topk and topk // group_topk != 1:
+        out.append(f"--moe-router-group-topk {group_topk}: Megatron ranks the expert groups by the sum of their "
+                   f"top-{topk // group_topk} scores, the native routing by their best expert (DeepSeek-V2's "
+                   f"group_limited_greedy), the same only when --moe-router-topk / --moe-router-group-topk is 1; "
+                   f"set --moe-router-group-topk {topk}, or leave the group flags out")
     if ns.rope_scaling_type in ("longrope", "plm"):
         out.append(f"--rope-scaling-type {ns.rope_scaling_type}: this rotary scaling is not built (llama3 and yarn "
                    f"are); use a model whose rope is one of those")
@@ -445,6 +455,32 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     return out
 
 
+# the --moe-router-load-balancing-type values built: Megatron's aux_loss (its top-k routing and switch
+# load-balancing loss), none (the routing, no loss) and MindSpeed-LLM's pai_megatron_aux_loss (the same loss,
+# routed by the top-k softmax probabilities as they are: no groups, no renormalisation, no scaling)
+BALANCING = ("aux_loss", "pai_megatron_aux_loss", "none")
+_PAI = "--moe-router-load-balancing-type pai_megatron_aux_loss:"
+# routing flags MindSpeed-LLM's pai routing does not read (nor --seq-aux outside routing type none)
+_PAI_IGNORES = ("--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
+                "--norm-topk-prob", "--moe-router-pre-softmax")
+
+
+def routing_notices(ns: argparse.Namespace) -> list[str]:
+    """One line per routing flag that this --moe-router-load-balancing-type leaves without effect upstream."""
+    balance, out = ns.moe_router_load_balancing_type, []
+    if balance == "pai_megatron_aux_loss":
+        given = {"--moe-router-num-groups": ns.moe_router_num_groups, "--moe-router-group-topk": ns.moe_router_group_topk,
+                 "--moe-router-topk-scaling-factor": ns.moe_router_topk_scaling_factor,
+                 "--norm-topk-prob": ns.norm_topk_prob or None, "--moe-router-pre-softmax": ns.moe_router_pre_softmax or None}
+        out += [f"notice: {flag} has no effect with --moe-router-load-balancing-type pai_megatron_aux_loss "
+                f"(MindSpeed-LLM's pai routing does not read it)" for flag in _PAI_IGNORES if given[flag] is not None]
+    if ns.seq_aux and (balance != "none" or not ns.moe_aux_loss_coeff):
+        out.append(f"notice: --seq-aux has no effect with --moe-router-load-balancing-type {balance} and "
+                   f"--moe-aux-loss-coeff {ns.moe_aux_loss_coeff} (MindSpeed-LLM applies it to routing type none "
+                   f"with a coefficient only)")
+    return out
+
+
 def model_facts(ns: argparse.Namespace, random_init: bool) -> dict[str, tuple[str, Any]]:
     """{flag: (the model attribute it states, value)} for the architecture flags that were given."""
     given = {"--norm-epsilon": ns.norm_epsilon, "--moe-router-topk-scaling-factor": ns.moe_router_topk_scaling_factor,
@@ -469,7 +505,18 @@ def model_facts(ns: argparse.Namespace, random_init: bool) -> dict[str, tuple[st
                       "--rope-scaling-mscale-all-dim": ns.rope_scaling_mscale_all_dim,
                       "--rope-scaling-original-max-position-embeddings":
                           ns.rope_scaling_original_max_position_embeddings})
-    out = {flag: (MODEL_FACTS[flag], value) for flag, value in given.items() if value is not None}
+    pai = ns.moe_router_load_balancing_type == "pai_megatron_aux_loss"
+    out = {flag: (MODEL_FACTS[flag], value) for flag, value in given.items()
+           if value is not None and not (pai and flag in _PAI_IGNORES)}
+    if ns.moe_router_pre_softmax and not pai:
+        # Megatron's top-k of the softmax probabilities, unnormalised; MindSpeed-LLM's aux_loss routing renormalises
+        # them with --norm-topk-prob. Without the flag: softmax over the top-k logits, i.e. renormalised.
+        out["--moe-router-pre-softmax: top-k renormalised"] = (
+            "moe.norm_topk_prob", bool(ns.norm_topk_prob) and ns.moe_router_load_balancing_type == "aux_loss")
+    if pai:
+        out.update({f"{_PAI} scores": ("moe.scoring_func", "softmax"), f"{_PAI} expert groups": ("moe.topk_method", "greedy"),
+                    f"{_PAI} top-k renormalised": ("moe.norm_topk_prob", False),
+                    f"{_PAI} top-k scaled by": ("moe.routed_scaling_factor", 1.0)})
     if ns.rope_scaling_type:
         out["--rope-scaling-type"] = ("rope_scaling.rope_type", ns.rope_scaling_type)
     return out
@@ -506,6 +553,9 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
     refused = refusals(ns)
     if refused:
         raise ConfigError("this build of backends.llm does not implement: " + "; ".join(refused))
+    if os.environ.get("RANK", "0") == "0":
+        for line in routing_notices(ns):
+            print(f"python -m backends.llm: {line}", file=sys.stderr)
     side = read_engine_file(engine)
     if ns.enable_hf2mg_convert:  # MindSpeed-LLM converts the HF weights at load time: our native HF load
         if side.load_hf and side.load_hf != ns.load:

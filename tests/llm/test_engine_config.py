@@ -167,7 +167,10 @@ REFUSALS = {
     "--hidden-dropout": ["--hidden-dropout", "0.1"], "--attention-dropout": ["--attention-dropout", "0.1"],
     "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0"],
     "--dataloader-type": ["--dataloader-type", "external"],
-    "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"], "--seq-aux": ["--seq-aux"],
+    "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"],
+    "--seq-aux": ["--seq-aux", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"],
+    "--moe-router-group-topk": ["--moe-router-topk", "6", "--moe-router-num-groups", "8", "--moe-router-group-topk", "3"],
+    "--rope-scaling-type": ["--rope-scaling-type", "plm"],
     "--model-type-hf": ["--model-type-hf", "bloom"], "--enable-hf2mg-convert": ["--enable-hf2mg-convert"],
     "--lr-warmup-fraction": ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
     "--initial-loss-scale": ["--initial-loss-scale", "65536", "--fp16"],
@@ -409,3 +412,81 @@ def kernels_apply_rotary(q, cos, sin, attn):
     from backends import kernels
 
     return kernels.apply_rotary(q, cos, sin, interleaved=attn.interleaved, rotary_dim=attn.rotary_dim)
+
+
+def _moe_dir(tmp_path, family, **changes):
+    """config.json of a tiny MoE model of `family` (tests/helpers/tiny_hf's shapes), no weights."""
+    import transformers
+
+    from tests.helpers.tiny_hf import _COMMON, TINY
+
+    cls, _, extra = TINY[family]
+    return _hf_dir(tmp_path / f"{family}-{len(changes)}", getattr(transformers, cls)(**{**_COMMON, **extra, **changes}))
+
+
+def _megatron_route(logits, topk, pre_softmax, num_groups=None, group_topk=None):
+    """Megatron core_v0.12.1's topk_softmax_with_capacity (softmax scores, no capacity) as a dense [T, E] gate:
+    group-limited routing keeps the group_topk groups with the best sum of their top-(topk // group_topk) scores."""
+    def topk_of(scores):
+        if not group_topk:
+            return torch.topk(scores, k=topk, dim=1)
+        t, e = scores.shape
+        group_scores = scores.view(t, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(group_scores).scatter(1, torch.topk(group_scores, k=group_topk, dim=-1)[1], 1)
+        keep = keep.unsqueeze(-1).expand(t, num_groups, e // num_groups).reshape(t, -1).bool()
+        return torch.topk(scores.masked_fill(~keep, float("-inf")), k=topk, dim=-1)
+
+    if pre_softmax:
+        probs, ids = topk_of(torch.softmax(logits, dim=-1))
+    else:
+        top, ids = topk_of(logits)
+        probs = torch.softmax(top, dim=-1)
+    return torch.zeros_like(logits).scatter(1, ids, probs)
+
+
+def _engine_route(decoder_config, logits):
+    from backends.models.decoder.moe import MoE
+
+    weights, ids, _ = MoE(decoder_config).route(logits)
+    return torch.zeros_like(logits).scatter(1, ids, weights)
+
+
+def test_router_flags_are_megatrons_routing_of_the_model(tmp_path, capsys, monkeypatch):
+    """--moe-router-pre-softmax (top-k of the softmax, unnormalised), Megatron's default (softmax over the top-k
+    logits), its group-limited routing and MindSpeed-LLM's pai_megatron_aux_loss routing are each the model's
+    own routing where the flags are accepted (the gates equal Megatron's formula on the same logits), and
+    refused by name where the model routes otherwise."""
+    from backends.llm.recipe import build_decoder
+
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    v2 = _moe_dir(tmp_path, "deepseek_v2", norm_topk_prob=False)          # DeepSeek-V2-Lite: greedy, unnormalised
+    v2_groups = _moe_dir(tmp_path, "deepseek_v2", norm_topk_prob=False, topk_method="group_limited_greedy",
+                         n_group=4, topk_group=2, num_experts_per_tok=3)
+    qwen3_moe = _moe_dir(tmp_path, "qwen3_moe", num_experts=8)              # renormalised top-k
+    def route(model_dir, flags, k="2"):
+        argv = BASE + ["--moe-router-topk", k] + flags
+        return _engine_route(build_decoder(parse_args(argv, engine={"load_hf": model_dir})).config, logits)
+
+    torch.testing.assert_close(route(v2, ["--moe-router-pre-softmax"]), _megatron_route(logits, 2, True))
+    torch.testing.assert_close(route(qwen3_moe, []), _megatron_route(logits, 2, False))
+    route(qwen3_moe, ["--moe-router-pre-softmax", "--norm-topk-prob"])    # MindSpeed-LLM renormalises them
+    with pytest.raises(ConfigError, match="--moe-router-pre-softmax: top-k renormalised False \\(the model has "
+                                          "moe.norm_topk_prob=True"):
+        route(qwen3_moe, ["--moe-router-pre-softmax"])
+    groups = ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"]
+    torch.testing.assert_close(route(v2_groups, ["--moe-router-pre-softmax", *groups], k="3"),
+                               _megatron_route(logits, 3, True, 4, 2))
+    assert not torch.equal(_megatron_route(logits, 3, True, 4, 2), _megatron_route(logits, 3, True))  # groups bite
+
+    # DeepSeek-V2-Lite's published scripts: pai routing, group flags and --seq-aux that it does not read
+    pai = ["--moe-router-load-balancing-type", "pai_megatron_aux_loss", "--moe-router-num-groups", "8",
+           "--moe-router-group-topk", "1", "--seq-aux", "--moe-aux-loss-coeff", "0.01"]
+    monkeypatch.delenv("RANK", raising=False)
+    capsys.readouterr()
+    torch.testing.assert_close(route(v2, pai), _megatron_route(logits, 2, True))
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert noticed == ["--moe-router-num-groups", "--moe-router-group-topk", "--seq-aux"]
+    for model_dir, fact in ((qwen3_moe, "top-k renormalised False \\(the model has moe.norm_topk_prob=True"),
+                            (v2_groups, "expert groups greedy \\(the model has moe.topk_method='group_limited_greedy'")):
+        with pytest.raises(ConfigError, match=f"--moe-router-load-balancing-type pai_megatron_aux_loss: {fact}"):
+            route(model_dir, pai, k="3" if model_dir == v2_groups else "2")
