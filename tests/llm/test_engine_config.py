@@ -1,5 +1,6 @@
 """The MindSpeed-LLM flag dialect: what the template renders (flags + engine.yaml), the engine parses."""
 
+import json
 import shlex
 from pathlib import Path
 
@@ -490,3 +491,31 @@ def test_router_flags_are_megatrons_routing_of_the_model(tmp_path, capsys, monke
                             (v2_groups, "expert groups greedy \\(the model has moe.topk_method='group_limited_greedy'")):
         with pytest.raises(ConfigError, match=f"--moe-router-load-balancing-type pai_megatron_aux_loss: {fact}"):
             route(model_dir, pai, k="3" if model_dir == v2_groups else "2")
+
+
+def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
+    """--moe-aux-loss-coeff multiplies Megatron core_v0.12.1's switch_load_balancing_loss_func, summed over the MoE
+    layers (each router applies its own): sum(probs.sum(0) * tokens_per_expert) * E / (T * T * topk), from each
+    router's logits, as Megatron computes it."""
+    from backends.llm.recipe import CausalLMWithLoss, causal_lm_loss
+    from backends.models import decoder as models
+    from backends.models.decoder.moe import MoE
+
+    cfg = models.ModelConfig.from_hf(json.loads(Path(_moe_dir(tmp_path, "qwen3_moe", num_experts=8,
+                                                              num_experts_per_tok=3)).joinpath("config.json").read_text()))
+    torch.manual_seed(0)
+    model = CausalLMWithLoss(models.build_model(cfg))
+    logits = []
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.gate.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    loss = causal_lm_loss(model, {"input_ids": ids, "labels": ids}, aux_coeff=0.1, topk=3)
+    want = 0.0
+    for layer in logits:
+        probs = torch.softmax(layer, dim=-1)
+        tokens_per_expert = torch.zeros(8).scatter_add(0, torch.topk(layer, k=3, dim=1)[1].reshape(-1), torch.ones(24 * 3))
+        want += torch.sum(probs.sum(dim=0) * tokens_per_expert) * 8 / (24 * 24 * 3)
+    assert len(logits) == cfg.num_layers
+    torch.testing.assert_close(loss.extra, 0.1 * want)
+    torch.testing.assert_close(loss.metrics["aux_loss"], want)
