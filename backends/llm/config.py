@@ -7,7 +7,8 @@ directory, kernel choice, metrics file, HF export, epochs, LoRA dropout) comes f
 file that $AF_ENGINE_FILE names (ascendfactory renders it as engine.yaml next to the flags).
 MindSpeed-LLM's published scripts run as they are: `--enable-hf2mg-convert --load <HF dir>` is the
 native HF load (no engine.yaml needed), architecture flags are checked against the model, switches
-with no effect on the numbers are accepted with a notice (backends.contract.megatron.NO_EFFECT), and what is not built is refused by name.
+with no effect on the numbers are accepted with a notice (backends.contract.megatron.NO_EFFECT), and
+what is not built is refused by name.
 """
 
 from __future__ import annotations
@@ -313,7 +314,8 @@ MODEL_FACTS = {"--norm-epsilon": "rms_norm_eps", "--moe-router-topk-scaling-fact
                "--beta-slow": "rope_scaling.beta_slow", "--rope-scaling-mscale": "rope_scaling.mscale",
                "--rope-scaling-mscale-all-dim": "rope_scaling.mscale_all_dim",
                "--rope-scaling-original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
-               "--low-freq-factor": "rope_scaling.low_freq_factor", "--high-freq-factor": "rope_scaling.high_freq_factor",
+               "--low-freq-factor": "rope_scaling.low_freq_factor",
+               "--high-freq-factor": "rope_scaling.high_freq_factor",
                "--original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
                "--rotary-percent": "rotary_fraction", "--use-glm-rope": "rotary_interleaved",
                "--init-method-std": "initializer_range", "--vocab-size": "vocab_size"}
@@ -469,9 +471,11 @@ def routing_notices(ns: argparse.Namespace) -> list[str]:
     """One line per routing flag that this --moe-router-load-balancing-type leaves without effect upstream."""
     balance, out = ns.moe_router_load_balancing_type, []
     if balance == "pai_megatron_aux_loss":
-        given = {"--moe-router-num-groups": ns.moe_router_num_groups, "--moe-router-group-topk": ns.moe_router_group_topk,
+        given = {"--moe-router-num-groups": ns.moe_router_num_groups,
+                 "--moe-router-group-topk": ns.moe_router_group_topk,
                  "--moe-router-topk-scaling-factor": ns.moe_router_topk_scaling_factor,
-                 "--norm-topk-prob": ns.norm_topk_prob or None, "--moe-router-pre-softmax": ns.moe_router_pre_softmax or None}
+                 "--norm-topk-prob": ns.norm_topk_prob or None,
+                 "--moe-router-pre-softmax": ns.moe_router_pre_softmax or None}
         out += [f"notice: {flag} has no effect with --moe-router-load-balancing-type pai_megatron_aux_loss "
                 f"(MindSpeed-LLM's pai routing does not read it)" for flag in _PAI_IGNORES if given[flag] is not None]
     if ns.seq_aux and (balance != "none" or not ns.moe_aux_loss_coeff):
@@ -514,7 +518,8 @@ def model_facts(ns: argparse.Namespace, random_init: bool) -> dict[str, tuple[st
         out["--moe-router-pre-softmax: top-k renormalised"] = (
             "moe.norm_topk_prob", bool(ns.norm_topk_prob) and ns.moe_router_load_balancing_type == "aux_loss")
     if pai:
-        out.update({f"{_PAI} scores": ("moe.scoring_func", "softmax"), f"{_PAI} expert groups": ("moe.topk_method", "greedy"),
+        out.update({f"{_PAI} scores": ("moe.scoring_func", "softmax"),
+                    f"{_PAI} expert groups": ("moe.topk_method", "greedy"),
                     f"{_PAI} top-k renormalised": ("moe.norm_topk_prob", False),
                     f"{_PAI} top-k scaled by": ("moe.routed_scaling_factor", 1.0)})
     if ns.rope_scaling_type:

@@ -170,7 +170,8 @@ REFUSALS = {
     "--dataloader-type": ["--dataloader-type", "external"],
     "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"],
     "--seq-aux": ["--seq-aux", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"],
-    "--moe-router-group-topk": ["--moe-router-topk", "6", "--moe-router-num-groups", "8", "--moe-router-group-topk", "3"],
+    "--moe-router-group-topk": ["--moe-router-topk", "6", "--moe-router-num-groups", "8",
+                                "--moe-router-group-topk", "3"],
     "--rope-scaling-type": ["--rope-scaling-type", "plm"],
     "--model-type-hf": ["--model-type-hf", "bloom"], "--enable-hf2mg-convert": ["--enable-hf2mg-convert"],
     "--lr-warmup-fraction": ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
@@ -381,9 +382,9 @@ def test_glm_rope_flags_are_glms_interleaved_half_rotary(tmp_path):
     from backends.llm.recipe import build_decoder
 
     def glm(partial):
-        return transformers.GlmConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-                                      head_dim=32, num_hidden_layers=1, vocab_size=256, attention_bias=True,
-                                      partial_rotary_factor=partial)
+        return transformers.GlmConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32, num_hidden_layers=1, vocab_size=256,
+                                      attention_bias=True, partial_rotary_factor=partial)
 
     flags = ["--use-glm-rope", "--rotary-percent", "0.5"]
     model_dir = _hf_dir(tmp_path / "glm", glm(0.5))
@@ -488,7 +489,8 @@ def test_router_flags_are_megatrons_routing_of_the_model(tmp_path, capsys, monke
     noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
     assert noticed == ["--moe-router-num-groups", "--moe-router-group-topk", "--seq-aux"]
     for model_dir, fact in ((qwen3_moe, "top-k renormalised False \\(the model has moe.norm_topk_prob=True"),
-                            (v2_groups, "expert groups greedy \\(the model has moe.topk_method='group_limited_greedy'")):
+                            (v2_groups, "expert groups greedy \\(the model has "
+                                        "moe.topk_method='group_limited_greedy'")):
         with pytest.raises(ConfigError, match=f"--moe-router-load-balancing-type pai_megatron_aux_loss: {fact}"):
             route(model_dir, pai, k="3" if model_dir == v2_groups else "2")
 
@@ -501,8 +503,8 @@ def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
     from backends.models import decoder as models
     from backends.models.decoder.moe import MoE
 
-    cfg = models.ModelConfig.from_hf(json.loads(Path(_moe_dir(tmp_path, "qwen3_moe", num_experts=8,
-                                                              num_experts_per_tok=3)).joinpath("config.json").read_text()))
+    model_dir = Path(_moe_dir(tmp_path, "qwen3_moe", num_experts=8, num_experts_per_tok=3))
+    cfg = models.ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     torch.manual_seed(0)
     model = CausalLMWithLoss(models.build_model(cfg))
     logits = []
@@ -514,7 +516,8 @@ def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
     want = 0.0
     for layer in logits:
         probs = torch.softmax(layer, dim=-1)
-        tokens_per_expert = torch.zeros(8).scatter_add(0, torch.topk(layer, k=3, dim=1)[1].reshape(-1), torch.ones(24 * 3))
+        chosen = torch.topk(layer, k=3, dim=1)[1].reshape(-1)
+        tokens_per_expert = torch.zeros(8).scatter_add(0, chosen, torch.ones(24 * 3))
         want += torch.sum(probs.sum(dim=0) * tokens_per_expert) * 8 / (24 * 24 * 3)
     assert len(logits) == cfg.num_layers
     torch.testing.assert_close(loss.extra, 0.1 * want)

@@ -6,7 +6,6 @@ what it does not build."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shlex
@@ -212,8 +211,8 @@ def test_published_finetune_script_parses_with_one_notice_per_no_effect_flag(ups
                         ("MM_TOOL", tmp_path / "absent" / "tools.json"), ("LOAD_PATH", tmp_path / "ckpt"),
                         ("SAVE_PATH", tmp_path / "save")):
         body = body.replace(body[body.index(f"{name}="):body.index("\n", body.index(f"{name}="))], f'{name}="{value}"')
-    args = subprocess.run(["bash", "-c", body + 'printf "%s\\n" $GPT_ARGS $MM_ARGS $OUTPUT_ARGS --distributed-backend nccl'],
-                          capture_output=True, text=True, check=True).stdout.split()
+    printf = 'printf "%s\\n" $GPT_ARGS $MM_ARGS $OUTPUT_ARGS --distributed-backend nccl'
+    args = subprocess.run(["bash", "-c", body + printf], capture_output=True, text=True, check=True).stdout.split()
     assert "--mm-tool" in args and "--no-gradient-accumulation-fusion" not in args
     monkeypatch.delenv("RANK", raising=False)
     cfg = parse_args(args + ["--no-gradient-accumulation-fusion"], engine={"model_id": "qwen2.5-vl-7b"})
@@ -229,3 +228,27 @@ def test_published_finetune_script_parses_with_one_notice_per_no_effect_flag(ups
     (tmp_path / "ckpt" / "step_2" / MARKER).write_text("{}")
     with pytest.raises(ConfigError, match="^--no-load-optim --no-load-rng with --load"):
         recipe._resume()
+
+
+def test_optimizer_flags_reach_adamw(tmp_path, monkeypatch):
+    """The rendered tiny sft job with its optimizer flags left out and --adam-eps given: backends.mm builds
+    Megatron's AdamW defaults (betas 0.9 / 0.999, weight decay 0.01, clip 1.0) and --adam-eps as its eps."""
+    from backends.common.distributed import init_runtime
+    from backends.mm.config import parse_args
+    from backends.mm.recipe import MMRecipe
+    from tests.mm.test_mm_runs import sft_job
+
+    monkeypatch.chdir(ROOT)
+    r = render(make_plan(parse_job(yaml.safe_dump(sft_job(tmp_path / "run"))), check_memory=False), tmp_path)
+    for name, text in r.files.items():
+        (tmp_path / name).write_text(text)
+    args = shlex.split(r.files["mindspeed_mm_args.sh"], comments=True)
+    for flag in ("--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2"):
+        at = args.index(flag)
+        del args[at:at + 2]
+    recipe = MMRecipe(parse_args(args + ["--adam-eps", "1e-6"], engine=yaml.safe_load(r.files[SIDECAR_NAME])))
+    recipe.build(init_runtime("cpu"))
+    part = recipe.parts["model"]
+    groups = part.optimizer.param_groups
+    assert {g["eps"] for g in groups} == {1e-6} and {g["betas"] for g in groups} == {(0.9, 0.999)}
+    assert max(g["weight_decay"] for g in groups) == 0.01 and part.grad_clip == 1.0
