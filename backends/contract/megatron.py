@@ -149,6 +149,8 @@ NO_EFFECT: dict[str, NoEffect] = {
     # backends.llm gives these their MindSpeed meaning (the fused kernels instead of plain PyTorch)
     **{name: NoEffect("backends.mm takes its kernels from engine.yaml's kernels.* and --use-flash-attn", ("mm",))
        for name in ("--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb")},
+    "--swiglu": NoEffect("model.json's gated_linear_unit / activation_func set MindSpeed-MM's MLP (held against "
+                         "the model)", ("mm",)),
     "--variable-seq-lengths": NoEffect("backends.mm always packs a micro-batch's samples unpadded into one row",
                                        ("mm",)),
 }
