@@ -44,8 +44,24 @@ def test_flag_table_is_megatrons_declaration(tsv):
         assert {"int": int, "float": float, "str": None, "": None}[d["type"]] is flag.type, name
         assert _literal(d["default"]) == flag.default, name
         assert _literal(d["choices"]) == (list(flag.choices) if flag.choices else None), name
-    for name in megatron.NO_EFFECT:
-        assert "megatron-core" in _declared(tsv, name, "megatron-core")["source"]
+
+
+# MindSpeed-MM's own flags (its arguments.py is not in the TSV): --mm-tool names its profiler settings file
+MINDSPEED_MM_OWN = {"--mm-tool", "--log-tps"}
+
+
+def test_no_effect_flags_are_upstream_switches_that_change_no_number(tsv):
+    assert {name for name in megatron.NO_EFFECT if name not in tsv} == MINDSPEED_MM_OWN
+    for name, entry in megatron.NO_EFFECT.items():
+        assert entry.why and set(entry.dialects) <= {"llm", "mm"}, name
+        for d in tsv.get(name, []):  # every upstream declaration: a switch, as the engines parse it
+            assert d["action"].strip("'\"") in ("store_true", "store_false") and not entry.takes_value, name
+    assert megatron.NO_EFFECT["--mm-tool"].takes_value and megatron.NO_EFFECT["--mm-tool"].dialects == ("mm",)
+    # flags with a meaning never land here: the engines' own flags, the shared flag table, the NaN-free numbers
+    from backends.llm import config as llm
+
+    llm_actions = {a.option_strings[0] for a in llm._parser()._actions if a.option_strings and a.nargs != 0}
+    assert not set(megatron.NO_EFFECT) & (set(megatron.FLAGS) | llm_actions | set(llm.MODEL_FACTS))
 
 
 def test_engines_narrow_upstream_choices_only(tsv):
@@ -83,10 +99,35 @@ def test_engine_parsers_take_the_shared_flags_as_declared():
             built = megatron_args.BUILT.get(name, {})
             action = actions[name]
             assert action.type is flag.type and action.required is built.get("required", False), name
-            if name not in getattr(engine, "DEFAULTS", {}):
-                assert action.default == built.get("default", False if flag.switch else flag.default), name
-        for name in megatron.NO_EFFECT:
-            assert actions[name].nargs == 0
+            assert action.default == built.get("default", False if flag.switch else flag.default), name
+        dialect = engine.__name__.split(".")[1]
+        assert megatron.no_effect(dialect)
+        for name, entry in megatron.no_effect(dialect).items():
+            assert actions[name].nargs == (None if entry.takes_value else 0), name
+    llm_flags, mm_flags = set(llm.supported_flags()), set(mm.supported_flags())
+    assert "--mm-tool" in mm_flags and "--mm-tool" not in llm_flags            # MindSpeed-MM's own
+    assert "--moe-alltoall-overlap-comm" in llm_flags - mm_flags
+
+
+def test_no_effect_flags_print_one_notice_line_each(capsys, monkeypatch):
+    from backends.llm.config import parse_args
+
+    base = ["--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
+    given = ["--no-rope-fusion", "--no-check-for-nan-in-loss-and-grad", "--use-cp-send-recv-overlap",
+             "--no-rope-fusion", "--use-fused-ring-attention-update", "--no-gradient-accumulation-fusion"]
+    monkeypatch.delenv("RANK", raising=False)
+    parse_args(base + given, engine={"model_id": "qwen3-0.6b"})
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": notice: ")[1].split()[0] for line in lines] == list(dict.fromkeys(given))
+    assert all(line.startswith("python -m backends.llm: notice: ") and "no effect" in line for line in lines)
+    assert "fusion" in lines[0] and "NaN" in lines[1]
+    monkeypatch.setenv("RANK", "1")   # the other ranks stay quiet
+    parse_args(base + given, engine={"model_id": "qwen3-0.6b"})
+    assert capsys.readouterr().err == ""
+    assert megatron_args.notices(["--mm-tool", "tools.json", "--log-tps"], "mm") == [
+        f"notice: --mm-tool has no effect on this engine ({megatron.NO_EFFECT['--mm-tool'].why})",
+        f"notice: --log-tps has no effect on this engine ({megatron.NO_EFFECT['--log-tps'].why})"]
+    assert megatron_args.notices(["--mm-tool", "t.json", "--lr", "1"], "llm") == []
 
 
 def test_contract_imports_only_the_standard_library():
@@ -98,3 +139,33 @@ def test_contract_imports_only_the_standard_library():
             "for e in ('llm', 'mm', 'lf', 'rl', 'models')]]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# where an engine's default is not upstream's, and why the difference cannot change a run: each needs a reason
+NOT_UPSTREAM_DEFAULT = {
+    "--micro-batch-size": "Megatron has no default (None fails its checks); 1 is what scripts that leave it out meant",
+    "--normalization": "LayerNorm is not built: the native decoders' norm is RMSNorm, the model's own",
+    "--position-embedding-type": "learned absolute positions are not built: the native decoders are rope models",
+    "--moe-token-dispatcher-type": "the dispatcher moves tokens, the experts compute the same (allgather is "
+                                   "refused with expert parallel, where alltoall runs)",
+    "--cp-attention-mask-type": "MindSpeed-LLM's None reads as causal",
+    "--handler-name": "MindSpeed-LLM's '' is its GeneralPretrainHandler",
+}
+
+
+def test_omitted_flags_read_as_upstream_defaults(tsv):
+    """Every flag both engines parse that upstream declares with one default takes that default when left out
+    (the architecture flags the model supplies default to None: the model's own value)."""
+    from backends.llm import config as llm
+    from backends.mm import config as mm
+
+    for engine in (llm, mm):
+        for action in engine._parser()._actions:
+            name = next((o for o in action.option_strings if o in tsv), None)
+            if name is None or action.nargs == 0 or action.default is None or name in NOT_UPSTREAM_DEFAULT:
+                continue
+            upstream = {repr(_literal(d["default"])) for d in tsv[name]}
+            assert repr(action.default) in upstream, (engine.__name__, name, action.default, upstream)
+    for name, value in (("--weight-decay", 0.01), ("--clip-grad", 1.0), ("--adam-beta2", 0.999),
+                        ("--lr-decay-style", "linear"), ("--log-interval", 100), ("--adam-eps", 1e-8)):
+        assert _literal(_declared(tsv, name, "megatron-core")["default"]) == value   # the issue's list, as read

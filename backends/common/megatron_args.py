@@ -4,17 +4,19 @@ backends.mm: MindSpeed-MM's), argparse only (no torch).
 The flags themselves (names, upstream types, defaults and choices, the no-effect switches) are facts
 of backends.contract.megatron; this module turns them into argparse arguments, narrowed the same way
 for both engines (BUILT), and refuses an unknown flag by name with the closest known one. Each
-engine adds its own flags next to these and keeps its own defaults where they are not upstream's.
+engine adds its own flags next to these.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from backends.contract.megatron import FLAGS, NO_EFFECT
+from backends.contract.megatron import FLAGS, no_effect
 
 
 class Parser(argparse.ArgumentParser):
@@ -40,9 +42,9 @@ BUILT: dict[str, dict[str, Any]] = {
 }
 
 
-def add(parser: argparse.ArgumentParser, flags: Iterable[str], defaults: Mapping[str, Any] | None = None) -> None:
+def add(parser: argparse.ArgumentParser, flags: Iterable[str]) -> None:
     """Add these flags of backends.contract.megatron (a group such as PARALLEL, or names), in order: upstream's
-    type, default and choices, narrowed by BUILT; `defaults` are the engine's own where it differs."""
+    type, default and choices (an omitted flag reads as upstream's default), narrowed by BUILT."""
     for name in flags:
         flag = FLAGS[name]
         if flag.switch:
@@ -52,15 +54,26 @@ def add(parser: argparse.ArgumentParser, flags: Iterable[str], defaults: Mapping
                       "choices": list(flag.choices) if flag.choices else None}
             kwargs = {key: value for key, value in kwargs.items() if value is not None}
         kwargs.update(BUILT.get(name, {}))
-        if defaults and name in defaults:
-            kwargs["default"] = defaults[name]
         parser.add_argument(name, **kwargs)
 
 
-def add_no_effect(parser: argparse.ArgumentParser, own: Iterable[str] = ()) -> None:
-    """The switches that cannot change the numbers: the ones both engines share, then the engine's own."""
-    for name in (*NO_EFFECT, *own):
-        parser.add_argument(name, action="store_true")
+def add_no_effect(parser: argparse.ArgumentParser, dialect: str) -> None:
+    """The flags of backends.contract.megatron.NO_EFFECT this engine ("llm" / "mm") accepts and ignores."""
+    for name, entry in no_effect(dialect).items():
+        if entry.takes_value:
+            parser.add_argument(name)
+        else:
+            parser.add_argument(name, action="store_true")
+
+
+def notices(argv: list[str], dialect: str) -> list[str]:
+    """One line per no-effect flag given in argv (once, however often it is given), in argv's order."""
+    table, seen = no_effect(dialect), []
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name in table and name not in seen:
+            seen.append(name)
+    return [f"notice: {name} has no effect on this engine ({table[name].why})" for name in seen]
 
 
 def supported_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -85,8 +98,13 @@ def check_unknown(parser: Parser, unknown: list[str], dialect: str, hints: Mappi
                             + " ".join(known))
 
 
-def parse(parser: Parser, argv: list[str], dialect: str, hints: Mapping[str, str] | None = None) -> argparse.Namespace:
-    """The flags of argv; any flag the parser does not know is refused (check_unknown)."""
+def parse(parser: Parser, argv: list[str], dialect: str, hints: Mapping[str, str] | None = None,
+          engine: str | None = None) -> argparse.Namespace:
+    """The flags of argv; any flag the parser does not know is refused (check_unknown). The no-effect flags
+    given are named on stderr, one line each, by rank 0 only (`engine`: "llm" / "mm"; None: no lines)."""
     ns, unknown = parser.parse_known_args(argv)
     check_unknown(parser, unknown, dialect, hints)
+    if engine and os.environ.get("RANK", "0") == "0":
+        for line in notices(argv, engine):
+            print(f"{parser.prog}: {line}", file=sys.stderr)
     return ns

@@ -72,6 +72,7 @@ OPTIMIZER = {
     "--clip-grad": Flag(float, 1.0),
     "--adam-beta1": Flag(float, 0.9),
     "--adam-beta2": Flag(float, 0.999),
+    "--adam-eps": Flag(float, 1e-8),
 }
 PRECISION = {"--bf16": _SWITCH, "--fp16": _SWITCH}
 RUN = {
@@ -88,7 +89,73 @@ RUN = {
     "--distributed-backend": Flag(default="nccl", choices=("nccl", "gloo")),
 }
 FLAGS: dict[str, Flag] = {**PARALLEL, **BATCH, **SEQUENCE, **MODEL, **OPTIMIZER, **PRECISION, **RUN}
-# switches for fusions, overlap and what a save leaves out: the numbers are the same whichever way they
-# are set, so both engines accept them with no effect (each adds its own such switches to these)
-NO_EFFECT = ("--no-masked-softmax-fusion", "--overlap-grad-reduce", "--overlap-param-gather", "--no-save-optim",
-             "--no-save-rng")
+
+
+# ------------------------------------------------------------------ flags that change nothing computed
+
+@dataclass(frozen=True)
+class NoEffect:
+    """A flag the engines accept and ignore, saying so in one notice line: it only picks how a step is
+    fused, overlapped, checked, placed in memory, logged or profiled, never what it computes."""
+    why: str
+    dialects: tuple[str, ...] = ("llm", "mm")   # backends.llm (MindSpeed-LLM), backends.mm (MindSpeed-MM)
+    takes_value: bool = False                     # a file path or number (the rest are switches)
+
+
+_FUSION = "a kernel fusion switch: the engine's kernels are chosen by --use-flash-attn / --use-fused-* and engine.yaml"
+_OVERLAP = "a communication overlap / scheduling switch: the same collectives run, only their timing differs"
+_MEMORY = "a memory placement / recompute-scheduling switch: the same values are computed"
+_LOG = "a logging switch"
+_SAVE = "the engine's checkpoints always hold the whole state, which changes nothing it trains"
+
+# the one table of them. Never a flag that changes the numbers: a flag with a meaning is implemented
+# or refused by name in the engine that reads it.
+NO_EFFECT: dict[str, NoEffect] = {
+    # Megatron-LM
+    "--no-gradient-accumulation-fusion": NoEffect(_FUSION),
+    "--no-masked-softmax-fusion": NoEffect(_FUSION),
+    "--no-bias-swiglu-fusion": NoEffect(_FUSION),
+    "--no-bias-dropout-fusion": NoEffect(_FUSION),
+    "--no-rope-fusion": NoEffect(_FUSION),
+    "--no-persist-layer-norm": NoEffect(_FUSION),
+    "--attention-softmax-in-fp32": NoEffect("the engine's attention takes its softmax in fp32 always"),
+    "--overlap-grad-reduce": NoEffect(_OVERLAP),
+    "--overlap-param-gather": NoEffect(_OVERLAP),
+    "--no-check-for-nan-in-loss-and-grad": NoEffect(
+        "a NaN check that only stops a run (the engine stops on a non-finite loss either way)"),
+    "--manual-gc": NoEffect("Python garbage collection timing"),
+    "--log-throughput": NoEffect(_LOG),
+    "--no-save-optim": NoEffect(_SAVE),
+    "--no-save-rng": NoEffect(_SAVE),
+    "--use-mcore-models": NoEffect("the engine's native model stands for Megatron's mcore and legacy models alike"),
+    # MindSpeed
+    "--use-cp-send-recv-overlap": NoEffect(_OVERLAP),
+    "--use-fused-ring-attention-update": NoEffect(_FUSION),
+    "--gemm-gradient-accumulation-fusion": NoEffect(_FUSION),
+    "--moe-alltoall-overlap-comm": NoEffect(_OVERLAP, ("llm",)),
+    "--moe-permutation-async-comm": NoEffect(_OVERLAP, ("llm",)),
+    "--use-ascend-coc": NoEffect(_OVERLAP, ("llm",)),
+    "--coc-fused-kernel": NoEffect(_FUSION, ("llm",)),
+    "--use-ascend-mc2": NoEffect(_OVERLAP, ("llm",)),
+    "--reuse-fp32-param": NoEffect(_MEMORY, ("llm",)),
+    "--swap-attention": NoEffect(_MEMORY, ("llm",)),
+    "--recompute-activation-function": NoEffect(_MEMORY, ("llm",)),
+    # MindSpeed-LLM
+    "--no-shared-storage": NoEffect("where the data index cache is written (each node or a shared disk)", ("llm",)),
+    "--lora-fusion": NoEffect(_FUSION, ("llm",)),
+    # MindSpeed-MM: --mm-tool is its profiler settings file (tools.json), not tool-calling data
+    "--mm-tool": NoEffect("MindSpeed-MM's profiler settings file: the engine runs no profiler", ("mm",), True),
+    "--log-tps": NoEffect(_LOG, ("mm",)),
+    # backends.llm gives these their MindSpeed meaning (the fused kernels instead of plain PyTorch)
+    **{name: NoEffect("backends.mm takes its kernels from engine.yaml's kernels.* and --use-flash-attn", ("mm",))
+       for name in ("--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb")},
+    "--swiglu": NoEffect("model.json's gated_linear_unit / activation_func set MindSpeed-MM's MLP (held against "
+                         "the model)", ("mm",)),
+    "--variable-seq-lengths": NoEffect("backends.mm always packs a micro-batch's samples unpadded into one row",
+                                       ("mm",)),
+}
+
+
+def no_effect(dialect: str) -> dict[str, NoEffect]:
+    """The no-effect flags of one engine ("llm" or "mm")."""
+    return {name: entry for name, entry in NO_EFFECT.items() if dialect in entry.dialects}

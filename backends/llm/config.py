@@ -7,13 +7,16 @@ directory, kernel choice, metrics file, HF export, epochs, LoRA dropout) comes f
 file that $AF_ENGINE_FILE names (ascendfactory renders it as engine.yaml next to the flags).
 MindSpeed-LLM's published scripts run as they are: `--enable-hf2mg-convert --load <HF dir>` is the
 native HF load (no engine.yaml needed), architecture flags are checked against the model, switches
-with no effect on the numbers are accepted (NO_EFFECT), and what is not built is refused by name.
+with no effect on the numbers are accepted with a notice (backends.contract.megatron.NO_EFFECT), and
+what is not built is refused by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +100,7 @@ class TrainArgs:
     warmup: int
     weight_decay: float
     betas: tuple[float, float]
+    eps: float                 # --adam-eps
     grad_clip: float
     precision: str
     seed: int
@@ -158,12 +162,6 @@ def prompt_template(template: str | None, tokenizer, enable_thinking: bool | Non
 
     return resolve_template(template, tokenizer, enable_thinking=enable_thinking,
                             default_system=PROMPT_TYPE_SYSTEMS.get(template))
-
-
-# backends.llm's defaults where they are not Megatron-LM's (linear, 0.01, 0.999, 1.0, 100): an omitted flag
-# has always read as these here
-DEFAULTS = {"--lr-decay-style": "cosine", "--weight-decay": 0.0, "--adam-beta2": 0.95, "--clip-grad": 0.0,
-            "--log-interval": 1}
 
 
 def _parser() -> megatron_args.Parser:
@@ -237,13 +235,13 @@ def _parser() -> megatron_args.Parser:
     megatron_args.add(p, megatron.SEQUENCE)  # required: after --data-path in argparse's message
     # training
     megatron_args.add(p, megatron.BATCH)
-    megatron_args.add(p, megatron.OPTIMIZER, DEFAULTS)
+    megatron_args.add(p, megatron.OPTIMIZER)
     megatron_args.add(p, megatron.PRECISION)
-    megatron_args.add(p, megatron.RUN, DEFAULTS)
+    megatron_args.add(p, megatron.RUN)
     # LoRA
-    a("--lora-r", type=int)
+    a("--lora-r", type=int, default=16)
     a("--lora-alpha", type=int, default=32)
-    a("--lora-target-modules", nargs="+", default=["all"])
+    a("--lora-target-modules", nargs="+", default=[])  # LoRA is on when it names modules, as in MindSpeed-LLM
     _published_script_flags(p)
     return p
 
@@ -252,7 +250,6 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     """The rest of what MindSpeed-LLM's published pretrain / tune scripts pass (types as upstream)."""
     a = p.add_argument
     # the model: the native decoder of the family stands for every Megatron build of it
-    a("--use-mcore-models", action="store_true")
     a("--spec", nargs="*")
     a("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
     a("--use-rotary-position-embeddings", action="store_true")
@@ -271,14 +268,21 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     a("--moe-router-group-topk", type=int)
     a("--moe-layer-freq")  # an integer: the model's config.json / card places its MoE layers
     a("--moe-router-load-balancing-type", default="aux_loss")
+    a("--moe-router-pre-softmax", action="store_true")
     a("--seq-aux", action="store_true")
-    a("--rope-scaling-type", choices=["yarn"])
+    a("--rope-scaling-type", choices=["llama3", "yarn", "longrope", "plm"])
     a("--rope-scaling-factor", type=float, default=8.0)
+    a("--low-freq-factor", type=float)                     # llama3
+    a("--high-freq-factor", type=float)
+    a("--original-max-position-embeddings", type=float)    # llama3 (yarn has its own flag)
     a("--beta-fast", type=int, default=32)
     a("--beta-slow", type=int, default=1)
     a("--rope-scaling-mscale", type=float, default=1.0)
     a("--rope-scaling-mscale-all-dim", type=float, default=0.0)
     a("--rope-scaling-original-max-position-embeddings", type=int)
+    # partial / GLM rotary: default None, the model's own (Megatron's omitted --rotary-percent is 1.0)
+    a("--use-glm-rope", action="store_true")
+    a("--rotary-percent", type=float)
     # schedule, data split, evaluation, checkpoints
     a("--lr-decay-iters", type=int)
     a("--split")
@@ -289,8 +293,10 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     a("--exit-on-missing-checkpoint", action="store_true")
     a("--dataloader-type", choices=["single", "cyclic", "external"])
     a("--initial-loss-scale", type=float)
-    # how a step is scheduled, overlapped or fused: no effect on the numbers (see NO_EFFECT)
-    megatron_args.add_no_effect(p, NO_EFFECT)
+    # how a step is scheduled, overlapped, fused, checked or logged: accepted with a notice
+    # (backends.contract.megatron.NO_EFFECT)
+    megatron_args.add_no_effect(p, "llm")
+    a("--padded-samples", action="store_true")  # changes the sample order: refused (see refusals)
     a("--manual-gc-interval", type=int, default=0)
     a("--shape-order", choices=["SBH", "BSH", "BSND", "BNSD"], default="SBH")
     a("--workers", type=int, default=1)  # preprocess_data.py's, in scripts that list data and training flags together
@@ -300,15 +306,6 @@ def _true_false_none(text: str):
     return {"true": True, "false": False, "none": None}[text.lower()]
 
 
-# switches for fusions, overlap, memory placement and logging: the engine computes the same loss
-# whichever way they are set (its kernels are chosen by kernels.* in engine.yaml and --use-flash-attn /
-# --use-fused-*), so they are accepted and have nothing to change; these besides the ones backends.mm
-# accepts too (backends.contract.megatron.NO_EFFECT)
-NO_EFFECT = ("--no-gradient-accumulation-fusion", "--gemm-gradient-accumulation-fusion",
-             "--attention-softmax-in-fp32", "--moe-alltoall-overlap-comm", "--moe-permutation-async-comm",
-             "--use-ascend-coc", "--coc-fused-kernel", "--use-ascend-mc2", "--reuse-fp32-param", "--swap-attention",
-             "--recompute-activation-function", "--no-shared-storage", "--manual-gc", "--log-throughput",
-             "--lora-fusion", "--padded-samples")
 # flag → the native model's attribute it states; a model that differs is refused (build_decoder)
 MODEL_FACTS = {"--norm-epsilon": "rms_norm_eps", "--moe-router-topk-scaling-factor": "moe.routed_scaling_factor",
                "--norm-topk-prob": "moe.norm_topk_prob", "--moe-router-num-groups": "moe.n_group",
@@ -317,6 +314,10 @@ MODEL_FACTS = {"--norm-epsilon": "rms_norm_eps", "--moe-router-topk-scaling-fact
                "--beta-slow": "rope_scaling.beta_slow", "--rope-scaling-mscale": "rope_scaling.mscale",
                "--rope-scaling-mscale-all-dim": "rope_scaling.mscale_all_dim",
                "--rope-scaling-original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
+               "--low-freq-factor": "rope_scaling.low_freq_factor",
+               "--high-freq-factor": "rope_scaling.high_freq_factor",
+               "--original-max-position-embeddings": "rope_scaling.original_max_position_embeddings",
+               "--rotary-percent": "rotary_fraction", "--use-glm-rope": "rotary_interleaved",
                "--init-method-std": "initializer_range", "--vocab-size": "vocab_size"}
 # --model-type-hf → the config.json model_type(s) of the native families it names
 MODEL_TYPE_HF = {"qwen3": ("qwen3",), "qwen3-moe": ("qwen3_moe",), "qwen25": ("qwen2",), "qwen": ("qwen2",),
@@ -415,12 +416,32 @@ def refusals(ns: argparse.Namespace) -> list[str]:
                    f"built; use --split 100,0,0 (then --eval-iters has nothing to evaluate)")
     if ns.dataloader_type == "external":
         out.append("--dataloader-type external: not built; use single or cyclic (the engine's loader cycles epochs)")
-    if ns.moe_router_load_balancing_type not in ("aux_loss", "none"):
-        out.append(f"--moe-router-load-balancing-type {ns.moe_router_load_balancing_type}: this build computes "
-                   f"Megatron's aux_loss only; use aux_loss (or none with --moe-aux-loss-coeff 0)")
-    if ns.seq_aux:
-        out.append("--seq-aux: the sequence-level auxiliary loss is not built; drop it (the batch-level aux_loss "
-                   "applies)")
+    balance = ns.moe_router_load_balancing_type
+    if balance not in BALANCING:
+        out.append(f"--moe-router-load-balancing-type {balance}: this routing / balancing loss is not built; use "
+                   f"{', '.join(BALANCING)} (none with --moe-aux-loss-coeff 0)")
+    if ns.seq_aux and balance == "none" and ns.moe_aux_loss_coeff:
+        out.append("--seq-aux: MindSpeed-LLM's sequence-wise auxiliary loss (routing type none) is not built; drop "
+                   "it, or use --moe-router-load-balancing-type aux_loss")
+    groups, group_topk, topk = ns.moe_router_num_groups or 1, ns.moe_router_group_topk, ns.moe_router_topk
+    if balance != "pai_megatron_aux_loss" and group_topk and group_topk < groups and topk and topk // group_topk != 1:
+        out.append(f"--moe-router-group-topk {group_topk}: Megatron ranks the expert groups by the sum of their "
+                   f"top-{topk // group_topk} scores, the native routing by their best expert (DeepSeek-V2's "
+                   f"group_limited_greedy), the same only when --moe-router-topk / --moe-router-group-topk is 1; "
+                   f"set --moe-router-group-topk {topk}, or leave the group flags out")
+    if ns.rope_scaling_type in ("longrope", "plm"):
+        out.append(f"--rope-scaling-type {ns.rope_scaling_type}: this rotary scaling is not built (llama3 and yarn "
+                   f"are); use a model whose rope is one of those")
+    missing = [flag for flag, value in (("--low-freq-factor", ns.low_freq_factor),
+                                        ("--high-freq-factor", ns.high_freq_factor),
+                                        ("--original-max-position-embeddings", ns.original_max_position_embeddings))
+               if value is None]
+    if ns.rope_scaling_type == "llama3" and missing:
+        out.append(f"--rope-scaling-type llama3: give {', '.join(missing)} too (MindSpeed-LLM's llama3 scaling "
+                   f"divides by them; the model's config.json rope_scaling has the values)")
+    if ns.padded_samples:
+        out.append("--padded-samples: completing an epoch's last global batch with the epoch's first samples "
+                   "(MindSpeed-LLM's sample index) is not built; drop it")
     if ns.model_type_hf is not None and ns.model_type_hf not in MODEL_TYPE_HF:
         out.append(f"--model-type-hf {ns.model_type_hf}: no native decoder for it; use one of "
                    f"{', '.join(MODEL_TYPE_HF)}")
@@ -436,6 +457,34 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     return out
 
 
+# the --moe-router-load-balancing-type values built: Megatron's aux_loss (its top-k routing and switch
+# load-balancing loss), none (the routing, no loss) and MindSpeed-LLM's pai_megatron_aux_loss (the same loss,
+# routed by the top-k softmax probabilities as they are: no groups, no renormalisation, no scaling)
+BALANCING = ("aux_loss", "pai_megatron_aux_loss", "none")
+_PAI = "--moe-router-load-balancing-type pai_megatron_aux_loss:"
+# routing flags MindSpeed-LLM's pai routing does not read (nor --seq-aux outside routing type none)
+_PAI_IGNORES = ("--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
+                "--norm-topk-prob", "--moe-router-pre-softmax")
+
+
+def routing_notices(ns: argparse.Namespace) -> list[str]:
+    """One line per routing flag that this --moe-router-load-balancing-type leaves without effect upstream."""
+    balance, out = ns.moe_router_load_balancing_type, []
+    if balance == "pai_megatron_aux_loss":
+        given = {"--moe-router-num-groups": ns.moe_router_num_groups,
+                 "--moe-router-group-topk": ns.moe_router_group_topk,
+                 "--moe-router-topk-scaling-factor": ns.moe_router_topk_scaling_factor,
+                 "--norm-topk-prob": ns.norm_topk_prob or None,
+                 "--moe-router-pre-softmax": ns.moe_router_pre_softmax or None}
+        out += [f"notice: {flag} has no effect with --moe-router-load-balancing-type pai_megatron_aux_loss "
+                f"(MindSpeed-LLM's pai routing does not read it)" for flag in _PAI_IGNORES if given[flag] is not None]
+    if ns.seq_aux and (balance != "none" or not ns.moe_aux_loss_coeff):
+        out.append(f"notice: --seq-aux has no effect with --moe-router-load-balancing-type {balance} and "
+                   f"--moe-aux-loss-coeff {ns.moe_aux_loss_coeff} (MindSpeed-LLM applies it to routing type none "
+                   f"with a coefficient only)")
+    return out
+
+
 def model_facts(ns: argparse.Namespace, random_init: bool) -> dict[str, tuple[str, Any]]:
     """{flag: (the model attribute it states, value)} for the architecture flags that were given."""
     given = {"--norm-epsilon": ns.norm_epsilon, "--moe-router-topk-scaling-factor": ns.moe_router_topk_scaling_factor,
@@ -445,13 +494,34 @@ def model_facts(ns: argparse.Namespace, random_init: bool) -> dict[str, tuple[st
     if ns.vocab_size is not None and ns.padded_vocab_size is None:  # Megatron pads the tokenizer's vocab
         m = ns.make_vocab_size_divisible_by * ns.tensor_model_parallel_size
         given["--vocab-size"] = -(-ns.vocab_size // m) * m
-    if ns.rope_scaling_type:  # the yarn numbers only mean something with yarn
+    if ns.rope_scaling_type == "llama3":  # MindSpeed-LLM's apply_llama3_scaling reads these four
+        given.update({"--rope-scaling-factor": ns.rope_scaling_factor, "--low-freq-factor": ns.low_freq_factor,
+                      "--high-freq-factor": ns.high_freq_factor,
+                      "--original-max-position-embeddings": ns.original_max_position_embeddings})
+    if ns.use_glm_rope or ns.rotary_percent is not None:
+        # Megatron rotates the first --rotary-percent of each head by halves; --use-glm-rope by adjacent pairs
+        # (MindSpeed-LLM's _process_partial_rope, transformers' Glm): both facts of the model
+        given.update({"--rotary-percent": 1.0 if ns.rotary_percent is None else ns.rotary_percent,
+                      "--use-glm-rope": bool(ns.use_glm_rope)})
+    if ns.rope_scaling_type == "yarn":  # the yarn numbers only mean something with yarn
         given.update({"--rope-scaling-factor": ns.rope_scaling_factor, "--beta-fast": ns.beta_fast,
                       "--beta-slow": ns.beta_slow, "--rope-scaling-mscale": ns.rope_scaling_mscale,
                       "--rope-scaling-mscale-all-dim": ns.rope_scaling_mscale_all_dim,
                       "--rope-scaling-original-max-position-embeddings":
                           ns.rope_scaling_original_max_position_embeddings})
-    out = {flag: (MODEL_FACTS[flag], value) for flag, value in given.items() if value is not None}
+    pai = ns.moe_router_load_balancing_type == "pai_megatron_aux_loss"
+    out = {flag: (MODEL_FACTS[flag], value) for flag, value in given.items()
+           if value is not None and not (pai and flag in _PAI_IGNORES)}
+    if ns.moe_router_pre_softmax and not pai:
+        # Megatron's top-k of the softmax probabilities, unnormalised; MindSpeed-LLM's aux_loss routing renormalises
+        # them with --norm-topk-prob. Without the flag: softmax over the top-k logits, i.e. renormalised.
+        out["--moe-router-pre-softmax: top-k renormalised"] = (
+            "moe.norm_topk_prob", bool(ns.norm_topk_prob) and ns.moe_router_load_balancing_type == "aux_loss")
+    if pai:
+        out.update({f"{_PAI} scores": ("moe.scoring_func", "softmax"),
+                    f"{_PAI} expert groups": ("moe.topk_method", "greedy"),
+                    f"{_PAI} top-k renormalised": ("moe.norm_topk_prob", False),
+                    f"{_PAI} top-k scaled by": ("moe.routed_scaling_factor", 1.0)})
     if ns.rope_scaling_type:
         out["--rope-scaling-type"] = ("rope_scaling.rope_type", ns.rope_scaling_type)
     return out
@@ -484,10 +554,13 @@ def check_model_facts(config, checks: dict[str, tuple[str, Any]], source: str) -
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
     """The flags, plus the sidecar (`engine`: a mapping or a path; None: the file $AF_ENGINE_FILE names)."""
-    ns = megatron_args.parse(_parser(), argv, "MindSpeed-LLM", _HINTS)
+    ns = megatron_args.parse(_parser(), argv, "MindSpeed-LLM", _HINTS, engine="llm")
     refused = refusals(ns)
     if refused:
         raise ConfigError("this build of backends.llm does not implement: " + "; ".join(refused))
+    if os.environ.get("RANK", "0") == "0":
+        for line in routing_notices(ns):
+            print(f"python -m backends.llm: {line}", file=sys.stderr)
     side = read_engine_file(engine)
     if ns.enable_hf2mg_convert:  # MindSpeed-LLM converts the HF weights at load time: our native HF load
         if side.load_hf and side.load_hf != ns.load:
@@ -529,7 +602,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
     fmt = HANDLER_FORMATS[ns.handler_name]
     template = PROMPT_TYPE_TEMPLATES.get(ns.prompt_type, ns.prompt_type)
     lora = None
-    if ns.lora_r:
+    if ns.lora_target_modules:
         lora = LoraArgs(ns.lora_r, float(ns.lora_alpha), side.lora_dropout, list(ns.lora_target_modules),
                         side.lora_merge_on_export)
     return LLMConfig(
@@ -555,7 +628,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
             epochs=side.train_epochs, lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,
             warmup=ns.lr_warmup_iters, weight_decay=ns.weight_decay, betas=(ns.adam_beta1, ns.adam_beta2),
-            grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
+            eps=ns.adam_eps, grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
             seed=ns.seed, log_interval=ns.log_interval, save_interval=ns.save_interval,
             moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval,
             warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters),

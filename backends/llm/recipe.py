@@ -48,12 +48,15 @@ class CausalLMWithLoss(torch.nn.Module):
         return loss_sum, count, getattr(self.decoder, "aux_loss", None)
 
 
-def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0) -> Loss:
-    """The summed next-token loss of a micro-batch, plus the MoE aux loss (× its coefficient) when asked."""
+def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0, topk: int = 1) -> Loss:
+    """The summed next-token loss of a micro-batch, plus Megatron's MoE load-balancing loss (× its coefficient)
+    when asked. The model's aux loss is transformers' (Mixtral) E·Σ f_i·P_i, f_i the share of tokens routed to
+    expert i; Megatron's switch_load_balancing_loss_func takes f_i as a share of the top-k assignments: 1/topk."""
     loss_sum, _, aux = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"),
                              mb.get("aux_mask"))
     if aux is None or not aux_coeff:
         return Loss(loss_sum)
+    aux = aux / topk
     return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()})
 
 
@@ -201,7 +204,7 @@ class LLMRecipe(Recipe):
         total_steps = t.steps or max(1, math.ceil(t.epochs * self.loader.n_units / t.global_batch))
         model = self._load(CausalLMWithLoss(decoder), par, rt)
         self.parts = {"model": kit.train_part(
-            model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
+            model, par, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
                 t, total_steps), precision=t.precision, grad_clip=t.grad_clip,
             forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         self._batches = iter(self.loader)
@@ -229,12 +232,16 @@ class LLMRecipe(Recipe):
                 for _ in range(self.accum)]
 
     def loss(self, model, mb: dict) -> Loss:
-        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff)
+        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff, self._topk())
 
     def _pipeline_step(self, micro_batches, scales):
-        coeff = self.cfg.train.moe_aux_loss_coeff
-        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, scales.token, scales.extra * coeff)
-        return loss_sum, ({"aux_loss": aux} if aux is not None and coeff else {}), 1.0  # aux: this rank's mean
+        coeff, topk = self.cfg.train.moe_aux_loss_coeff, self._topk()   # Megatron's aux: see causal_lm_loss
+        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, scales.token, scales.extra * coeff / topk)
+        return loss_sum, ({"aux_loss": aux / topk} if aux is not None and coeff else {}), 1.0  # this rank's mean
+
+    def _topk(self) -> int:
+        moe = self.decoder.config.moe
+        return moe.experts_per_token if moe is not None else 1
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict()}

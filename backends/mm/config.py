@@ -87,6 +87,7 @@ class TrainArgs:
     warmup_fraction: float | None
     weight_decay: float
     betas: tuple[float, float]
+    eps: float                 # --adam-eps
     grad_clip: float
     precision: str
     seed: int
@@ -106,10 +107,10 @@ class MMConfig:
     load_hf: str | None = None             # engine.yaml / --load of an HF directory: the weights
     save: str | None = None
     load: str | None = None                # a checkpoints root or step_N to resume
+    partial_load: tuple[str, ...] = ()     # --no-load-optim / --no-load-rng (refused where --load resumes)
     kernel_backend: str = "auto"
     kernel_overrides: dict[str, str] = field(default_factory=dict)
     flash_attention: bool = False
-    fused_ops: bool = False
     metrics_file: str | None = None
     export_hf: str | None = None
     init_std: float = 0.02
@@ -118,19 +119,12 @@ class MMConfig:
 # ------------------------------------------------------------------------------------------ flags
 
 
-# switches that cannot change the numbers (fusions, workers, timeouts, logging, what a save skips), besides
-# the ones backends.llm accepts too (backends.contract.megatron.NO_EFFECT)
-NO_EFFECT = ("--use-mcore-models", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb",
-             "--no-load-optim", "--no-load-rng", "--log-tps", "--swiglu", "--variable-seq-lengths")
-
-
 def _parser() -> megatron_args.Parser:
     """MindSpeed-MM's flags: its own and the Megatron ones backends.llm reads too (backends.contract.megatron)."""
     p = megatron_args.Parser("python -m backends.mm", ConfigError)
     a = p.add_argument
     a("--mm-data", required=True)
     a("--mm-model", required=True)
-    a("--mm-tool")
     megatron_args.add(p, megatron.PARALLEL)
     a("--context-parallel-algo", choices=[CP_ALGO_FLAGS["ulysses"]], default=CP_ALGO_DEFAULT_MINDSPEED)
     megatron_args.add(p, megatron.BATCH)
@@ -141,7 +135,9 @@ def _parser() -> megatron_args.Parser:
     megatron_args.add(p, megatron.PRECISION)
     megatron_args.add(p, megatron.RUN)
     a("--distributed-timeout-minutes", type=int, default=10)
-    megatron_args.add_no_effect(p, NO_EFFECT)
+    a("--no-load-optim", action="store_true")  # refused when --load resumes an engine checkpoint
+    a("--no-load-rng", action="store_true")
+    megatron_args.add_no_effect(p, "mm")  # --mm-tool (the profiler settings file) and the other no-effect flags
     return p
 
 
@@ -419,7 +415,7 @@ _ENGINE_KEYS = {"model_id": ef.text, "model_family": ef.text, "load_hf": ef.text
 
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> MMConfig:
-    ns = megatron_args.parse(_parser(), argv, "MindSpeed-MM")
+    ns = megatron_args.parse(_parser(), argv, "MindSpeed-MM", engine="mm")
     try:
         side, source = ef.read_engine_file(_ENGINE_KEYS, engine)
     except ef.EngineFileError as err:
@@ -427,8 +423,6 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
     if ns.context_parallel_size != 1:
         raise ConfigError(f"--context-parallel-size {ns.context_parallel_size}: backends.mm does not build context "
                           "parallel; set it to 1")
-    if ns.mm_tool:
-        raise ConfigError(f"--mm-tool {ns.mm_tool}: tool calling data is not built by backends.mm; drop the flag")
     if ns.bf16 and ns.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other")
     if ns.train_iters is None and side.get("train_epochs") is None:
@@ -503,11 +497,13 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
             epochs=side.get("train_epochs"), lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,
             warmup=ns.lr_warmup_iters, warmup_fraction=ns.lr_warmup_fraction, weight_decay=ns.weight_decay,
-            betas=(ns.adam_beta1, ns.adam_beta2), grad_clip=ns.clip_grad,
+            betas=(ns.adam_beta1, ns.adam_beta2), eps=ns.adam_eps, grad_clip=ns.clip_grad,
             precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", seed=ns.seed,
             log_interval=ns.log_interval, save_interval=ns.save_interval, exit_interval=ns.exit_interval),
         model_id=side.get("model_id"), load_hf=load_hf, save=ns.save, load=ns.load or None,
+        partial_load=tuple(flag for flag, on in (("--no-load-optim", ns.no_load_optim),
+                                                 ("--no-load-rng", ns.no_load_rng)) if on),
         kernel_backend=side.get("kernels.backend", "auto"), kernel_overrides=dict(side.get("kernels.overrides") or {}),
-        flash_attention=ns.use_flash_attn, fused_ops=ns.use_fused_rmsnorm or ns.use_fused_swiglu,
+        flash_attention=ns.use_flash_attn,
         metrics_file=side.get("metrics_file"), export_hf=side.get("export_hf"),
         init_std=float((model_tree.get("text_decoder") or {}).get("init_method_std", 0.02)))

@@ -127,7 +127,7 @@ class MMRecipe(Recipe):
         self.vl, self.rt = vl, rt
         model = data_parallel.wrap_data_parallel(VLWithLoss(vl), vl.parts(), par, rt.device)
         self.parts = {"model": kit.train_part(
-            model, par, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
+            model, par, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
                 t, total_steps), precision=t.precision, grad_clip=t.grad_clip,
             forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
@@ -147,7 +147,7 @@ class MMRecipe(Recipe):
         return dataset, Loader(dataset, t.micro_batch, par.dp_rank, par.layout.dp, t.seed, d.shuffle)
 
     def _resume(self) -> str | None:
-        return kit.megatron_resume(self.cfg.load, self.cfg.save, error=ConfigError)
+        return kit.megatron_resume(self.cfg.load, self.cfg.save, partial=self.cfg.partial_load, error=ConfigError)
 
     def next_micro_batches(self) -> list[dict]:
         dev, p = self.rt.device, self.cfg.parallel

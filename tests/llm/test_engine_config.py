@@ -1,9 +1,11 @@
 """The MindSpeed-LLM flag dialect: what the template renders (flags + engine.yaml), the engine parses."""
 
+import json
 import shlex
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ascendfactory.job_file import load_job, parse_job
@@ -86,6 +88,7 @@ def test_unknown_flag_names_the_closest_and_lists_the_supported():
 
 def test_upstream_types_and_current_names():
     cfg = parse_args(BASE + ["--rotary-base", "1000000", "--lora-r", "8", "--lora-alpha", "16",
+                             "--lora-target-modules", "linear_qkv",
                              "--attention-mask-type", "causal", "--multi-latent-attention", "--pack",
                              "--prompt-type", "deepseek3"], engine=CARD)
     assert cfg.model.overrides["rope_theta"] == 1e6 and isinstance(cfg.model.overrides["rope_theta"], float)
@@ -101,7 +104,7 @@ def test_sidecar_is_read_from_af_engine_file_and_checked(tmp_path, monkeypatch):
     side.write_text("model_id: qwen3-8b\nkernels: {backend: reference, overrides: {attention: cuda}}\n"
                     "metrics_file: m.jsonl\nexport_hf: hf\nlora: {dropout: 0.05, merge_on_export: true}\n")
     monkeypatch.setenv("AF_ENGINE_FILE", str(side))
-    cfg = parse_args(BASE + ["--lora-r", "4"])
+    cfg = parse_args(BASE + ["--lora-r", "4", "--lora-target-modules", "all"])
     assert (cfg.model.model_id, cfg.kernel_backend, cfg.kernel_overrides) == ("qwen3-8b", "reference",
                                                                               {"attention": "cuda"})
     assert (cfg.metrics_file, cfg.export_hf, cfg.lora.dropout, cfg.lora.merge_on_export) == \
@@ -165,11 +168,16 @@ REFUSALS = {
     "--hidden-dropout": ["--hidden-dropout", "0.1"], "--attention-dropout": ["--attention-dropout", "0.1"],
     "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0"],
     "--dataloader-type": ["--dataloader-type", "external"],
-    "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"], "--seq-aux": ["--seq-aux"],
+    "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"],
+    "--seq-aux": ["--seq-aux", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"],
+    "--moe-router-group-topk": ["--moe-router-topk", "6", "--moe-router-num-groups", "8",
+                                "--moe-router-group-topk", "3"],
+    "--rope-scaling-type": ["--rope-scaling-type", "plm"],
     "--model-type-hf": ["--model-type-hf", "bloom"], "--enable-hf2mg-convert": ["--enable-hf2mg-convert"],
     "--lr-warmup-fraction": ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
     "--initial-loss-scale": ["--initial-loss-scale", "65536", "--fp16"],
     "--moe-layer-freq": ["--moe-layer-freq", "[0]*1+[1]*26"],
+    "--padded-samples": ["--padded-samples"],
 }
 
 
@@ -295,3 +303,222 @@ def test_prompt_types_encode_as_mindspeed_llm():
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert prompt_template("qwen3", tok, None).render(conv) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n")
+
+
+LLAMA3_FLAGS = ["--rope-scaling-type", "llama3", "--rope-scaling-factor", "8.0", "--low-freq-factor", "1.0",
+                "--high-freq-factor", "4.0", "--original-max-position-embeddings", "8192"]  # Llama 3.1's scripts
+
+
+def _hf_dir(tmp_path, config) -> str:
+    """A model directory with only config.json: enough for build_decoder (the meta model, no weights)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(str(tmp_path / "config.json"))
+    return str(tmp_path)
+
+
+def _tiny_llama(**rope):
+    import transformers
+
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                    head_dim=16, num_hidden_layers=2, vocab_size=256, max_position_embeddings=16384,
+                                    rope_parameters={"rope_theta": 10000.0, **rope})
+
+
+def test_llama3_rope_flags_are_the_models_rope_as_transformers_computes_it(tmp_path):
+    """Llama 3.1's rope flags on a model whose config.json has the same llama3 scaling: the engine's rotary
+    tables equal transformers' LlamaRotaryEmbedding for a config built from the flags' values (each flag
+    mapped to its rope_parameters key); a flag the model contradicts, one left out, or a model without the
+    scaling is refused by name (MindSpeed-LLM would build the flags' rope onto the checkpoint)."""
+    from transformers.models.llama import modeling_llama
+
+    from backends.llm.recipe import build_decoder
+
+    values = dict(zip(LLAMA3_FLAGS[0::2], LLAMA3_FLAGS[1::2]))
+    said = _tiny_llama(rope_type="llama3", factor=float(values["--rope-scaling-factor"]),
+                       low_freq_factor=float(values["--low-freq-factor"]),
+                       high_freq_factor=float(values["--high-freq-factor"]),
+                       original_max_position_embeddings=float(values["--original-max-position-embeddings"]))
+    model_dir = _hf_dir(tmp_path / "llama31", _tiny_llama(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                          high_freq_factor=4.0, original_max_position_embeddings=8192))
+    decoder = build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"load_hf": model_dir}))
+    pos = torch.tensor([[0, 1, 7, 100, 2047, 8191, 16000]])
+    cos, sin = decoder.model.rotary(pos, torch.float32)
+    want_cos, want_sin = modeling_llama.LlamaRotaryEmbedding(said)(torch.zeros(1), pos)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-6, atol=1e-6)
+    # the tiny head still has all three bands: kept (short wavelengths), divided by the factor, blended
+    plain = modeling_llama.LlamaRotaryEmbedding(_tiny_llama(rope_type="default")).inv_freq
+    ratio = (modeling_llama.LlamaRotaryEmbedding(said).inv_freq / plain).tolist()
+    assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(1 / 8) and any(1 / 8 < r < 1 for r in ratio)
+
+    for flag, other in (("--rope-scaling-factor", "16.0"), ("--low-freq-factor", "2.0"), ("--high-freq-factor", "2.0"),
+                        ("--original-max-position-embeddings", "4096.0")):
+        argv = list(LLAMA3_FLAGS)
+        argv[argv.index(flag) + 1] = other
+        with pytest.raises(ConfigError, match=f"is not the model these flags describe: {flag} {other} "):
+            build_decoder(parse_args(BASE + argv, engine={"load_hf": model_dir}))
+    plain_dir = _hf_dir(tmp_path / "plain", _tiny_llama(rope_type="default"))
+    with pytest.raises(ConfigError, match="--rope-scaling-type llama3 \\(the model has rope_scaling.rope_type=None"):
+        build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"load_hf": plain_dir}))
+    with pytest.raises(ConfigError, match="--rope-scaling-type llama3: give --high-freq-factor, "
+                                          "--original-max-position-embeddings too"):
+        parse_args(BASE + LLAMA3_FLAGS[:6], engine={"load_hf": model_dir})
+    with pytest.raises(ConfigError, match="--rope-scaling-type longrope: this rotary scaling is not built"):
+        parse_args(BASE + ["--rope-scaling-type", "longrope"], engine={"load_hf": model_dir})
+    # the model cards are held to the same flags: Llama 3.1's match, Llama 3.2's factor is 32
+    build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"model_id": "llama3.1-8b"}))
+    with pytest.raises(ConfigError, match="--rope-scaling-factor 8.0 \\(the model has rope_scaling.factor=32.0"):
+        build_decoder(parse_args(BASE + LLAMA3_FLAGS, engine={"model_id": "llama3.2-1b"}))
+
+
+def test_glm_rope_flags_are_glms_interleaved_half_rotary(tmp_path):
+    """GLM-4's --use-glm-rope --rotary-percent 0.5: the first half of each head rotated by adjacent pairs, which is
+    MindSpeed-LLM's _process_partial_rope and transformers' Glm apply_rotary_pos_emb; the engine's GLM attention
+    rotates q as transformers does for a GlmConfig with partial_rotary_factor = --rotary-percent. Megatron's
+    partial rope without --use-glm-rope (halves, not pairs) and other fractions are refused for this model."""
+    import transformers
+    from transformers.models.glm import modeling_glm
+
+    from backends.llm.recipe import build_decoder
+
+    def glm(partial):
+        return transformers.GlmConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=32, num_hidden_layers=1, vocab_size=256,
+                                      attention_bias=True, partial_rotary_factor=partial)
+
+    flags = ["--use-glm-rope", "--rotary-percent", "0.5"]
+    model_dir = _hf_dir(tmp_path / "glm", glm(0.5))
+    decoder = build_decoder(parse_args(BASE + flags, engine={"load_hf": model_dir}))
+    attn = decoder.model.layers[0].self_attn
+    torch.manual_seed(0)
+    q, pos = torch.randn(1, 5, 2, 32), torch.arange(5)[None]
+    cos, sin = decoder.model.rotary(pos, torch.float32)
+    got = kernels_apply_rotary(q, cos, sin, attn)
+    said = glm(float(flags[2]))
+    want_cos, want_sin = modeling_glm.GlmRotaryEmbedding(said)(q, pos)
+    want, _ = modeling_glm.apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), want_cos, want_sin)
+    torch.testing.assert_close(got, want.transpose(1, 2))
+    assert not torch.equal(got[..., :16], q[..., :16]) and torch.equal(got[..., 16:], q[..., 16:])
+    for argv, wrong in ((["--rotary-percent", "0.5"], "--use-glm-rope False"),
+                        (["--use-glm-rope"], "--rotary-percent 1.0"),
+                        (["--use-glm-rope", "--rotary-percent", "0.25"], "--rotary-percent 0.25")):
+        with pytest.raises(ConfigError, match=f"flags describe: .*{wrong} \\(the model has"):
+            build_decoder(parse_args(BASE + argv, engine={"load_hf": model_dir}))
+    with pytest.raises(ConfigError, match="--use-glm-rope True \\(the model has rotary_interleaved=False"):
+        build_decoder(parse_args(BASE + flags[:1] + ["--rotary-percent", "1.0"],
+                                 engine={"load_hf": _hf_dir(tmp_path / "llama", _tiny_llama(rope_type="default"))}))
+    build_decoder(parse_args(BASE + flags, engine={"model_id": "glm-4-9b-chat"}))
+
+
+def kernels_apply_rotary(q, cos, sin, attn):
+    from backends import kernels
+
+    return kernels.apply_rotary(q, cos, sin, interleaved=attn.interleaved, rotary_dim=attn.rotary_dim)
+
+
+def _moe_dir(tmp_path, family, **changes):
+    """config.json of a tiny MoE model of `family` (tests/helpers/tiny_hf's shapes), no weights."""
+    import transformers
+
+    from tests.helpers.tiny_hf import _COMMON, TINY
+
+    cls, _, extra = TINY[family]
+    return _hf_dir(tmp_path / f"{family}-{len(changes)}", getattr(transformers, cls)(**{**_COMMON, **extra, **changes}))
+
+
+def _megatron_route(logits, topk, pre_softmax, num_groups=None, group_topk=None):
+    """Megatron core_v0.12.1's topk_softmax_with_capacity (softmax scores, no capacity) as a dense [T, E] gate:
+    group-limited routing keeps the group_topk groups with the best sum of their top-(topk // group_topk) scores."""
+    def topk_of(scores):
+        if not group_topk:
+            return torch.topk(scores, k=topk, dim=1)
+        t, e = scores.shape
+        group_scores = scores.view(t, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(group_scores).scatter(1, torch.topk(group_scores, k=group_topk, dim=-1)[1], 1)
+        keep = keep.unsqueeze(-1).expand(t, num_groups, e // num_groups).reshape(t, -1).bool()
+        return torch.topk(scores.masked_fill(~keep, float("-inf")), k=topk, dim=-1)
+
+    if pre_softmax:
+        probs, ids = topk_of(torch.softmax(logits, dim=-1))
+    else:
+        top, ids = topk_of(logits)
+        probs = torch.softmax(top, dim=-1)
+    return torch.zeros_like(logits).scatter(1, ids, probs)
+
+
+def _engine_route(decoder_config, logits):
+    from backends.models.decoder.moe import MoE
+
+    weights, ids, _ = MoE(decoder_config).route(logits)
+    return torch.zeros_like(logits).scatter(1, ids, weights)
+
+
+def test_router_flags_are_megatrons_routing_of_the_model(tmp_path, capsys, monkeypatch):
+    """--moe-router-pre-softmax (top-k of the softmax, unnormalised), Megatron's default (softmax over the top-k
+    logits), its group-limited routing and MindSpeed-LLM's pai_megatron_aux_loss routing are each the model's
+    own routing where the flags are accepted (the gates equal Megatron's formula on the same logits), and
+    refused by name where the model routes otherwise."""
+    from backends.llm.recipe import build_decoder
+
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    v2 = _moe_dir(tmp_path, "deepseek_v2", norm_topk_prob=False)          # DeepSeek-V2-Lite: greedy, unnormalised
+    v2_groups = _moe_dir(tmp_path, "deepseek_v2", norm_topk_prob=False, topk_method="group_limited_greedy",
+                         n_group=4, topk_group=2, num_experts_per_tok=3)
+    qwen3_moe = _moe_dir(tmp_path, "qwen3_moe", num_experts=8)              # renormalised top-k
+    def route(model_dir, flags, k="2"):
+        argv = BASE + ["--moe-router-topk", k] + flags
+        return _engine_route(build_decoder(parse_args(argv, engine={"load_hf": model_dir})).config, logits)
+
+    torch.testing.assert_close(route(v2, ["--moe-router-pre-softmax"]), _megatron_route(logits, 2, True))
+    torch.testing.assert_close(route(qwen3_moe, []), _megatron_route(logits, 2, False))
+    route(qwen3_moe, ["--moe-router-pre-softmax", "--norm-topk-prob"])    # MindSpeed-LLM renormalises them
+    with pytest.raises(ConfigError, match="--moe-router-pre-softmax: top-k renormalised False \\(the model has "
+                                          "moe.norm_topk_prob=True"):
+        route(qwen3_moe, ["--moe-router-pre-softmax"])
+    groups = ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"]
+    torch.testing.assert_close(route(v2_groups, ["--moe-router-pre-softmax", *groups], k="3"),
+                               _megatron_route(logits, 3, True, 4, 2))
+    assert not torch.equal(_megatron_route(logits, 3, True, 4, 2), _megatron_route(logits, 3, True))  # groups bite
+
+    # DeepSeek-V2-Lite's published scripts: pai routing, group flags and --seq-aux that it does not read
+    pai = ["--moe-router-load-balancing-type", "pai_megatron_aux_loss", "--moe-router-num-groups", "8",
+           "--moe-router-group-topk", "1", "--seq-aux", "--moe-aux-loss-coeff", "0.01"]
+    monkeypatch.delenv("RANK", raising=False)
+    capsys.readouterr()
+    torch.testing.assert_close(route(v2, pai), _megatron_route(logits, 2, True))
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert noticed == ["--moe-router-num-groups", "--moe-router-group-topk", "--seq-aux"]
+    for model_dir, fact in ((qwen3_moe, "top-k renormalised False \\(the model has moe.norm_topk_prob=True"),
+                            (v2_groups, "expert groups greedy \\(the model has "
+                                        "moe.topk_method='group_limited_greedy'")):
+        with pytest.raises(ConfigError, match=f"--moe-router-load-balancing-type pai_megatron_aux_loss: {fact}"):
+            route(model_dir, pai, k="3" if model_dir == v2_groups else "2")
+
+
+def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
+    """--moe-aux-loss-coeff multiplies Megatron core_v0.12.1's switch_load_balancing_loss_func, summed over the MoE
+    layers (each router applies its own): sum(probs.sum(0) * tokens_per_expert) * E / (T * T * topk), from each
+    router's logits, as Megatron computes it."""
+    from backends.llm.recipe import CausalLMWithLoss, causal_lm_loss
+    from backends.models import decoder as models
+    from backends.models.decoder.moe import MoE
+
+    model_dir = Path(_moe_dir(tmp_path, "qwen3_moe", num_experts=8, num_experts_per_tok=3))
+    cfg = models.ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    torch.manual_seed(0)
+    model = CausalLMWithLoss(models.build_model(cfg))
+    logits = []
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.gate.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    loss = causal_lm_loss(model, {"input_ids": ids, "labels": ids}, aux_coeff=0.1, topk=3)
+    want = 0.0
+    for layer in logits:
+        probs = torch.softmax(layer, dim=-1)
+        chosen = torch.topk(layer, k=3, dim=1)[1].reshape(-1)
+        tokens_per_expert = torch.zeros(8).scatter_add(0, chosen, torch.ones(24 * 3))
+        want += torch.sum(probs.sum(dim=0) * tokens_per_expert) * 8 / (24 * 24 * 3)
+    assert len(logits) == cfg.num_layers
+    torch.testing.assert_close(loss.extra, 0.1 * want)
+    torch.testing.assert_close(loss.metrics["aux_loss"], want)

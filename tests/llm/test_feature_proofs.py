@@ -172,3 +172,40 @@ def test_lora_training_changes_only_the_adapters(tiny_model, tmp_path):
         assert not p.requires_grad, name
         ref = base[name.replace(".base_layer", "")]
         assert torch.equal(p.detach(), ref.detach()), f"{name} changed during LoRA training"
+
+
+def test_omitted_optimizer_flags_build_megatrons_optimizer_and_adam_eps_reaches_adamw(tiny_model, tmp_path):
+    """A script that leaves the optimizer flags out trains with Megatron's defaults (weight decay 0.01, clip 1.0,
+    betas (0.9, 0.999), eps 1e-8, linear decay, log every 100 steps); --adam-eps is AdamW's eps."""
+    import shlex
+
+    from ascendfactory.job_file import parse_job
+    from ascendfactory.plan import make_plan
+    from ascendfactory.render import render
+    from backends.common.distributed import init_runtime
+    from backends.llm.config import parse_args
+    from backends.llm.recipe import LLMRecipe
+
+    r = render(make_plan(parse_job(yaml.safe_dump(_job(tiny_model("qwen3"), tmp_path))), check_memory=False),
+               tmp_path / "run")
+    args, dropped = shlex.split(r.files["mindspeed_llm_args.sh"], comments=True), set()
+    for flag in ("--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--lr-decay-style", "--log-interval"):
+        if flag in args:
+            at = args.index(flag)
+            del args[at:at + 2]
+            dropped.add(flag)
+    assert {"--weight-decay", "--adam-beta2", "--lr-decay-style", "--log-interval"} <= dropped
+    engine = yaml.safe_load(r.files["engine.yaml"])
+    rt = init_runtime("cpu")
+    for extra, eps in (([], 1e-8), (["--adam-eps", "1e-5"], 1e-5)):
+        recipe = LLMRecipe(parse_args(args + extra, engine=engine))
+        settings = recipe.build(rt)
+        part = recipe.parts["model"]
+        groups = part.optimizer.param_groups
+        assert {g["eps"] for g in groups} == {eps} and {g["betas"] for g in groups} == {(0.9, 0.999)}
+        assert max(g["weight_decay"] for g in groups) == 0.01 and part.grad_clip == 1.0
+        assert settings.log_interval == 100
+    factor = part.scheduler.lr_lambdas[0]          # LambdaLR: the schedule without stepping an untrained optimizer
+    lrs = [recipe.cfg.train.lr * factor(step) for step in range(3)]
+    lr = recipe.cfg.train.lr
+    assert lrs == pytest.approx([lr, lr * 2 / 3, lr / 3])      # linear from lr to --min-lr 0 over 3 steps

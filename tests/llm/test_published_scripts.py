@@ -162,8 +162,8 @@ def test_every_published_data_convert_flag_parses(name):
 
 
 # the published scripts this build refuses, and the flags that make it refuse them
-REFUSED = {"pretrain_deepseek2_lite_16b_ptd_8p": {"--split", "--moe-router-load-balancing-type", "--seq-aux"},
-           "tune_deepseek2_lite_16b_full_ptd": {"--moe-router-load-balancing-type", "--seq-aux"}}
+REFUSED = {"pretrain_deepseek2_lite_16b_ptd_8p": {"--split"},
+           "tune_qwen25_72b_4k_full_pack": {"--padded-samples"}, "tune_qwen25_72b_4k_lora_ptd": {"--padded-samples"}}
 
 
 @pytest.mark.parametrize("name", TRAINING)
@@ -189,3 +189,39 @@ def test_published_runner_scripts_are_bash_valid():
     for script in FIXTURES.glob("*.sh"):
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
     assert shutil.which("torchrun") and sys.executable
+
+
+UPSTREAM_ARGS = ROOT / "tests" / "fixtures" / "upstream" / "mindspeed-llm" / "published_args"
+# script → the card of the checkpoint it loads (here its config.json, no weights)
+CHECKPOINT_CARDS = {"tune_llama31_8b_4k_full_ptd": "llama3.1-8b", "tune_glm4_9b_32k_full_ptd": "glm-4-9b-chat",
+                    "tune_deepseek2_lite_16b_full_ptd": "deepseek-v2-lite-16b"}
+# the flags of each script whose meaning build_decoder holds against the model
+MODEL_FLAGS = {"tune_llama31_8b_4k_full_ptd": {"--rope-scaling-type", "--low-freq-factor", "--high-freq-factor",
+                                               "--original-max-position-embeddings", "--rope-scaling-factor"},
+               "tune_glm4_9b_32k_full_ptd": {"--use-glm-rope", "--rotary-percent"},
+               "tune_deepseek2_lite_16b_full_ptd": {"--rope-scaling-type", "--rope-scaling-factor", "--beta-fast",
+                                                    "--moe-router-load-balancing-type pai_megatron_aux_loss: scores"}}
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINT_CARDS))
+def test_rope_and_router_flags_of_published_scripts_describe_their_models(name, tmp_path, capsys, monkeypatch):
+    """Llama 3.1's llama3 rope scaling flags, GLM-4's --use-glm-rope --rotary-percent 0.5 and DeepSeek-V2-Lite's
+    pai_megatron_aux_loss routing parse and hold for the model each script is for (config.json as transformers
+    writes it for the card); the fusion switches among them are one notice line each."""
+    from backends.llm.recipe import build_decoder
+    from backends.models.decoder import card_config
+
+    path = UPSTREAM_ARGS / f"{name}.args"
+    argv = [line for line in (path if path.exists() else FIXTURES / "published_args" / path.name).read_text()
+            .splitlines() if not line.startswith("#")]
+    assert {a for a in argv if a.startswith("--")} <= set(supported_flags())
+    (tmp_path / "config.json").write_text(json.dumps(card_config(CHECKPOINT_CARDS[name]).to_hf()))
+    engine = {"load_hf": str(tmp_path)}
+    if "--enable-hf2mg-convert" in argv:   # the HF directory is --load's
+        argv[argv.index("--load") + 1], engine = str(tmp_path), {}
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = parse_args(argv, engine=engine)
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert "--no-gradient-accumulation-fusion" in noticed and len(noticed) == len(set(noticed))
+    assert MODEL_FLAGS[name] <= set(cfg.checks)
+    build_decoder(cfg)   # refuses a model these flags do not describe (test_engine_config's rope / router tests)

@@ -6,7 +6,6 @@ what it does not build."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shlex
@@ -194,3 +193,63 @@ def test_orchestrator_refuses_what_the_engine_does_not_build(job_text):
         with pytest.raises(JobError) as err:
             make_plan(job(job_text, **changes), check_memory=False)
         assert field in err.value.render()
+
+
+def test_published_finetune_script_parses_with_one_notice_per_no_effect_flag(upstream, tmp_path, capsys, monkeypatch):
+    """MindSpeed-MM's finetune_qwen2_5_vl_7b.sh as bash expands it (its paths swapped for local ones): --mm-tool
+    is the profiler settings file (never read: it need not exist), the fusion / logging switches get one notice
+    line each, --no-load-optim / --no-load-rng are refused only where --load resumes an engine checkpoint."""
+    import subprocess
+
+    from backends.common.checkpoint.resume import MARKER
+    from backends.mm.config import ConfigError, parse_args
+    from backends.mm.recipe import MMRecipe
+
+    text = (MM / "finetune_qwen2_5_vl_7b.sh").read_text()
+    body = text[text.index("NPUS_PER_NODE="):text.index("logfile=")]
+    for name, value in (("MM_DATA", MM / "data_7b.json"), ("MM_MODEL", MM / "model_7b.json"),
+                        ("MM_TOOL", tmp_path / "absent" / "tools.json"), ("LOAD_PATH", tmp_path / "ckpt"),
+                        ("SAVE_PATH", tmp_path / "save")):
+        body = body.replace(body[body.index(f"{name}="):body.index("\n", body.index(f"{name}="))], f'{name}="{value}"')
+    printf = 'printf "%s\\n" $GPT_ARGS $MM_ARGS $OUTPUT_ARGS --distributed-backend nccl'
+    args = subprocess.run(["bash", "-c", body + printf], capture_output=True, text=True, check=True).stdout.split()
+    assert "--mm-tool" in args and "--no-gradient-accumulation-fusion" not in args
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = parse_args(args + ["--no-gradient-accumulation-fusion"], engine={"model_id": "qwen2.5-vl-7b"})
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert noticed == ["--use-mcore-models", "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu",
+                       "--no-masked-softmax-fusion",
+                       "--variable-seq-lengths", "--no-save-optim", "--no-save-rng", "--mm-tool", "--log-tps",
+                       "--no-gradient-accumulation-fusion"]
+    assert cfg.partial_load == ("--no-load-optim", "--no-load-rng") and cfg.parallel.pp == 2
+    recipe = MMRecipe.__new__(MMRecipe)
+    recipe.cfg = cfg
+    assert recipe._resume() is None        # nothing saved under --load yet: a fresh start
+    (tmp_path / "ckpt" / "step_2").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step_2" / MARKER).write_text("{}")
+    with pytest.raises(ConfigError, match="^--no-load-optim --no-load-rng with --load"):
+        recipe._resume()
+
+
+def test_optimizer_flags_reach_adamw(tmp_path, monkeypatch):
+    """The rendered tiny sft job with its optimizer flags left out and --adam-eps given: backends.mm builds
+    Megatron's AdamW defaults (betas 0.9 / 0.999, weight decay 0.01, clip 1.0) and --adam-eps as its eps."""
+    from backends.common.distributed import init_runtime
+    from backends.mm.config import parse_args
+    from backends.mm.recipe import MMRecipe
+    from tests.mm.test_mm_runs import sft_job
+
+    monkeypatch.chdir(ROOT)
+    r = render(make_plan(parse_job(yaml.safe_dump(sft_job(tmp_path / "run"))), check_memory=False), tmp_path)
+    for name, text in r.files.items():
+        (tmp_path / name).write_text(text)
+    args = shlex.split(r.files["mindspeed_mm_args.sh"], comments=True)
+    for flag in ("--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2"):
+        at = args.index(flag)
+        del args[at:at + 2]
+    recipe = MMRecipe(parse_args(args + ["--adam-eps", "1e-6"], engine=yaml.safe_load(r.files[SIDECAR_NAME])))
+    recipe.build(init_runtime("cpu"))
+    part = recipe.parts["model"]
+    groups = part.optimizer.param_groups
+    assert {g["eps"] for g in groups} == {1e-6} and {g["betas"] for g in groups} == {(0.9, 0.999)}
+    assert max(g["weight_decay"] for g in groups) == 0.01 and part.grad_clip == 1.0
