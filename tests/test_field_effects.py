@@ -137,3 +137,11 @@ def test_mindspeed_rl_renders_the_loss_aggregation(tmp_path):
         job = load_job(ROOT / "examples/mindspeed-rl/grpo.yaml", [f"rl.loss_agg={agg}"])
         files = render(make_plan(job), run_dir=tmp_path).files
         assert yaml.safe_load(files["mindspeed_rl.yaml"])["rl_config"]["token_level_loss"] is token_level
+
+
+@pytest.mark.parametrize("example", ["mindspeed-llm/sft.yaml", "mindspeed-mm/sft.yaml"])
+def test_no_clipping_is_said_to_megatron(example, tmp_path):
+    """train.grad_clip null: --clip-grad 0.0, since a flag left out is Megatron's 1.0."""
+    job = load_job(ROOT / "examples" / example, ["train.grad_clip=null"])
+    text = "\n".join(render(make_plan(job), run_dir=tmp_path).files.values())
+    assert "--clip-grad 0.0" in text
