@@ -375,6 +375,10 @@ class Trainer:
     def run(self) -> int:
         self._watch_signals()
         s = self.settings = self.recipe.build(self.rt)
+        if s.metrics_file is None and s.save_dir:  # run by hand, without engine.yaml: beside the checkpoints
+            s.metrics_file = str(Path(s.save_dir).resolve().parent / "metrics.jsonl")
+            if self.rt.is_main:
+                log.info("metrics: %s (the loss curve goes next to it)", s.metrics_file)
         self._resume()
         self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main)
         layout = _layout_of(self.recipe)

@@ -1,6 +1,7 @@
 """backends.common.trainer's outer loop with small recipes: one model, and two (an actor and a critic,
 as RL's recipes have) — resume, exit interval, SIGTERM, metrics, several models in one checkpoint."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -220,3 +221,17 @@ def test_a_normalised_loss_trains_and_logs_as_the_token_sum_does():
     rows = [b["n_tokens"] for b in batches]
     assert by_sum.metrics["rows"] == pytest.approx(sum(rows) / len(rows))             # equal weights: the mean
     assert by_mean.metrics["rows"] == pytest.approx(sum(r * r for r in rows) / sum(rows))  # token-weighted
+
+
+def test_a_run_by_hand_writes_its_metrics_beside_the_checkpoints(tmp_path, restore_sigterm, monkeypatch):
+    """Without engine.yaml (no metrics_file: the framework's own file run by hand) metrics.jsonl and the curve
+    go beside the checkpoint folder, as a rendered run has them in its run directory."""
+    monkeypatch.setenv("AF_PLOT", "1")
+
+    class ByHand(Regression):
+        def build(self, rt):
+            return dataclasses.replace(super().build(rt), metrics_file=None)
+
+    assert run(ByHand(tmp_path)) == 0
+    assert len([r for r in records(tmp_path) if "event" not in r]) == STEPS
+    assert (tmp_path / "training_loss.png").stat().st_size > 0
