@@ -139,7 +139,6 @@ class LFRecipe(Recipe):
         kit.refuse_unbuilt(capabilities, "llamafactory", job_fields(cfg), LFConfigError, "backends.lf")
         seed_everything(cfg.seed)
         hf = self._hf_model()
-        hf_embeddings = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Embedding))
         model = HFCausalLMWithLoss(hf)
         self.rt = rt
         par = self.par = parallel.setup(cfg, model, rt)
@@ -155,11 +154,13 @@ class LFRecipe(Recipe):
             eps=cfg.adam_epsilon, schedule=lambda optimizer: build_scheduler(optimizer, cfg, steps),
             precision=precision(cfg), grad_clip=cfg.max_grad_norm)}
         self._batches = iter(self.loader)
-        self.outputs = self._outputs(hf_embeddings, steps, par)
+        self.outputs = self._outputs(hf, steps, par)
         return self._settings(rt, steps)
 
-    def _outputs(self, embeddings: int, steps: int, par) -> TrainerOutputs:
+    def _outputs(self, hf, steps: int, par) -> TrainerOutputs:
+        """The Trainer's files; its FLOP count leaves the embeddings out (num_parameters(exclude_embeddings))."""
         cfg = self.cfg
+        embeddings = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Embedding))
         # the Trainer's num_train_epochs: what max_steps makes of it, else the key
         epochs = math.ceil(steps / self.steps_per_epoch) if cfg.max_steps > 0 else cfg.num_train_epochs
         return TrainerOutputs(cfg.output_dir, max_steps=steps, steps_per_epoch=self.steps_per_epoch,
