@@ -122,6 +122,7 @@ class Settings:
     metrics_file: str | None = None
     keep_last: int | None = None
     trainable_only: bool = False  # LoRA: the frozen base comes back from the model path, not the checkpoint
+    eval_only: bool = False       # evaluate before training (Recipe.evaluate at start), then stop: no step, no save
 
 
 class Recipe:
@@ -155,6 +156,12 @@ class Recipe:
 
     def export(self, trainer: "Trainer") -> None:  # collective; e.g. the HF export
         pass
+
+    def evaluate(self, trainer: "Trainer", step: int, start: bool = False) -> dict[str, float]:
+        """Evaluation metrics at `step` (steps done), on every rank (collective): asked once before the first
+        step (start: logged as a "validation" event at that step) and after each step (logged in its record);
+        {} where the recipe's schedule evaluates nothing."""
+        return {}
 
     def logged(self, record: dict) -> None:  # every rank, after metrics.jsonl got the record (own logs)
         pass
@@ -388,7 +395,11 @@ class Trainer:
                            **({"layout": layout} if layout else {}), **self.recipe.start_info())
         if self._agree_to_stop():
             return self._preempted(None)
-        while self.step < s.total_steps:
+        evaluated = self.recipe.evaluate(self, self.step, start=True)
+        if evaluated:
+            self.metrics.event("validation", step=self.step, total_steps=s.total_steps,
+                               **{k: round(v, 6) for k, v in evaluated.items()})
+        while self.step < s.total_steps and not s.eval_only:
             lr = self._first_lr()
             result = self.recipe.step(self, self.step)
             for part in self.recipe.parts.values():
@@ -398,7 +409,9 @@ class Trainer:
             if not math.isfinite(result.loss):
                 raise FloatingPointError(f"loss became {result.loss} at step {self.step}; lower the learning rate, "
                                          "check the data, or use bf16 instead of fp16")
-            if self.step % s.log_interval == 0 or self.step == s.total_steps:
+            evaluated = self.recipe.evaluate(self, self.step)
+            result.metrics.update(evaluated)
+            if self.step % s.log_interval == 0 or self.step == s.total_steps or evaluated:
                 self._record(result, lr)
             exiting = bool(s.exit_interval) and self.step % s.exit_interval == 0 and self.step < s.total_steps
             saved = None
@@ -411,7 +424,8 @@ class Trainer:
                          self.step)
                 self.metrics.event("exit", step=self.step)
                 return 0
-        self.recipe.export(self)
+        if not s.eval_only:  # nothing trained: nothing to export
+            self.recipe.export(self)
         self._finish()
         return 0
 

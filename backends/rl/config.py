@@ -103,6 +103,21 @@ class RLConfig:
     overlong_buffer: int = 0
     overlong_factor: float = 1.0
     overlong_max_length: int | None = None     # DAPO's max_resp_len (default: max_new_tokens)
+    # validation (VeRL's trainer.val_before_train / test_freq / val_only, data.val_*, rollout.val_kwargs)
+    val_before_train: bool = False
+    test_freq: int = -1                        # validate every test_freq steps and after the last (<= 0: never)
+    val_only: bool = False                     # stop after the validation before training
+    val_files: list[str] = field(default_factory=list)
+    val_records: list[dict] = field(default_factory=list)  # as records (read from val_files at build)
+    val_max_samples: int = -1
+    val_batch_size: int | None = None          # prompts per generation pass (None: the whole set)
+    val_n: int = 1
+    val_do_sample: bool = False                # False: greedy
+    val_temperature: float = 0.0
+    val_top_p: float = 1.0
+    val_top_k: int = 0
+    val_dump_dir: str | None = None            # trainer.validation_data_dir: <step>.jsonl of the generations
+    overlong_log: bool = False                 # overlong_buffer_cfg.log: overlong_reward / overlong in the val infos
     # trainer
     total_steps: int | None = 10               # None: total_epochs over the data set
     total_epochs: int = 1
@@ -128,6 +143,10 @@ class RLConfig:
             problems.append(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.critic_micro_batch_size is not None and self.critic_micro_batch_size < 1:
             problems.append(f"critic_micro_batch_size must be at least 1, got {self.critic_micro_batch_size}")
+        if self.val_n < 1:
+            problems.append(f"val_n must be at least 1, got {self.val_n}")
+        if self.val_batch_size is not None and self.val_batch_size < 1:
+            problems.append(f"val_batch_size must be at least 1 (or None: the whole set), got {self.val_batch_size}")
         # the rules that hold on any number of ranks; the data-parallel ones: batch_problems(dp) at start
         problems += [f"{p.field}: {p.message}" for p in batch_problems(self, dp=1, framework=False)]
         if problems:

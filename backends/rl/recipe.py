@@ -44,10 +44,11 @@ from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 from backends.models import decoder
 
-from . import advantages, algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding
+from . import (advantages, algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding,
+               validation)
 from .batches import Rollouts
 from .config import RLConfig, RLConfigError, batch_problems
-from .data import load_records, stop_ids
+from .data import load_records, load_val_records, stop_ids
 from .rewards import Scorer, load_function
 
 
@@ -101,7 +102,18 @@ class RLRecipe(Recipe):
         self.vllm = self._vllm_engine(rt, actor, vl) if c.rollout_engine == "vllm" else None
         self.vllm_stale = True  # the actor's weights are pushed before the first rollout (a resume changes them)
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
-                        resume=c.resume, metrics_file=c.metrics_file)
+                        resume=c.resume, metrics_file=c.metrics_file, eval_only=c.val_only and c.val_before_train)
+
+    def validates(self) -> bool:
+        return self.cfg.val_before_train or self.cfg.test_freq > 0
+
+    def evaluate(self, trainer, step: int, start: bool = False) -> dict[str, float]:
+        """VeRL's validation schedule: before the first step (val_before_train), then after every test_freq-th
+        step and the last one (ray_trainer.fit)."""
+        c = self.cfg
+        due = c.val_before_train if start else \
+            c.test_freq > 0 and (step >= trainer.settings.total_steps or step % c.test_freq == 0)
+        return validation.run(self, step) if due else {}
 
     def _data(self, vl: bool) -> None:
         """The tokenizer, the stop ids, the prompt records (parquet rows through the chat template, or the
@@ -126,6 +138,15 @@ class RLRecipe(Recipe):
             c.warmup_steps = int(c.warmup_ratio * c.total_steps)
         if c.critic_warmup_ratio and not c.critic_warmup_steps:
             c.critic_warmup_steps = int(c.critic_warmup_ratio * c.total_steps)
+        if self.validates():
+            if vl:
+                raise RLConfigError("trainer.val_before_train / trainer.test_freq: validation of a vision-language "
+                                    "actor is not built; set val_before_train false and test_freq -1")
+            if c.val_files and not c.val_records:
+                c.val_records = load_val_records(c, self.tokenizer)
+            if not c.val_records:
+                raise RLConfigError("data.val_files: validation runs (trainer.val_before_train or test_freq) but "
+                                    "there are no validation prompts")
         for i, r in enumerate(c.records):
             if len(r["prompt_ids"]) > c.max_prompt_length:
                 raise ValueError(f"prompt {i} has {len(r['prompt_ids'])} tokens, more than max_prompt_length "
@@ -299,24 +320,9 @@ class RLRecipe(Recipe):
         first = self.cursor + self.dp_rank * share
         rows = [self._prompt_index(first + i) for i in range(share)]
         prompts = [c.records[r]["prompt_ids"] for r in rows]
-        actor = self.parts["actor"].model
         seed, ids = c.seed * 7919 + step * 131 + round_, [first + i for i in range(share)]
-        with sharding.gathered(actor):  # ranks stop generating at different steps: no per-block gathers
-            if self.vllm is not None:
-                if self.vllm_stale:  # every rank of the layout takes part (tensor parallel shards made whole)
-                    self.vllm.load(actor)
-                    self.vllm_stale = False
-                inputs = self.vision.engine_prompts(rows) if self.vision else prompts
-                out, vllm_logp = self.vllm.generate(inputs, max_new_tokens=c.max_new_tokens,
-                                                    temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, n=c.n,
-                                                    eos_token_id=c.eos_token_id or None, seed=seed,
-                                                    stop=c.stop or None, prompt_ids=ids)
-            else:
-                out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                                       top_p=c.top_p, top_k=c.top_k, n=c.n, eos_token_id=c.eos_token_id or None,
-                                       seed=seed, stop=c.stop or None,
-                                       decode=self.tokenizer.decode if c.stop else None, prompt_ids=ids,
-                                       vision=self.vision.prompts(rows) if self.vision else None)
+        out, vllm_logp = self.generate(prompts, ids, seed, rows=rows, n=c.n, temperature=c.temperature,
+                                       top_p=c.top_p, top_k=c.top_k)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out]
         truths = [c.records[r].get("ground_truth") for r in rows for _ in range(c.n)]
         sources = [c.records[r].get("data_source", "") for r in rows for _ in range(c.n)]
@@ -332,6 +338,30 @@ class RLRecipe(Recipe):
             return mine
         # the dp ranks' shares, from the peers at this rank's pp / cp / tp coordinate (they generated the same)
         return mine.gather(self.dp_group)
+
+    def generate(self, prompts: list[list[int]], ids: list[int], seed: int, *, rows: list[int] | None, n: int,
+                 temperature: float, top_p: float, top_k: int) -> tuple[list[list[int]], object]:
+        """n responses per prompt from the actor's current weights (the rollout engine of the config; each sample
+        on its own stream seeded by (seed, its id in `ids`, its number)) -> (responses, vLLM's log-probs or None).
+        `rows`: the records' indices, for a vision-language actor's images."""
+        c = self.cfg
+        actor, vllm_logp = self.parts["actor"].model, None
+        with sharding.gathered(actor):  # ranks stop generating at different steps: no per-block gathers
+            if self.vllm is not None:
+                if self.vllm_stale:  # every rank of the layout takes part (tensor parallel shards made whole)
+                    self.vllm.load(actor)
+                    self.vllm_stale = False
+                inputs = self.vision.engine_prompts(rows) if self.vision else prompts
+                out, vllm_logp = self.vllm.generate(inputs, max_new_tokens=c.max_new_tokens, temperature=temperature,
+                                                    top_p=top_p, top_k=top_k, n=n, eos_token_id=c.eos_token_id or None,
+                                                    seed=seed, stop=c.stop or None, prompt_ids=ids)
+            else:
+                out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=temperature,
+                                       top_p=top_p, top_k=top_k, n=n, eos_token_id=c.eos_token_id or None,
+                                       seed=seed, stop=c.stop or None,
+                                       decode=self.tokenizer.decode if c.stop else None, prompt_ids=ids,
+                                       vision=self.vision.prompts(rows) if self.vision else None)
+        return out, vllm_logp
 
     def _collect(self, step: int) -> tuple[Rollouts, dict]:
         """Roll out (DAPO: several rounds, keeping the groups whose rewards differ, the first

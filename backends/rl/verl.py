@@ -32,7 +32,7 @@ def _flat_defaults() -> dict:
 _NO_EFFECT = {
     "bookkeeping and logging": (
         "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.log_val_generations",
-        "trainer.rollout_data_dir", "trainer.validation_data_dir", "trainer.default_hdfs_dir",
+        "trainer.rollout_data_dir", "trainer.default_hdfs_dir",
         "trainer.del_local_ckpt_after_load", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
         "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.calculate_log_probs"),
     "Ray, worker and data-loader plumbing": (
@@ -57,9 +57,9 @@ _NO_EFFECT = {
         "actor_rollout_ref.ref.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.param_offload",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload", "critic.fsdp.param_offload",
         "critic.fsdp.optimizer_offload"),
-    "validation: trainer.test_freq -1 and val_before_train false, no validation runs": (
+    "no validation runs: trainer.val_before_train false and trainer.test_freq <= 0": (
         "actor_rollout_ref.rollout.val_kwargs.", "data.val_files", "data.validation_shuffle", "data.val_batch_size",
-        "data.val_max_samples"),
+        "data.val_max_samples", "trainer.validation_data_dir"),
 }
 _NO_EFFECT_REASON = {prefix: why for why, prefixes in _NO_EFFECT.items() for prefix in prefixes}
 
@@ -315,9 +315,6 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     only("data.custom_cls.path", (None,), "the parquet prompt data set")
     only("reward.reward_model.enable", (False,), "model rewards are pending; rule and function rewards only")
     only("reward.reward_manager.name", ("naive", "dapo"), "the naive and dapo reward managers")
-    only("trainer.val_before_train", (False,), "no validation loop: evaluate the exported model separately")
-    only("trainer.test_freq", (-1,), "no validation loop")
-    only("trainer.val_only", (False,), "no validation loop")
     only("critic.ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallel is pending")
 
     adv = get("algorithm.adv_estimator")
@@ -365,7 +362,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     ob_enable = want(ob + "enable", is_bool, "true or false")
     ob_len = want(ob + "len", lambda v: is_int(v) and v >= 0, "an integer >= 0")
     ob_factor = want(ob + "penalty_factor", is_num, "a number")
-    want(ob + "log", is_bool, "true or false")
+    ob_log = want(ob + "log", is_bool, "true or false")
     max_resp = want("data.max_response_length", pos, "a positive integer")
     max_resp_len = want("reward.reward_kwargs.max_resp_len", lambda v: v is None or pos(v),
                         "a positive integer or null")
@@ -450,6 +447,8 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         save_dir=want("trainer.default_local_dir", is_str, "a directory"),
         save_interval=want("trainer.save_freq", is_int, "an integer (-1 or 0: no checkpoints)"),
     )
+    values.update(_verl_validation(get, want, flag, notices, pos, is_num, is_int, is_bool, is_str))
+    values["overlong_log"] = bool(ob_log)
     # DAPO's generation rounds: each rolls out the next train_batch_size prompts here (recipe.py _round)
     gen_batch = want("data.gen_batch_size", lambda v: v is None or pos(v), "a positive integer or null")
     if gen_batch not in (None, values["train_batch_size"]):
@@ -530,6 +529,46 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     cfg = with_sidecar(values, side, source)
     cfg.notices = notices
     return cfg
+
+
+def _verl_validation(get: Callable, want: Callable, flag: Callable, notices: list[str], pos: Callable,
+                     is_num: Callable, is_int: Callable, is_bool: Callable, is_str: Callable) -> dict:
+    """ray_trainer.fit's validation: val_before_train (VeRL's default: true), test_freq (<= 0: never) and val_only
+    (after the validation before training). Its data and sampling keys are read only when validation runs (else
+    they are no-effect keys: VeRL itself still opens data.val_files, this engine does not)."""
+    before = want("trainer.val_before_train", is_bool, "true or false")
+    freq = want("trainer.test_freq", is_int, "an integer (-1: never)")
+    val_only = want("trainer.val_only", is_bool, "true or false")
+    out = {"val_before_train": before, "test_freq": freq, "val_only": val_only}
+    if val_only and not before:
+        notices.append("trainer.val_only: no effect with trainer.val_before_train false (VeRL 0.9.1 stops after "
+                       "the validation before training only; this run trains)")
+    if not (before or freq > 0):
+        return out
+    files = want("data.val_files", lambda v: is_str(v) or (isinstance(v, list) and v and all(map(is_str, v))),
+                 "a parquet file or a list of them")
+    kw = "actor_rollout_ref.rollout.val_kwargs."
+    do_sample = want(kw + "do_sample", is_bool, "true or false")
+    rollout_temp = get("actor_rollout_ref.rollout.temperature")
+    if do_sample and is_num(rollout_temp) and not rollout_temp > 0:
+        flag(kw + "do_sample", "true needs actor_rollout_ref.rollout.temperature > 0 (VeRL's check_eval_config "
+             "asserts it)")
+    top_k = want(kw + "top_k", lambda v: is_int(v) and v >= -1, "an integer (-1 or 0: off)")
+    if get("data.validation_shuffle"):
+        notices.append("data.validation_shuffle: accepted, no effect on this engine (each validation response "
+                       "samples from its own stream seeded by its prompt's index: the order changes no response)")
+    dump = want("trainer.validation_data_dir", lambda v: v is None or is_str(v), "a directory or null")
+    out.update(
+        val_files=[files] if isinstance(files, str) else list(files or []),
+        val_max_samples=want("data.val_max_samples", is_int, "an integer (-1: all)"),
+        val_batch_size=want("data.val_batch_size", lambda v: v is None or pos(v), "a positive integer or null"),
+        val_n=want(kw + "n", pos, "a positive integer"),
+        val_do_sample=do_sample,
+        val_temperature=want(kw + "temperature", lambda v: is_num(v) and v >= 0, "a number >= 0"),
+        val_top_p=want(kw + "top_p", lambda v: is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
+        val_top_k=0 if top_k in (-1, 0) else top_k,
+        val_dump_dir=dump)
+    return out
 
 
 # VeRL's key for each number the batch rules check

@@ -124,7 +124,7 @@ def test_wrong_types_of_keys_without_a_typed_default_are_refused_by_name(key, va
 
 def test_problems_come_one_per_line_naming_verl_s_keys():
     tree = with_keys(GRPO, **{"actor_rollout_ref.actor.clip_ratio_hihg": 0.3, "data.shuffle": "yes",
-                              "trainer.val_before_train": True})
+                              "trainer.val_before_train": "yes"})
     with pytest.raises(RLConfigError) as info:
         reader.parse_verl(tree, source="run.yaml")
     lines = str(info.value).split("\n")
