@@ -47,8 +47,9 @@ def _cases(tmp: Path, world: int) -> list[dict]:
     if world == 1:
         cases += [
             dict(COMMON, name="base"),
-            # greedy, every 2 steps and after the last (3), nothing before training
-            dict(val, name="greedy", test_freq=2, val_n=2, val_dump_dir=str(tmp / "dump_greedy")),
+            # greedy (do_sample false, whatever the temperature), every 2 steps and after the last (3), nothing
+            # before training
+            dict(val, name="greedy", test_freq=2, val_n=2, val_temperature=1.0, val_dump_dir=str(tmp / "dump_greedy")),
             dict(val, name="val_only", val_before_train=True, val_only=True, **SAMPLED)]
     return cases
 
@@ -199,3 +200,99 @@ def test_a_float_reward_is_verl_s_acc():
     assert got["val-core/s/acc/mean@2"] == 0.5 and "val-aux/s/reward/mean@2" in got
     # a prompt with one response has only mean@1, so the core metric is at n_max 2 only
     assert "val-core/s/acc/mean@1" not in got and got["val-aux/s/acc/mean@1"] == 1.0
+
+
+# ---------------------------------------------------------------------- VeRL's keys
+
+BASE = {"actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"name": "hf", "n": 2, "tensor_model_parallel_size": 1},
+                              "actor": {"ppo_micro_batch_size_per_gpu": 1}}, "algorithm": {"adv_estimator": "grpo"}}
+
+
+def _parse(**dotted):
+    from backends.rl import verl
+
+    tree = json.loads(json.dumps(BASE))
+    for key, value in dotted.items():
+        node, parts = tree, key.split("__")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return verl.parse_verl(tree)
+
+
+def test_verl_s_validation_keys_are_read():
+    cfg = _parse()  # VeRL's defaults: validation before training, on data.val_files, greedy, n 1
+    assert (cfg.val_before_train, cfg.test_freq, cfg.val_only) == (True, -1, False)
+    assert (cfg.val_files, cfg.val_n, cfg.val_do_sample, cfg.val_batch_size) == \
+        (["~/data/rlhf/gsm8k/test.parquet"], 1, False, None)
+    kw = "actor_rollout_ref__rollout__val_kwargs__"
+    cfg = _parse(trainer__test_freq=5, trainer__val_before_train=False, data__val_files=["a.parquet", "b.parquet"],
+                 data__val_max_samples=7, data__val_batch_size=3, trainer__validation_data_dir="dump",
+                 actor_rollout_ref__rollout__temperature=0.7,
+                 **{kw + "n": 8, kw + "do_sample": True, kw + "temperature": 0.6, kw + "top_p": 0.95, kw + "top_k": -1})
+    assert (cfg.val_before_train, cfg.test_freq, cfg.val_files, cfg.val_max_samples, cfg.val_batch_size,
+            cfg.val_dump_dir) == (False, 5, ["a.parquet", "b.parquet"], 7, 3, "dump")
+    assert (cfg.val_n, cfg.val_do_sample, cfg.val_temperature, cfg.val_top_p, cfg.val_top_k) == (8, True, 0.6, 0.95, 0)
+    assert cfg.notices == []
+
+
+def test_validation_keys_without_validation_are_notices_and_verl_s_asserts_are_refusals():
+    from backends.rl.config import RLConfigError
+
+    cfg = _parse(trainer__val_before_train=False, trainer__val_only=True, data__val_batch_size=4)
+    assert [n.split(":")[0] for n in cfg.notices] == ["trainer.val_only", "data.val_batch_size"]
+    assert "no validation runs" in cfg.notices[1]
+    with pytest.raises(RLConfigError, match=r"val_kwargs\.do_sample: true needs actor_rollout_ref\.rollout\."
+                                            r"temperature > 0"):
+        _parse(actor_rollout_ref__rollout__temperature=0, actor_rollout_ref__rollout__val_kwargs__do_sample=True)
+    with pytest.raises(RLConfigError, match=r"trainer\.test_freq: must be an integer"):
+        _parse(trainer__test_freq="often")
+
+
+def test_val_max_samples_selects_as_verl_s_dataset(tmp_path):
+    """RLHFDataset: the first val_max_samples rows, or with data.shuffle numpy's default_rng(seed) choice."""
+    from backends.rl.data import verl_selection
+
+    assert verl_selection(10, 3, False, 0) == [0, 1, 2] and verl_selection(10, -1, True, 0) == list(range(10))
+    assert verl_selection(10, 4, True, 7) == list(np.random.default_rng(7).choice(10, size=4, replace=False))
+    import transformers
+
+    from backends.rl.config import RLConfig
+    from backends.rl.data import load_val_records
+
+    model = str(ROOT / "examples" / "tiny-qwen3")
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    for shuffle, seed, want in ((False, None, [0, 1, 2]), (True, 5, verl_selection(5, 3, True, 5)),
+                                (True, None, verl_selection(5, 3, True, 11))):  # data.seed null: the run's seed
+        cfg = RLConfig(model_path=model, val_files=[_val_file(tmp_path)], val_max_samples=3, shuffle=shuffle,
+                       data_seed=seed, seed=11)
+        got = load_val_records(cfg, tok)
+        assert [r["metric_source"] for r in got] == [SOURCES[i] for i in want]
+        answers = [json.loads(x)["answer"] for x in
+                   (ROOT / "examples" / "data" / "arithmetic_prompts.jsonl").read_text().splitlines()[40:45]]
+        assert [r["ground_truth"] for r in got] == [answers[i] for i in want]
+    assert verl_selection(5, 3, True, 5) != [0, 1, 2]
+
+
+def test_a_missing_val_file_ends_the_run_naming_the_key(tmp_path):
+    """VeRL validates before training by default: a script that leaves data.val_files at VeRL's default on a
+    machine without it stops with one message, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "ppo_trainer.yaml"
+    tree = json.loads(json.dumps(BASE))
+    tree["actor_rollout_ref"]["model"]["path"] = str(ROOT / "examples" / "tiny-qwen3")
+    tree["data"] = {"train_files": _val_file(tmp_path), "val_files": str(tmp_path / "missing.parquet"),
+                    "train_batch_size": 2}
+    tree["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 2
+    tree["trainer"] = {"n_gpus_per_node": 1}
+    path.write_text(yaml.safe_dump(tree))
+    proc = subprocess.run([sys.executable, "-m", "backends.rl", str(path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "AF_DEVICE": "cpu"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert f"data.val_files: no file {tmp_path / 'missing.parquet'}" in proc.stderr
