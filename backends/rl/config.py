@@ -53,6 +53,17 @@ class RLConfig:
     mini_batch_size: int = 8
     micro_batch_size: int = 4                  # responses per rank per forward
     ppo_epochs: int = 1
+    # VeRL's use_dynamic_bsz: micro-batches by a token budget per rank (prompt + response tokens) instead of
+    # micro_batch_size responses, for the actor's updates and (log_prob_*) the old / reference log-prob passes
+    dynamic_bsz: bool = False
+    max_token_len: int = 16384                 # actor.ppo_max_token_len_per_gpu
+    logprob_dynamic_bsz: bool = False          # rollout.log_prob_use_dynamic_bsz (the old log-probs)
+    logprob_max_token_len: int = 16384
+    ref_dynamic_bsz: bool = False              # ref.log_prob_use_dynamic_bsz
+    ref_max_token_len: int = 16384
+    critic_dynamic_bsz: bool = False           # critic.use_dynamic_bsz: its updates and values pass by budget
+    critic_max_token_len: int = 32768          # critic.ppo_max_token_len_per_gpu
+    critic_forward_max_token_len: int = 32768  # critic.forward_max_token_len_per_gpu (the values pass)
     # actor loss
     lr: float = 1e-6
     weight_decay: float = 0.0

@@ -395,19 +395,30 @@ class RLRecipe(Recipe):
     def _stack(self, r: Rollouts, rows: list[int]) -> dict:
         return batches.micro_batch(r, rows, self.vision)
 
-    def _micro(self, r: Rollouts, rows: list[int], size: int | None = None) -> list[dict]:
+    def _chunks(self, r: Rollouts, rows: list[int], size: int | None = None, budget: int | None = None
+                ) -> list[list[int]]:
+        """The rows in micro-batches: of `size` responses (the micro_batch_size), or with a token budget
+        (VeRL's use_dynamic_bsz) by token_micro_batches over the prompt + response lengths."""
+        if budget is not None:
+            index = torch.tensor(rows, dtype=torch.long, device=r.responses.device)
+            seqlens = (r.prompt_lens[index] + r.response_lens[index]).tolist()
+            return [[rows[i] for i in part] for part in token_micro_batches(seqlens, budget)]
         size = size or self.cfg.micro_batch_size
-        return [self._stack(r, rows[s:s + size]) for s in range(0, len(rows), size)]
+        return [rows[s:s + size] for s in range(0, len(rows), size)]
+
+    def _micro(self, r: Rollouts, rows: list[int], size: int | None = None, budget: int | None = None) -> list[dict]:
+        return [self._stack(r, chunk) for chunk in self._chunks(r, rows, size, budget)]
 
     def _critic_micro(self, r: Rollouts, mine: list[int], micro: list[dict], tokens: float, seqs: float) -> list[dict]:
         """The critic's update micro-batches: critic_micro_batch_size responses each (VeRL's
         critic.ppo_micro_batch_size_per_gpu; the actor's micro-batches when unset or equal), a last shorter
         one where the rank's share does not divide, with the mini-batch's global counts (the loss is the
         same whatever the split). The values pass runs on the log-prob micro-batches."""
-        size = self.cfg.critic_micro_batch_size
-        if size is None or size == self.cfg.micro_batch_size:
+        c = self.cfg
+        size, budget = c.critic_micro_batch_size, c.critic_max_token_len if c.critic_dynamic_bsz else None
+        if budget is None and (size is None or size == c.micro_batch_size):
             return micro
-        out = self._micro(r, mine, size)
+        out = self._micro(r, mine, size, budget)
         if sharding.is_sharded(self.parts["critic"].model):  # every rank the same passes
             out = sharding.lockstep(out, self.rt.device)
         for m in out:
@@ -452,16 +463,23 @@ class RLRecipe(Recipe):
         actor = self.parts["actor"].model
         critic = self.parts["critic"].model if "critic" in self.parts else None
         t1 = time.perf_counter()
-        size = self.cfg.micro_batch_size
-        chunks = [mine[s:s + size] for s in range(0, len(mine), size)]
-        stacked = [self._stack(r, chunk) for chunk in chunks]
-        passes = [("old_logp", actor, lambda m, mb: self._logprobs(m, mb)[0])]
+        c = self.cfg
+        # each pass's micro-batches: micro_batch_size responses, or its token budget (log_prob_use_dynamic_bsz)
+        passes = [("old_logp", actor, lambda m, mb: self._logprobs(m, mb)[0],
+                   c.logprob_max_token_len if c.logprob_dynamic_bsz else None)]
         if self.reference is not None:
-            passes.append(("ref_logp", self.reference, lambda m, mb: self._logprobs(m, mb)[0]))
+            passes.append(("ref_logp", self.reference, lambda m, mb: self._logprobs(m, mb)[0],
+                           c.ref_max_token_len if c.ref_dynamic_bsz else None))
         if critic is not None:
-            passes.append(("values", critic, self._values))
+            passes.append(("values", critic, self._values,
+                           c.critic_forward_max_token_len if c.critic_dynamic_bsz else None))
+        split: dict = {}
         with torch.no_grad():
-            for key, model, forward in passes:  # one model gathered at a time (sharded: see sharding.py)
+            for key, model, forward, budget in passes:  # one model gathered at a time (sharded: see sharding.py)
+                if budget not in split:
+                    chunks = self._chunks(r, mine, budget=budget)
+                    split[budget] = chunks, [self._stack(r, chunk) for chunk in chunks]
+                chunks, stacked = split[budget]
                 with sharding.gathered(model):
                     if self.pp is not None:  # through the stages; the last stage's results broadcast over pp
                         values = pipeline_parallel.forward(model, stacked, self.pp,
@@ -511,10 +529,11 @@ class RLRecipe(Recipe):
 
     def _update(self, trainer, r: Rollouts, minis: list[list[int]], step: int) -> StepResult:
         c, rt = self.cfg, self.rt
-        results, critic_results = [], []
+        results, critic_results, count, critic_count = [], [], 0, 0
         for _epoch in range(c.ppo_epochs):
             for mine in minis:
-                micro = self._micro(r, mine)
+                micro = self._micro(r, mine, budget=c.max_token_len if c.dynamic_bsz else None)
+                count += len(micro)
                 if sharding.is_sharded(self.parts["actor"].model):  # every rank the same passes
                     micro = sharding.lockstep(micro, rt.device)
                 counts = torch.tensor([sum(m["n_tokens"] for m in micro), float(len(mine))], dtype=torch.float64,
@@ -523,12 +542,16 @@ class RLRecipe(Recipe):
                 for m in micro:
                     m["global_tokens"], m["global_seqs"] = tokens, seqs
                 if "critic" in self.parts:
-                    critic_results.append(trainer.optimize(self.parts["critic"],
-                                                           self._critic_micro(r, mine, micro, tokens, seqs),
-                                                           self._critic_loss))
+                    critic_micro = self._critic_micro(r, mine, micro, tokens, seqs)
+                    critic_count += len(critic_micro)
+                    critic_results.append(trainer.optimize(self.parts["critic"], critic_micro, self._critic_loss))
                 if "critic" not in self.parts or step >= c.critic_warmup:
                     results.append(trainer.optimize(self.parts["actor"], micro, self._actor_loss))
-        return _merge(results, critic_results)
+        merged = _merge(results, critic_results)
+        merged.metrics["update_micro_batches"] = float(count)  # this rank's (by size or token budget)
+        if critic_results:
+            merged.metrics["critic/update_micro_batches"] = float(critic_count)
+        return merged
 
     def _actor_loss(self, model, mb: dict) -> Loss:
         c = self.cfg
@@ -561,6 +584,79 @@ class RLRecipe(Recipe):
         loss, clipfrac = algos.value_loss(vpreds, mb["returns"], mb["values"], mb["mask"].float(), c.cliprange_value,
                                           c.loss_agg_mode, **agg)
         return Loss(mean=loss, metrics={"critic/vf_clipfrac": float(clipfrac)}, weight=mb["n_tokens"])
+
+
+# ---------------------------------------------------------------------- VeRL's dynamic batch sizes
+
+
+def _karmarkar_karp(loads: list[int], k: int) -> list[list[int]]:
+    """VeRL's karmarkar_karp (equal_size false): the largest differencing method over k sets, ties broken as
+    VeRL breaks them (so the partitions are VeRL's)."""
+    import heapq
+
+    class Part:
+        def __init__(self):
+            self.sum, self.items = 0, []
+
+        def add(self, idx, val):
+            self.items.append((idx, val))
+            self.sum += val
+
+        def __lt__(self, other):
+            if self.sum != other.sum:
+                return self.sum < other.sum
+            if len(self.items) != len(other.items):
+                return len(self.items) < len(other.items)
+            return self.items < other.items
+
+    class State:
+        def __init__(self, idx, val):
+            self.sets = [Part() for _ in range(k)]
+            self.sets[0].add(idx, val)
+            self.sets.sort(reverse=True)
+
+        def merge(self, other):
+            for i in range(k):
+                for idx, val in other.sets[k - 1 - i].items:
+                    self.sets[i].add(idx, val)
+            self.sets.sort(reverse=True)
+
+        def spread(self):
+            return self.sets[0].sum - self.sets[-1].sum
+
+        def __lt__(self, other):  # the largest spread pops first, then the largest set
+            if self.spread() != other.spread():
+                return self.spread() > other.spread()
+            return self.sets[0] > other.sets[0]
+
+    heap: list = []
+    for val, idx in sorted((val, i) for i, val in enumerate(loads)):
+        heapq.heappush(heap, State(idx, val))
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap), heapq.heappop(heap)
+        a.merge(b)
+        heapq.heappush(heap, a)
+    return [[idx for idx, _ in part.items] for part in heap[0].sets]
+
+
+def token_micro_batches(seqlens: list[int], max_token_len: int) -> list[list[int]]:
+    """VeRL's rearrange_micro_batches (one rank, workload balance on): the fewest micro-batches of at most
+    max_token_len tokens, from ceil(total / max_token_len) up, balanced by VeRL's attention-workload estimate
+    (get_seqlen_balanced_partitions), heaviest first then interleaved from both ends -> indices into seqlens."""
+    if not seqlens:
+        return []
+    if max(seqlens) > max_token_len:
+        raise ValueError(f"a sequence of {max(seqlens)} tokens is longer than the micro-batch token budget "
+                         f"{max_token_len} (ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu)")
+    workloads = [24576 * n + n * n for n in seqlens]
+    count = min(len(seqlens), -(-sum(seqlens) // max_token_len))
+    while True:
+        parts = [sorted(p) for p in _karmarkar_karp(workloads, count)]
+        if all(sum(seqlens[i] for i in p) <= max_token_len for p in parts):
+            break
+        count += 1
+    parts.sort(key=lambda p: (sum(workloads[i] for i in p), p[0]), reverse=True)
+    return parts[::2][::-1] + parts[1::2]
 
 
 def _merge(actor: list[StepResult], critic: list[StepResult]) -> StepResult:

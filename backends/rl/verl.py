@@ -302,7 +302,6 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     only("actor_rollout_ref.rollout.ignore_eos", (False,), "responses stop at EOS")
     only("actor_rollout_ref.actor.strategy", ("fsdp", "fsdp2"), "the FSDP backend (both run as FSDP2 here)")
     only("actor_rollout_ref.actor.ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallel is pending")
-    only("actor_rollout_ref.actor.use_dynamic_bsz", (False,), "micro-batches are counted in responses")
     only("actor_rollout_ref.actor.optim.lr_scheduler_type", ("constant",), "constant learning rate after warm-up")
     only("actor_rollout_ref.ref.ulysses_sequence_parallel_size", (1,), "Ulysses sequence parallel is pending")
     only("actor_rollout_ref.model.lora_rank", (0,), "LoRA actors are pending")
@@ -339,8 +338,11 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     clip_ratio = want("actor_rollout_ref.actor.clip_ratio", lambda v: is_num(v) and v >= 0, "a number >= 0")
     clip_low = want("actor_rollout_ref.actor.clip_ratio_low", opt_num, "a number >= 0 or null (clip_ratio)")
     clip_high = want("actor_rollout_ref.actor.clip_ratio_high", opt_num, "a number >= 0 or null (clip_ratio)")
+    dynamic = want("actor_rollout_ref.actor.use_dynamic_bsz", is_bool, "true or false")
     micro = get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    if micro is None:
+    if micro is None and dynamic:  # VeRL needs no micro-batch size then; a pass without a budget takes 1 response
+        micro = 1
+    elif micro is None:
         problems.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: must be set (responses per forward)")
         micro = 1
     elif not pos(micro):
@@ -447,6 +449,8 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         save_dir=want("trainer.default_local_dir", is_str, "a directory"),
         save_interval=want("trainer.save_freq", is_int, "an integer (-1 or 0: no checkpoints)"),
     )
+    values.update(_verl_dynamic_bsz(get, want, flag, pos, is_bool, dynamic, algorithm,
+                                    values["max_prompt_length"] + max_resp))
     values.update(_verl_validation(get, want, flag, notices, pos, is_num, is_int, is_bool, is_str))
     values["overlong_log"] = bool(ob_log)
     # DAPO's generation rounds: each rolls out the next train_batch_size prompts here (recipe.py _round)
@@ -529,6 +533,39 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     cfg = with_sidecar(values, side, source)
     cfg.notices = notices
     return cfg
+
+
+def _verl_dynamic_bsz(get: Callable, want: Callable, flag: Callable, pos: Callable, is_bool: Callable, dynamic: bool,
+                      algorithm: str, seq_len: int) -> dict:
+    """use_dynamic_bsz: the actor's update micro-batches by ppo_max_token_len_per_gpu tokens, the old (rollout.*)
+    and reference (ref.*) log-prob passes by their log_prob_max_token_len_per_gpu when log_prob_use_dynamic_bsz,
+    the critic's updates and values pass by its ppo_ / forward_max_token_len_per_gpu when critic.use_dynamic_bsz.
+    VeRL's rearrange_micro_batches asserts a budget holds the longest sequence (prompt + response)."""
+    out = {"dynamic_bsz": dynamic}
+    for prefix, on, field, key in (
+            ("actor_rollout_ref.actor.", dynamic, "max_token_len", "ppo_max_token_len_per_gpu"),
+            ("actor_rollout_ref.rollout.", None, "logprob_max_token_len", "log_prob_max_token_len_per_gpu"),
+            ("actor_rollout_ref.ref.", None, "ref_max_token_len", "log_prob_max_token_len_per_gpu")):
+        if on is None:
+            on = want(prefix + "log_prob_use_dynamic_bsz", is_bool, "true or false")
+            out[field.replace("max_token_len", "dynamic_bsz")] = on
+        budget = want(prefix + key, pos, "a positive integer")
+        if on and budget < seq_len:
+            flag(prefix + key, f"{budget} is less than data.max_prompt_length + data.max_response_length {seq_len} "
+                 "(VeRL's rearrange_micro_batches asserts a micro-batch's budget holds the longest sequence)")
+        out[field] = budget
+    if algorithm == "ppo":  # the critic's own switch (VeRL's default: the actor's) and budgets
+        on = want("critic.use_dynamic_bsz", is_bool, "true or false")
+        out["critic_dynamic_bsz"] = on
+        for key, field in (("ppo_max_token_len_per_gpu", "critic_max_token_len"),
+                           ("forward_max_token_len_per_gpu", "critic_forward_max_token_len")):
+            budget = want("critic." + key, pos, "a positive integer")
+            if on and budget < seq_len:
+                flag("critic." + key, f"{budget} is less than data.max_prompt_length + data.max_response_length "
+                     f"{seq_len} (VeRL's rearrange_micro_batches asserts a micro-batch's budget holds the longest "
+                     "sequence)")
+            out[field] = budget
+    return out
 
 
 def _verl_validation(get: Callable, want: Callable, flag: Callable, notices: list[str], pos: Callable,
