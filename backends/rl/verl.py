@@ -215,6 +215,14 @@ def _one(body: str, here: str, lookup: Callable[[str], Any], depth: int) -> Any:
 _MISSING = object()
 
 
+def _refs(here: str, raw: str) -> list[str]:
+    """The keys a value's `${...}` name, relative ones (`${.sibling}`) made absolute from the key `here`."""
+    out = []
+    for dots, name in re.findall(r"\$\{(?:oc\.select:)?(\.*)([A-Za-z_][\w.]*)", raw):
+        out.append(".".join(here.split(".")[:-len(dots)] + [name]) if dots else name)
+    return out
+
+
 _ADV = {"grpo": "grpo", "gae": "ppo"}
 
 
@@ -266,7 +274,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     def flag(key: str, message: str) -> None:
         """One problem per wrong value: a key that only follows a refused one (`${...}`) says nothing more."""
         raw = merged.get(key)
-        if key not in given and isinstance(raw, str) and any(k in raw for k in reported):
+        if key not in given and isinstance(raw, str) and any(k in raw or k in _refs(key, raw) for k in reported):
             return
         reported.add(key)
         problems.append(f"{key}: {message}")
