@@ -44,6 +44,9 @@ def _cases(tmp: Path, world: int) -> list[dict]:
     val = dict(COMMON, val_files=[_val_file(tmp)])
     cases = [dict(val, name="val", val_before_train=True, test_freq=1, val_dump_dir=str(tmp / f"dump{world}"),
                   **SAMPLED)]
+    if world == 2:  # FSDP-sharded actor: the rollout on its gathered weights, before any update
+        cases.append(dict(val, name="val_fsdp", fsdp=True, total_steps=1, val_before_train=True,
+                          val_dump_dir=str(tmp / "dump_fsdp"), **SAMPLED))
     if world == 1:
         cases += [
             dict(COMMON, name="base"),
@@ -169,6 +172,12 @@ def test_two_processes_validate_as_one(runs):
     for step in a:
         _assert_metrics(b[step], a[step], step)
         assert (tmp / "dump1" / f"{step}.jsonl").read_text() == (tmp / "dump2" / f"{step}.jsonl").read_text()
+
+
+def test_a_sharded_actor_validates_as_a_replicated_one(runs):
+    tmp, one, two = runs
+    _assert_metrics(_logged(two, "val_fsdp")[0], _logged(one, "val")[0], "fsdp")
+    assert (tmp / "dump_fsdp" / "0.jsonl").read_text() == (tmp / "dump1" / "0.jsonl").read_text()
 
 
 def test_val_only_validates_and_stops(runs):
