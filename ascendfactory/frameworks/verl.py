@@ -90,7 +90,7 @@ class Verl(RLAdapter):
                 f"{job.rl.max_gen_rounds} generation rounds and trains on the groups kept"]
 
     def rl_batch_rules(self, job, world, role="actor"):
-        """VeRL 0.9.1 (FSDP, no dynamic batch sizes): each rank's mini-batch share in whole
+        """VeRL 0.9.1 (FSDP, fixed micro-batches as the template renders them): each rank's mini-batch share in whole
         ppo_micro_batch_size_per_gpu micro-batches for the actor (its engine's prepare_micro_batches
         asserts it); prompts x n over every device. The critic's share is not held to whole critic
         micro-batches: VeRL 0.9.1's critic engine (engine_workers.TrainingWorker, an EngineConfig whose
