@@ -211,6 +211,8 @@ def test_two_node_job_trains_like_one_process(slurm, tmp_path, reference):
 
 
 def test_ctrl_c_scancel_then_resume_continues_with_the_same_losses(slurm, tmp_path, reference):
+    """Two real Slurm jobs in a row (the one Ctrl-C cancels, then the resume), each through sbatch and slurmd:
+    about 30 s alone, a minute on a loaded machine; nothing to share with the other Slurm tests' jobs."""
     steps = 150
     out = tmp_path / "resumed"
     job = write_job(tmp_path / "job.yaml", tiny_job(out, launcher="slurm", resume="auto", train={"steps": steps}))
