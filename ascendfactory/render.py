@@ -7,6 +7,8 @@ emit it as a JSON scalar. A path holding `; rm -rf ~` therefore stays one plain 
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import re
@@ -67,7 +69,10 @@ def _raw_comment(value: Any) -> Raw:
     return Raw(one_line(value))
 
 
+@functools.lru_cache(maxsize=None)
 def _environment(kind: str):
+    """One environment per kind for the process: Jinja compiles each template once (renders are many in a
+    planner's search, init's layout search and the tests)."""
     import jinja2
 
     env = jinja2.Environment(
