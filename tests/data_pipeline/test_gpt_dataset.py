@@ -102,6 +102,16 @@ def test_samples_are_consecutive_windows_of_the_token_stream(corpus):
         np.testing.assert_array_equal(item["labels"], stream[j * s + 1:(j + 1) * s + 1])
 
 
+def test_enough_samples_for_the_request(tmp_path):
+    """The fewest epochs that give num_samples windows of seq_length + 1 tokens, for every count
+    (boundaries included: 12 samples of 4 from 48 tokens need a second epoch for the extra token)."""
+    prefix = write_corpus(tmp_path / "c_text_document", np.array([5, 7, 3, 9, 11, 13]), np.arange(48) % 40 + 3)
+    for n in range(1, 40):
+        ds = gd.GPTDataset(prefix, 4, 0, 2, split="1,0,0", num_samples=n)
+        assert len(ds) >= n
+        assert ((ds.epochs - 1) * 48 - 1) // 4 < n
+
+
 def test_split_ranges_and_sample_counts():
     assert gd.split_ranges("969,30,1", 520) == [(0, 504), (504, 519), (519, 520)]
     assert gd.split_ranges("8,1,1", 520) == [(0, 416), (416, 468), (468, 520)]
