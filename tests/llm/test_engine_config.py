@@ -166,7 +166,7 @@ def test_recompute_method_and_num_layers_are_honoured_or_refused():
 # one argument list per refusal of backends.llm.config.refusals: each message opens with that flag
 REFUSALS = {
     "--hidden-dropout": ["--hidden-dropout", "0.1"], "--attention-dropout": ["--attention-dropout", "0.1"],
-    "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0"],
+    "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0", "--is-instruction-dataset"],
     "--dataloader-type": ["--dataloader-type", "external"],
     "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"],
     "--seq-aux": ["--seq-aux", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"],
@@ -487,7 +487,7 @@ def test_router_flags_are_megatrons_routing_of_the_model(tmp_path, capsys, monke
     capsys.readouterr()
     torch.testing.assert_close(route(v2, pai), _megatron_route(logits, 2, True))
     noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
-    assert noticed == ["--moe-router-num-groups", "--moe-router-group-topk", "--seq-aux"]
+    assert noticed == ["--moe-router-num-groups", "--moe-router-group-topk", "--seq-aux", "--split"]  # + the data's
     for model_dir, fact in ((qwen3_moe, "top-k renormalised False \\(the model has moe.norm_topk_prob=True"),
                             (v2_groups, "expert groups greedy \\(the model has "
                                         "moe.topk_method='group_limited_greedy'")):

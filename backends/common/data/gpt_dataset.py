@@ -239,3 +239,75 @@ class GPTDataset:
         labels[labels == self.pad_id] = 0
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions,
                 "cu_seqlens": cu}
+
+
+class MegatronBatches:
+    """Micro-batches of a GPTDataset in Megatron's order (MegatronPretrainingSampler): sample
+    positions are consumed in order, global micro-step k takes [k*G, (k+1)*G) with G = micro x dp
+    and dp rank r the micro samples at k*G + r*micro; nothing is reshuffled.
+
+    Batches follow loader.py's contract: labels already shifted, -100 where the loss mask is 0.
+    With reset_attention_mask a micro-batch is one packed row [1, micro * seq] whose cu_seqlens
+    are the documents (each row's segments, offset); otherwise rows [micro, seq], causal per row.
+    """
+
+    mode = "megatron"
+    packing = None
+
+    def __init__(self, dataset: GPTDataset, micro_batch: int, dp_rank: int = 0, dp_world: int = 1):
+        if micro_batch < 1 or not (dp_world >= 1 and 0 <= dp_rank < dp_world):
+            raise ValueError(f"micro_batch {micro_batch}, dp_rank {dp_rank} of {dp_world}: out of range")
+        self.dataset, self.micro_batch, self.dp_rank, self.dp_world = dataset, int(micro_batch), int(dp_rank), int(dp_world)
+        self.n_units = len(dataset)
+        self.epoch_units = self.n_units    # the samples of one epoch, where the run counts epochs
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        start = self.position + self.dp_rank * self.micro_batch
+        if start + self.micro_batch > self.n_units:
+            raise ValueError(f"the {self.dataset.which} split holds {self.n_units} samples, the run asks for sample "
+                             f"{start + self.micro_batch - 1}; build the dataset with num_samples = train_iters x "
+                             f"global batch")
+        items = [self.dataset[i] for i in range(start, start + self.micro_batch)]
+        self.position += self.micro_batch * self.dp_world
+        return self.collate(items, self.dataset.reset_attention_mask)
+
+    @staticmethod
+    def collate(items: list[dict], packed: bool) -> dict:
+        import torch
+
+        ids = np.stack([it["tokens"] for it in items])
+        labels = np.stack([np.where(it["loss_mask"] > 0, it["labels"], -100) for it in items])
+        pos = np.stack([it["position_ids"] for it in items])
+        out = {"n_tokens": torch.tensor(int((labels != -100).sum()), dtype=torch.int64),
+               "n_input": torch.tensor(int(ids.size), dtype=torch.int64)}
+        if not packed:
+            return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                    "position_ids": torch.from_numpy(pos), **out}
+        s = ids.shape[1]
+        cu = np.concatenate([[0]] + [it["cu_seqlens"][1:].astype(np.int64) + r * s for r, it in enumerate(items)])
+        return {"input_ids": torch.from_numpy(ids.reshape(1, -1)), "labels": torch.from_numpy(labels.reshape(1, -1)),
+                "position_ids": torch.from_numpy(pos.reshape(1, -1)), "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+                **out}
+
+    def state_dict(self) -> dict:
+        d = self.dataset
+        return {"position": int(self.position), "mode": self.mode, "n_units": int(self.n_units), "seed": d.seed,
+                "seq_len": d.seq_length, "split_documents": [int(d.documents[0]), int(d.documents[-1]) + 1]}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("mode", "seed", "seq_len", "split_documents"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"loader state was saved with {key}={state.get(key)!r}, this run has {mine[key]!r}: "
+                                 f"Megatron's sample order would differ, so it cannot resume exactly")
+        self.position = int(state["position"])
+
+    @property
+    def stats(self) -> dict:
+        d = self.dataset
+        return {"mode": self.mode, "units": self.n_units, "samples": self.n_units, "epochs": d.epochs,
+                "documents": len(d.documents)}
