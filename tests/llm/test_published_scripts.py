@@ -242,20 +242,21 @@ def test_pretraining_trains_megatron_gpt_samples_in_megatron_order(qwen3_dir, tm
     assert llm_preprocess.main(argv) == 0, capsys.readouterr().err
     prefix = str(tmp_path / "enwiki_text_document")
     cfg = parse_args(["--data-path", prefix, "--tokenizer-name-or-path", str(qwen3_dir), "--seq-length", "32",
-                      "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-4",
+                      "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "50", "--lr", "1e-4",
                       "--seed", "77", "--split", "8,1,1", "--reset-position-ids", "--reset-attention-mask",
                       "--eod-mask-loss"], engine={"model_id": "qwen3-0.6b"})
     assert "--split 8,1,1: training reads Megatron's train split only" in capsys.readouterr().err
     tok = AutoTokenizer.from_pretrained(qwen3_dir)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    want = GPTDataset(prefix, 32, 77, tok.eos_token_id, split="8,1,1", num_samples=24, pad_id=pad,
+    want = GPTDataset(prefix, 32, 77, tok.eos_token_id, split="8,1,1", num_samples=400, pad_id=pad,
                       reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     assert int(want.documents[-1]) + 1 == round(0.8 * len(CORPUS.read_text().splitlines()))
+    assert want.epochs == 2     # 50 steps x 8 samples: more than one epoch of the train split
     for dp in (1, 2):
         for rank in range(dp):
             _, loader = _build_data(cfg, SimpleNamespace(is_main=True),
                                     SimpleNamespace(dp_rank=rank, layout=SimpleNamespace(dp=dp)))
-            assert len(loader.dataset) == len(want)
+            assert len(loader.dataset) == len(want) and loader.dataset.epochs == want.epochs
             for step in range(3 * 8 // (2 * dp)):
                 batch = next(loader)
                 first = step * 2 * dp + rank * 2
