@@ -269,3 +269,11 @@ def test_pretraining_trains_megatron_gpt_samples_in_megatron_order(qwen3_dir, tm
                 cu = np.concatenate([[0], rows[0]["cu_seqlens"][1:], rows[1]["cu_seqlens"][1:] + 32])
                 np.testing.assert_array_equal(batch["cu_seqlens"].numpy(), cu)
     assert (want[0]["position_ids"] == 0).sum() > 1 or (want[1]["position_ids"] == 0).sum() > 1   # EODs inside
+    # train_epochs (engine file) instead of --train-iters: steps over that many epochs of samples
+    flags = ["--data-path", prefix, "--tokenizer-name-or-path", str(qwen3_dir), "--seq-length", "32",
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-4", "--seed", "77", "--split", "8,1,1"]
+    by_epochs = parse_args(flags, engine={"model_id": "qwen3-0.6b", "train_epochs": 2.5})
+    _, loader = _build_data(by_epochs, SimpleNamespace(is_main=True),
+                            SimpleNamespace(dp_rank=0, layout=SimpleNamespace(dp=1)))
+    one = GPTDataset(prefix, 32, 77, tok.eos_token_id, split="8,1,1", pad_id=pad)   # no num_samples: one epoch
+    assert loader.epoch_units == len(one) and len(loader.dataset) >= math.ceil(2.5 * len(one) / 8) * 8
