@@ -493,6 +493,9 @@ def data_notices(ns: argparse.Namespace) -> list[str]:
     if ns.no_shuffle:
         out.append("notice: --no-shuffle has no effect on pre-training data: Megatron's GPTDataset always shuffles "
                    "its documents and samples with --seed")
+    if ns.variable_seq_lengths:
+        out.append("notice: --variable-seq-lengths has no effect on pre-training data: every GPTDataset sample is "
+                   "--seq-length tokens long")
     return out
 
 

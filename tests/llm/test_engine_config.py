@@ -522,3 +522,13 @@ def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
     assert len(logits) == cfg.num_layers
     torch.testing.assert_close(loss.extra, 0.1 * want)
     torch.testing.assert_close(loss.metrics["aux_loss"], want)
+
+
+def test_pretraining_data_notices(capsys, monkeypatch):
+    """Pre-training reads Megatron's GPTDataset: the flags it does not read, and the held-out split, are said."""
+    monkeypatch.delenv("RANK", raising=False)
+    parse_args(BASE + ["--no-shuffle", "--variable-seq-lengths"], engine=CARD)
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert noticed == ["--split", "--no-shuffle", "--variable-seq-lengths"]
+    parse_args(BASE + ["--split", "100,0,0", "--no-shuffle", "--is-instruction-dataset"], engine=CARD)
+    assert "notice" not in capsys.readouterr().err     # instruction data: shuffled by the engine's loader
