@@ -112,7 +112,8 @@ def test_engine_parsers_take_the_shared_flags_as_declared():
 def test_no_effect_flags_print_one_notice_line_each(capsys, monkeypatch):
     from backends.llm.config import parse_args
 
-    base = ["--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
+    base = ["--data-path", "x", "--split", "100,0,0", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4",
+            "--train-iters", "1"]
     given = ["--no-rope-fusion", "--no-check-for-nan-in-loss-and-grad", "--use-cp-send-recv-overlap",
              "--no-rope-fusion", "--use-fused-ring-attention-update", "--no-gradient-accumulation-fusion"]
     monkeypatch.delenv("RANK", raising=False)

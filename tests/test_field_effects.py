@@ -119,6 +119,9 @@ def test_a_memory_ceiling_below_the_estimate_is_refused():
     ("mindspeed-rl/grpo.yaml", "rl.dual_clip_c=4", "no dual clip"),
     ("cluster/slurm.yaml", "resources.node_rank=1", "each node's rank comes from slurm"),
     ("llamafactory/sft.yaml", "slurm.partition=debug", "slurm has no effect: launcher is"),
+    # pre-training data is Megatron's GPTDataset: always shuffled, every sample seq_len long
+    ("mindspeed-llm/long-seq-moe.yaml", "data.shuffle=false", "data.shuffle has no effect on mindspeed-llm"),
+    ("mindspeed-llm/long-seq-moe.yaml", "data.dynamic_seq_len=true", "data.dynamic_seq_len has no effect on "),
 ])
 def test_a_field_that_cannot_matter_is_said_once(example, override, said):
     plan = make_plan(load_job(ROOT / "examples" / example, [override]))

@@ -83,10 +83,16 @@ class MindSpeedLLM(Adapter):
         return uses
 
     def no_effect(self, job):
-        if job.data.dynamic_seq_len:
-            return {}
-        return {"data.pad_to_multiple_of": "every row is padded to data.seq_len (--pad-to-multiple-of takes effect "
-                                           "with data.dynamic_seq_len)"}
+        out = {}
+        if job.data.format == "text":   # pre-training: Megatron's GPTDataset (backends/common/data/gpt_dataset.py)
+            out["data.shuffle"] = ("pre-training samples are Megatron's GPTDataset's, whose documents and samples "
+                                   "are always shuffled with train.seed")
+            out["data.dynamic_seq_len"] = ("pre-training samples are Megatron's GPTDataset windows, every one "
+                                           "data.seq_len tokens long")
+        if not job.data.dynamic_seq_len or job.data.format == "text":
+            out["data.pad_to_multiple_of"] = ("every row is padded to data.seq_len (--pad-to-multiple-of takes "
+                                              "effect with data.dynamic_seq_len)")
+        return out
 
     def plan_problems(self, job, arch: dict[str, Any]):
         out = []

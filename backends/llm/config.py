@@ -29,6 +29,8 @@ from backends.contract.lora import MODULE_LINEARS
 from backends.contract.prompts import PROMPT_TYPE_TEMPLATES
 from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED_LLM, CP_ALGO_NAMES
 
+# Megatron's validate_args: --data-path without --split takes this legacy default
+MEGATRON_DEFAULT_SPLIT = "969, 30, 1"
 HANDLER_FORMATS = {
     "GeneralPretrainHandler": "text",
     "AlpacaStyleInstructionHandler": "alpaca",
@@ -86,6 +88,11 @@ class DataArgs:
     shuffle: bool
     max_samples: int | None
     seq_len: int
+    # pre-training (text) data is Megatron's GPTDataset: its train split, and the flags it reads
+    split: str = MEGATRON_DEFAULT_SPLIT
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
 
 
 @dataclass
@@ -227,6 +234,7 @@ def _parser() -> megatron_args.Parser:
     a("--pack", action="store_true")  # preprocess_data.py: the dataset is packed rows
     a("--reset-attention-mask", action="store_true")
     a("--reset-position-ids", action="store_true")
+    a("--eod-mask-loss", action="store_true")
     a("--neat-pack", action="store_true")
     a("--variable-seq-lengths", action="store_true")
     a("--pad-to-multiple-of", type=int, default=8)
@@ -411,9 +419,9 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     if ns.ckpt_format == "zarr":
         out.append("--ckpt-format zarr: not built (checkpoints are written in the engine's own layout); use torch "
                    "or torch_dist")
-    if ns.split is not None and any(_split_weights(ns.split)[1:]):
-        out.append(f"--split {ns.split}: holding out validation/test documents and evaluating on them is not "
-                   f"built; use --split 100,0,0 (then --eval-iters has nothing to evaluate)")
+    if ns.split is not None and any(_split_weights(ns.split)[1:]) and not pretraining(ns):
+        out.append(f"--split {ns.split}: holding out validation/test samples of instruction data and evaluating "
+                   f"on them is not built; use --split 100,0,0 (then --eval-iters has nothing to evaluate)")
     if ns.dataloader_type == "external":
         out.append("--dataloader-type external: not built; use single or cyclic (the engine's loader cycles epochs)")
     balance = ns.moe_router_load_balancing_type
@@ -465,6 +473,30 @@ _PAI = "--moe-router-load-balancing-type pai_megatron_aux_loss:"
 # routing flags MindSpeed-LLM's pai routing does not read (nor --seq-aux outside routing type none)
 _PAI_IGNORES = ("--moe-router-num-groups", "--moe-router-group-topk", "--moe-router-topk-scaling-factor",
                 "--norm-topk-prob", "--moe-router-pre-softmax")
+
+
+def pretraining(ns: argparse.Namespace) -> bool:
+    """Text documents trained as Megatron's GPTDataset samples (not instruction data)."""
+    return HANDLER_FORMATS[ns.handler_name] == "text" and not ns.is_instruction_dataset
+
+
+def data_notices(ns: argparse.Namespace) -> list[str]:
+    """Pre-training flags whose upstream effect is partly outside what this engine runs."""
+    if not pretraining(ns):
+        return []
+    out = []
+    split = ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT
+    if any(_split_weights(split)[1:]):
+        given = "" if ns.split is not None else " (Megatron's default without --split)"
+        out.append(f"notice: --split {split}{given}: training reads Megatron's train split only; the validation "
+                   f"and test documents are held out and not evaluated (evaluation is not built)")
+    if ns.no_shuffle:
+        out.append("notice: --no-shuffle has no effect on pre-training data: Megatron's GPTDataset always shuffles "
+                   "its documents and samples with --seed")
+    if ns.variable_seq_lengths:
+        out.append("notice: --variable-seq-lengths has no effect on pre-training data: every GPTDataset sample is "
+                   "--seq-length tokens long")
+    return out
 
 
 def routing_notices(ns: argparse.Namespace) -> list[str]:
@@ -559,7 +591,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
     if refused:
         raise ConfigError("this build of backends.llm does not implement: " + "; ".join(refused))
     if os.environ.get("RANK", "0") == "0":
-        for line in routing_notices(ns):
+        for line in routing_notices(ns) + data_notices(ns):
             print(f"python -m backends.llm: {line}", file=sys.stderr)
     side = read_engine_file(engine)
     if ns.enable_hf2mg_convert:  # MindSpeed-LLM converts the HF weights at load time: our native HF load
@@ -623,7 +655,9 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             packing=ns.reset_attention_mask or ns.pack or ns.neat_pack, neat_pack=ns.neat_pack,
             dynamic=ns.variable_seq_lengths or ns.no_pad_to_seq_lengths,
             pad_to_multiple_of=ns.pad_to_multiple_of, shuffle=not ns.no_shuffle, max_samples=ns.max_samples,
-            seq_len=ns.seq_length),
+            seq_len=ns.seq_length, split=ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT,
+            reset_position_ids=ns.reset_position_ids, reset_attention_mask=ns.reset_attention_mask,
+            eod_mask_loss=ns.eod_mask_loss),
         train=TrainArgs(
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
             epochs=side.train_epochs, lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,

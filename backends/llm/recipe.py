@@ -155,6 +155,8 @@ def _build_data(cfg: LLMConfig, rt, par):
     template = prompt_template(d.template, tokenizer, cfg.enable_thinking) if d.fmt != "text" else d.template
     dataset = kit.rank_zero_first(rt.is_main, lambda: preprocess(source, d.fmt, tokenizer, template, d.seq_len,
                                                                  cache_root, max_samples=d.max_samples))
+    if dataset.kind == "text":
+        return dataset, _megatron_samples(cfg, dataset, tokenizer, par)
     mode = "packed" if d.packing else "dynamic" if d.dynamic else "padded"
     loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
                               dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.train.seed, shuffle=d.shuffle,
@@ -164,6 +166,43 @@ def _build_data(cfg: LLMConfig, rt, par):
     log.info("data: %s; %s batches%s", dataset.summary(), mode,
              f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
     return dataset, loader
+
+
+def _megatron_samples(cfg: LLMConfig, dataset, tokenizer, par):
+    """Pre-training as MindSpeed-LLM trains it: Megatron's GPTDataset over the text documents (their
+    train split of --split), train_iters x global batch samples, read in order."""
+    from backends.common.data import eod_id
+    from backends.common.data.gpt_dataset import GPTDataset, MegatronBatches
+
+    d, t = cfg.data, cfg.train
+    if tokenizer is None:
+        raise ConfigError("pre-training data needs the tokenizer's EOD id (Megatron's tokenizer.eod): give "
+                          "--tokenizer-name-or-path")
+    eod = eod_id(tokenizer)
+    # MindSpeed-LLM's tokenizer.pad: the pad token, else EOS; GPTDataset masks labels equal to it
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eod
+
+    def build(num_samples):
+        try:
+            return GPTDataset(dataset.ids_prefix, d.seq_len, t.seed, eod, split=d.split, which="train",
+                              num_samples=num_samples, pad_id=pad, reset_position_ids=d.reset_position_ids,
+                              reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+        except ValueError as err:
+            raise ConfigError(f"--data-path {d.prefix}: {err}") from None
+
+    if t.steps:
+        samples = build(t.steps * t.global_batch)
+        epoch = len(samples)
+    else:   # train_epochs (engine file): the steps that pass over one epoch's samples that often
+        samples = build(None)
+        epoch = len(samples)
+        samples = build(math.ceil(t.epochs * epoch / t.global_batch) * t.global_batch)
+    loader = MegatronBatches(samples, cfg.train.micro_batch, par.dp_rank, par.layout.dp)
+    loader.epoch_units = epoch
+    log.info("data: %s; Megatron GPTDataset train split: documents %d..%d, %d samples of %d tokens over %d "
+             "epoch(s), seed %d", dataset.summary(), int(samples.documents[0]), int(samples.documents[-1]),
+             len(samples), d.seq_len, samples.epochs, t.seed)
+    return loader
 
 
 def resume_setting(cfg: LLMConfig) -> str | None:
@@ -201,7 +240,8 @@ class LLMRecipe(Recipe):
         if self.accum < 1:
             raise ConfigError(f"--global-batch-size {t.global_batch} must be at least micro-batch {t.micro_batch} "
                               f"× data-parallel size {par.layout.dp}")
-        total_steps = t.steps or max(1, math.ceil(t.epochs * self.loader.n_units / t.global_batch))
+        total_steps = t.steps or max(1, math.ceil(t.epochs * getattr(self.loader, "epoch_units", self.loader.n_units)
+                                                      / t.global_batch))
         model = self._load(CausalLMWithLoss(decoder), par, rt)
         self.parts = {"model": kit.train_part(
             model, par, lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay, schedule=kit.megatron_schedule(
@@ -250,8 +290,11 @@ class LLMRecipe(Recipe):
         self.loader.load_state_dict(state["loader"])
 
     def start_info(self) -> dict:
-        return {"grad_accum": self.accum, "samples": self.dataset.stats.get("samples"), "parameters": self.total,
+        info = {"grad_accum": self.accum, "samples": self.dataset.stats.get("samples"), "parameters": self.total,
                 "trainable": self.trainable}
+        if self.loader.mode == "megatron":   # pre-training: Megatron's GPTDataset samples
+            info["gpt_dataset"] = self.loader.stats
+        return info
 
     def plot_title(self, total_steps: int) -> str:
         return f"{self.decoder.config.family} · {total_steps} steps"

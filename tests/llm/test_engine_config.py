@@ -166,7 +166,7 @@ def test_recompute_method_and_num_layers_are_honoured_or_refused():
 # one argument list per refusal of backends.llm.config.refusals: each message opens with that flag
 REFUSALS = {
     "--hidden-dropout": ["--hidden-dropout", "0.1"], "--attention-dropout": ["--attention-dropout", "0.1"],
-    "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0"],
+    "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0", "--is-instruction-dataset"],
     "--dataloader-type": ["--dataloader-type", "external"],
     "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"],
     "--seq-aux": ["--seq-aux", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"],
@@ -487,7 +487,7 @@ def test_router_flags_are_megatrons_routing_of_the_model(tmp_path, capsys, monke
     capsys.readouterr()
     torch.testing.assert_close(route(v2, pai), _megatron_route(logits, 2, True))
     noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
-    assert noticed == ["--moe-router-num-groups", "--moe-router-group-topk", "--seq-aux"]
+    assert noticed == ["--moe-router-num-groups", "--moe-router-group-topk", "--seq-aux", "--split"]  # + the data's
     for model_dir, fact in ((qwen3_moe, "top-k renormalised False \\(the model has moe.norm_topk_prob=True"),
                             (v2_groups, "expert groups greedy \\(the model has "
                                         "moe.topk_method='group_limited_greedy'")):
@@ -522,3 +522,13 @@ def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
     assert len(logits) == cfg.num_layers
     torch.testing.assert_close(loss.extra, 0.1 * want)
     torch.testing.assert_close(loss.metrics["aux_loss"], want)
+
+
+def test_pretraining_data_notices(capsys, monkeypatch):
+    """Pre-training reads Megatron's GPTDataset: the flags it does not read, and the held-out split, are said."""
+    monkeypatch.delenv("RANK", raising=False)
+    parse_args(BASE + ["--no-shuffle", "--variable-seq-lengths"], engine=CARD)
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert noticed == ["--split", "--no-shuffle", "--variable-seq-lengths"]
+    parse_args(BASE + ["--split", "100,0,0", "--no-shuffle", "--is-instruction-dataset"], engine=CARD)
+    assert "notice" not in capsys.readouterr().err     # instruction data: shuffled by the engine's loader

@@ -162,8 +162,7 @@ def test_every_published_data_convert_flag_parses(name):
 
 
 # the published scripts this build refuses, and the flags that make it refuse them
-REFUSED = {"pretrain_deepseek2_lite_16b_ptd_8p": {"--split"},
-           "tune_qwen25_72b_4k_full_pack": {"--padded-samples"}, "tune_qwen25_72b_4k_lora_ptd": {"--padded-samples"}}
+REFUSED = {"tune_qwen25_72b_4k_full_pack": {"--padded-samples"}, "tune_qwen25_72b_4k_lora_ptd": {"--padded-samples"}}
 
 
 @pytest.mark.parametrize("name", TRAINING)
@@ -225,3 +224,56 @@ def test_rope_and_router_flags_of_published_scripts_describe_their_models(name, 
     assert "--no-gradient-accumulation-fusion" in noticed and len(noticed) == len(set(noticed))
     assert MODEL_FLAGS[name] <= set(cfg.checks)
     build_decoder(cfg)   # refuses a model these flags do not describe (test_engine_config's rope / router tests)
+
+
+def test_pretraining_trains_megatron_gpt_samples_in_megatron_order(qwen3_dir, tmp_path, capsys):
+    """--data-path <prefix>_text_document: Megatron's GPTDataset samples (train split of --split,
+    --seed, the reset / eod-mask flags), micro-batches in MegatronPretrainingSampler's order."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from backends.common.data.gpt_dataset import GPTDataset
+    from backends.llm.recipe import _build_data
+
+    argv = _upstream_preprocess(published_args("data_convert_qwen3_pretrain"), tmp_path,
+                                **{"--input": CORPUS, "--tokenizer-name-or-path": qwen3_dir,
+                                   "--output-prefix": tmp_path / "enwiki"}) + ["--append-eod"]
+    assert llm_preprocess.main(argv) == 0, capsys.readouterr().err
+    prefix = str(tmp_path / "enwiki_text_document")
+    cfg = parse_args(["--data-path", prefix, "--tokenizer-name-or-path", str(qwen3_dir), "--seq-length", "32",
+                      "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "50", "--lr", "1e-4",
+                      "--seed", "77", "--split", "8,1,1", "--reset-position-ids", "--reset-attention-mask",
+                      "--eod-mask-loss"], engine={"model_id": "qwen3-0.6b"})
+    assert "--split 8,1,1: training reads Megatron's train split only" in capsys.readouterr().err
+    tok = AutoTokenizer.from_pretrained(qwen3_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    want = GPTDataset(prefix, 32, 77, tok.eos_token_id, split="8,1,1", num_samples=400, pad_id=pad,
+                      reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+    assert int(want.documents[-1]) + 1 == round(0.8 * len(CORPUS.read_text().splitlines()))
+    assert want.epochs == 2     # 50 steps x 8 samples: more than one epoch of the train split
+    for dp in (1, 2):
+        for rank in range(dp):
+            _, loader = _build_data(cfg, SimpleNamespace(is_main=True),
+                                    SimpleNamespace(dp_rank=rank, layout=SimpleNamespace(dp=dp)))
+            assert len(loader.dataset) == len(want) and loader.dataset.epochs == want.epochs
+            for step in range(3 * 8 // (2 * dp)):
+                batch = next(loader)
+                first = step * 2 * dp + rank * 2
+                rows = [want[first], want[first + 1]]
+                np.testing.assert_array_equal(batch["input_ids"].numpy().reshape(2, 32), [r["tokens"] for r in rows])
+                labels = [np.where(r["loss_mask"] > 0, r["labels"], -100) for r in rows]
+                np.testing.assert_array_equal(batch["labels"].numpy().reshape(2, 32), labels)
+                np.testing.assert_array_equal(batch["position_ids"].numpy().reshape(2, 32),
+                                              [r["position_ids"] for r in rows])
+                cu = np.concatenate([[0], rows[0]["cu_seqlens"][1:], rows[1]["cu_seqlens"][1:] + 32])
+                np.testing.assert_array_equal(batch["cu_seqlens"].numpy(), cu)
+    assert (want[0]["position_ids"] == 0).sum() > 1 or (want[1]["position_ids"] == 0).sum() > 1   # EODs inside
+    # train_epochs (engine file) instead of --train-iters: steps over that many epochs of samples
+    flags = ["--data-path", prefix, "--tokenizer-name-or-path", str(qwen3_dir), "--seq-length", "32",
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-4", "--seed", "77", "--split", "8,1,1"]
+    by_epochs = parse_args(flags, engine={"model_id": "qwen3-0.6b", "train_epochs": 2.5})
+    _, loader = _build_data(by_epochs, SimpleNamespace(is_main=True),
+                            SimpleNamespace(dp_rank=0, layout=SimpleNamespace(dp=1)))
+    one = GPTDataset(prefix, 32, 77, tok.eos_token_id, split="8,1,1", pad_id=pad)   # no num_samples: one epoch
+    assert loader.epoch_units == len(one) and len(loader.dataset) >= math.ceil(2.5 * len(one) / 8) * 8

@@ -152,6 +152,10 @@ def test_one_step_through_run(family, features, runs, engine_runs, tiny_models, 
         assert (out / "hf" / "config.json").exists()
     if "packing" in features:
         assert steps[0]["padding_waste"] < 0.5  # several samples share each 64-token row
+    if "pretrain_full" in features:   # Megatron's GPTDataset: seq_length windows over the corpus, all of it trained
+        start = next(r for r in records if r.get("event") == "start")
+        gpt = start["gpt_dataset"]
+        assert gpt["documents"] == start["samples"] and gpt["samples"] >= 2 and gpt["mode"] == "megatron"
     if "dynamic_seq_len" in features:
         start = next(r for r in records if r.get("event") == "start")
         assert start["samples"] > 0
