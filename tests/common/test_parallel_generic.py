@@ -30,7 +30,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("variant", ["tp", "fsdp", "pp"])
 def test_shared_parallel_code_matches_one_process(results, variant):
     r = results[variant]
-    assert r["loss"] <= 1e-5 and r["grads"] <= 1e-5, r
+    assert r["loss"] <= 1e-6 and r["grads"] <= 1e-5, r  # loss: relative (a sum), grads: absolute
 
 
 def test_the_plans_really_applied(results):
