@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.common.data import IGNORE_INDEX, TemplateError, encode_conversation, formats, resolve_template
+from backends.common.data import IGNORE_INDEX, TemplateError, encode_conversation, resolve_template
 from backends.lf.data import TEMPLATES as LF_NAMES
+from tests.helpers.lf_encode import encode_record
 from tests.helpers.tiny_tokenizers import describe
 from tests.lf.lf_families import family_tokenizer
 
@@ -33,15 +34,7 @@ def encode_ours(case: dict, tok) -> dict:
     args = case["data_args"]
     template = resolve_template(LF_NAMES[case["template"]], tok, enable_thinking=args.get("enable_thinking"),
                                 preserve_thinking=args.get("preserve_thinking"))
-    if rec["ranking"]:
-        chosen, rejected = formats.encode_pairwise(tok, template, rec["record"], FIXTURE, 0,
-                                                   cutoff_len=args["cutoff_len"])
-        return {"chosen_input_ids": chosen.input_ids, "chosen_labels": chosen.labels,
-                "rejected_input_ids": rejected.input_ids, "rejected_labels": rejected.labels}
-    sample = formats.encode_instruction(tok, template, rec["formatting"], rec["record"], FIXTURE, 0,
-                                        train_on_prompt=bool(args.get("train_on_prompt")),
-                                        mask_history=bool(args.get("mask_history")), cutoff_len=args["cutoff_len"])
-    return {"input_ids": sample.input_ids, "labels": sample.labels}
+    return encode_record(rec, args, tok, template, FIXTURE)
 
 
 @pytest.mark.parametrize("case", REFERENCE["cases"], ids=lambda c: c["id"])

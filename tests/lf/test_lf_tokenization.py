@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.common.data import IGNORE_INDEX, formats, resolve_template
+from backends.common.data import IGNORE_INDEX, resolve_template
+from tests.helpers.lf_encode import encode_record
 from tests.helpers.tiny_tokenizers import describe, family_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,16 +43,7 @@ def encode_ours(case: dict) -> dict:
     args = case["data_args"]
     tok = _tokenizer(case["tokenizer"])
     template = resolve_template(case["template"], tok, enable_thinking=args.get("enable_thinking"))
-    where = Path(FIXTURE.name)
-    if rec["ranking"]:
-        chosen, rejected = formats.encode_pairwise(tok, template, rec["record"], where, 0,
-                                                   cutoff_len=args["cutoff_len"])
-        return {"chosen_input_ids": chosen.input_ids, "chosen_labels": chosen.labels,
-                "rejected_input_ids": rejected.input_ids, "rejected_labels": rejected.labels}
-    sample = formats.encode_instruction(tok, template, rec["formatting"], rec["record"], where, 0,
-                                        train_on_prompt=bool(args.get("train_on_prompt")),
-                                        mask_history=bool(args.get("mask_history")), cutoff_len=args["cutoff_len"])
-    return {"input_ids": sample.input_ids, "labels": sample.labels}
+    return encode_record(rec, args, tok, template, Path(FIXTURE.name))
 
 
 def describe_difference(tok, ours: dict, expected: dict) -> str:
