@@ -130,7 +130,7 @@ def what_would_work(model_id: str, framework: str, stage: str) -> list[Problem]:
     if others:
         out.append(Problem("--framework", f"{model_id} trains at stage {stage} on {', '.join(others)}",
                            hint=f"--framework {others[0]}"))
-    models = [m for m in catalog.models() if trains(m, framework, stage)] if stage in adapter(framework).stages else []
+    models = [m for m in catalog.models() if trains(m, framework, stage)]
     if models:
         shown = ", ".join(models[:8]) + (f" and {len(models) - 8} more" if len(models) > 8 else "")
         out.append(Problem("--model", f"{framework} trains stage {stage} for {shown}",

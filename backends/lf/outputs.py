@@ -53,7 +53,7 @@ class TrainerOutputs:
         steps = step - (self._first_step or 0)
         metrics = {"train_runtime": round(runtime, 4)}
         if runtime:
-            samples = self.max_steps * self.global_batch * steps / max(self.max_steps, 1)
+            samples = self.global_batch * steps  # the Trainer's max_steps x batch, times steps / max_steps
             metrics.update(train_samples_per_second=round(samples / runtime, 3),
                            train_steps_per_second=round(steps / runtime, 3))
         metrics.update(total_flos=self.total_flos, train_loss=sum(self._losses) / max(len(self._losses), 0.001),

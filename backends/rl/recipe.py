@@ -392,9 +392,6 @@ class RLRecipe(Recipe):
 
     # ------------------------------------------------------------------ forward passes
 
-    def _stack(self, r: Rollouts, rows: list[int]) -> dict:
-        return batches.micro_batch(r, rows, self.vision)
-
     def _chunks(self, r: Rollouts, rows: list[int], size: int | None = None, budget: int | None = None
                 ) -> list[list[int]]:
         """The rows in micro-batches: of `size` responses (the micro_batch_size), or with a token budget
@@ -407,7 +404,7 @@ class RLRecipe(Recipe):
         return [rows[s:s + size] for s in range(0, len(rows), size)]
 
     def _micro(self, r: Rollouts, rows: list[int], size: int | None = None, budget: int | None = None) -> list[dict]:
-        return [self._stack(r, chunk) for chunk in self._chunks(r, rows, size, budget)]
+        return [batches.micro_batch(r, chunk, self.vision) for chunk in self._chunks(r, rows, size, budget)]
 
     def _critic_micro(self, r: Rollouts, mine: list[int], micro: list[dict], tokens: float, seqs: float) -> list[dict]:
         """The critic's update micro-batches: critic_micro_batch_size responses each (VeRL's
@@ -478,7 +475,7 @@ class RLRecipe(Recipe):
             for key, model, forward, budget in passes:  # one model gathered at a time (sharded: see sharding.py)
                 if budget not in split:
                     chunks = self._chunks(r, mine, budget=budget)
-                    split[budget] = chunks, [self._stack(r, chunk) for chunk in chunks]
+                    split[budget] = chunks, [batches.micro_batch(r, chunk, self.vision) for chunk in chunks]
                 chunks, stacked = split[budget]
                 with sharding.gathered(model):
                     if self.pp is not None:  # through the stages; the last stage's results broadcast over pp

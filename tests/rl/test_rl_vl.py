@@ -154,6 +154,7 @@ def test_logprobs_match_transformers(data):
 
     from backends.rl import multimodal
     from backends.rl.config import RLConfig
+    from backends.rl.batches import micro_batch
     from backends.rl.recipe import RLRecipe, Rollouts
 
     recs, _ = _records([data])
@@ -166,7 +167,7 @@ def test_logprobs_match_transformers(data):
     rec = RLRecipe(RLConfig(model_path=str(MODEL), temperature=1.0))
     rec.rt, rec.cp, rec.tp_mesh = SimpleNamespace(device=torch.device("cpu")), None, None
     rec.vision = multimodal.Vision(model.config, recs)
-    mb = rec._stack(r, [0, 1, 2, 3])
+    mb = micro_batch(r, [0, 1, 2, 3], rec.vision)
     with torch.no_grad():
         logp, ent = rec._logprobs(model, mb, entropy=True)
     hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(MODEL, dtype=torch.float32).eval()
