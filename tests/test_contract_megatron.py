@@ -12,7 +12,7 @@ import pytest
 
 from backends.common import megatron_args
 from backends.contract import lora, megatron
-from tests.helpers.megatron_flags import TSV_NAME, read_tsv
+from tests.helpers.megatron_flags import ARCH, TSV_NAME, read_tsv
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = Path(os.environ.get("AF_UPSTREAM_DIR") or ROOT.parent / "shared" / "upstream")
@@ -47,21 +47,44 @@ def test_flag_table_is_megatrons_declaration(tsv):
 
 
 # MindSpeed-MM's own flags (its arguments.py is not in the TSV): --mm-tool names its profiler settings file
-MINDSPEED_MM_OWN = {"--mm-tool", "--log-tps"}
+NOT_IN_TSV = {"--mm-tool", "--log-tps"}
 
 
-def test_no_effect_flags_are_upstream_switches_that_change_no_number(tsv):
-    assert {name for name in megatron.NO_EFFECT if name not in tsv} == MINDSPEED_MM_OWN
+def test_no_effect_flags_are_upstream_flags_that_change_no_number(tsv):
+    assert {name for name in megatron.NO_EFFECT if name not in tsv} == NOT_IN_TSV
     for name, entry in megatron.NO_EFFECT.items():
         assert entry.why and set(entry.dialects) <= {"llm", "mm"}, name
-        for d in tsv.get(name, []):  # every upstream declaration: a switch, as the engines parse it
-            assert d["action"].strip("'\"") in ("store_true", "store_false") and not entry.takes_value, name
+        assert entry.declared == (name in megatron.FLAGS), name   # the shared table parses those
+        for d in tsv.get(name, []):  # every upstream declaration, as the engines parse it
+            if not entry.takes_value:
+                assert d["action"].strip("'\"") in ("store_true", "store_false"), name
+            elif not entry.declared:
+                assert {"int": int, "float": float, "str": None, "": None}[d["type"]] is entry.type, name
+                if entry.choices:
+                    assert set(_literal(d["choices"])) <= set(entry.choices), name
     assert megatron.NO_EFFECT["--mm-tool"].takes_value and megatron.NO_EFFECT["--mm-tool"].dialects == ("mm",)
-    # flags with a meaning never land here: the engines' own flags, the shared flag table, the NaN-free numbers
+    # flags with a meaning never land here: the engines' own flags, the NaN-free numbers
     from backends.llm import config as llm
 
-    llm_actions = {a.option_strings[0] for a in llm._parser()._actions if a.option_strings and a.nargs != 0}
-    assert not set(megatron.NO_EFFECT) & (set(megatron.FLAGS) | llm_actions | set(llm.MODEL_FACTS))
+    own = {a.option_strings[0] for a in llm._parser()._actions if a.option_strings and a.nargs != 0}
+    own -= set(megatron.no_effect("llm"))
+    assert not set(megatron.NO_EFFECT) & (own | set(llm.MODEL_FACTS))
+
+
+def test_every_llm_flag_is_read_or_noticed():
+    """No flag of backends.llm is parsed and dropped: each dest is read by the engine's config (ns.<dest> or
+    its name in a flag table), refused as an architecture switch when omitted, or a no-effect notice."""
+    import re
+
+    from backends.llm import config as llm
+
+    src = "".join(p.read_text() for p in (ROOT / "backends" / "llm").glob("*.py"))
+    noticed = set(megatron.no_effect("llm"))
+    switches = {flag for flags in llm.ARCHITECTURE_SWITCHES for flag in flags}
+    unread = [a.option_strings[0] for a in llm._parser()._actions if a.option_strings and a.dest != "help"
+              and a.option_strings[0] not in noticed | switches
+              and not re.search(rf"\bns\.{a.dest}\b|[\"']{a.dest}[\"']", src)]
+    assert unread == []
 
 
 def test_engines_narrow_upstream_choices_only(tsv):
@@ -103,7 +126,7 @@ def test_engine_parsers_take_the_shared_flags_as_declared():
         dialect = engine.__name__.split(".")[1]
         assert megatron.no_effect(dialect)
         for name, entry in megatron.no_effect(dialect).items():
-            assert actions[name].nargs == (None if entry.takes_value else 0), name
+            assert actions[name].nargs == (entry.nargs if entry.takes_value else 0), name
     llm_flags, mm_flags = set(llm.supported_flags()), set(mm.supported_flags())
     assert "--mm-tool" in mm_flags and "--mm-tool" not in llm_flags            # MindSpeed-MM's own
     assert "--moe-alltoall-overlap-comm" in llm_flags - mm_flags
@@ -112,7 +135,7 @@ def test_engine_parsers_take_the_shared_flags_as_declared():
 def test_no_effect_flags_print_one_notice_line_each(capsys, monkeypatch):
     from backends.llm.config import parse_args
 
-    base = ["--data-path", "x", "--split", "100,0,0", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4",
+    base = [*ARCH, "--data-path", "x", "--split", "100,0,0", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4",
             "--train-iters", "1"]
     given = ["--no-rope-fusion", "--no-check-for-nan-in-loss-and-grad", "--use-cp-send-recv-overlap",
              "--no-rope-fusion", "--use-fused-ring-attention-update", "--no-gradient-accumulation-fusion"]

@@ -144,6 +144,7 @@ def test_every_refusal_reported_at_once(plan_of):
 # ---------------------------------------------------------------------- backends.contract.layout itself
 
 from backends.contract import layout as lay  # noqa: E402
+from tests.helpers.megatron_flags import ARCH  # noqa: E402
 
 QWEN3_8B = {"heads": 32, "kv_heads": 8, "layers": 36}
 
@@ -242,7 +243,7 @@ AGREEMENT = [  # (model, world, parallel, seq_len, micro, global)
 def _engine_flags(arch, world, par, seq, micro, global_batch):
     """The numbers in MindSpeed-LLM's flags, as the engine reads them."""
     algo = {"ring": "megatron_cp_algo", "ulysses": "ulysses_cp_algo", "hybrid": "hybrid_cp_algo"}
-    flags = ["--data-path", "x", "--lr", "1e-4", "--train-iters", "1",
+    flags = [*ARCH, "--data-path", "x", "--lr", "1e-4", "--train-iters", "1",
              "--seq-length", str(seq), "--micro-batch-size", str(micro), "--global-batch-size", str(global_batch),
              "--tensor-model-parallel-size", str(par.get("tp", 1)), "--pipeline-model-parallel-size",
              str(par.get("pp", 1)), "--context-parallel-size", str(par.get("cp", 1)),

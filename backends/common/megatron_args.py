@@ -60,8 +60,10 @@ def add(parser: argparse.ArgumentParser, flags: Iterable[str]) -> None:
 def add_no_effect(parser: argparse.ArgumentParser, dialect: str) -> None:
     """The flags of backends.contract.megatron.NO_EFFECT this engine ("llm" / "mm") accepts and ignores."""
     for name, entry in no_effect(dialect).items():
+        if entry.declared:
+            continue
         if entry.takes_value:
-            parser.add_argument(name)
+            parser.add_argument(name, type=entry.type, choices=list(entry.choices) or None, nargs=entry.nargs)
         else:
             parser.add_argument(name, action="store_true")
 

@@ -100,6 +100,10 @@ class NoEffect:
     why: str
     dialects: tuple[str, ...] = ("llm", "mm")   # backends.llm (MindSpeed-LLM), backends.mm (MindSpeed-MM)
     takes_value: bool = False                     # a file path or number (the rest are switches)
+    type: type | None = None                      # a value's upstream type, choices and nargs
+    choices: tuple = ()
+    nargs: str | None = None
+    declared: bool = False                        # parsed from FLAGS (upstream type and default): the notice only
 
 
 _FUSION = "a kernel fusion switch: the engine's kernels are chosen by --use-flash-attn / --use-fused-* and engine.yaml"
@@ -142,6 +146,21 @@ NO_EFFECT: dict[str, NoEffect] = {
     "--recompute-activation-function": NoEffect(_MEMORY, ("llm",)),
     # MindSpeed-LLM
     "--no-shared-storage": NoEffect("where the data index cache is written (each node or a shared disk)", ("llm",)),
+    "--spec": NoEffect("Megatron's layer-spec module: the family's native decoder, held against the model's "
+                       "config, stands for every spec of it", ("llm",), True, nargs="*"),
+    "--transformer-impl": NoEffect("Transformer Engine and local modules compute the same layers", ("llm",), True,
+                                   choices=("local", "transformer_engine")),
+    "--shape-order": NoEffect("the tensor layout handed to the fused attention kernel", ("llm",), True,
+                              choices=("SBH", "BSH", "BSND", "BNSD")),
+    "--manual-gc-interval": NoEffect("Python garbage collection timing", ("llm",), True, int),
+    "--workers": NoEffect("preprocess_data.py's worker processes (scripts that list data and training flags "
+                          "together): the same dataset is written", ("llm",), True, int),
+    "--num-workers": NoEffect("data-loader worker processes: the same samples load in the same order", ("llm",),
+                              True, declared=True),
+    "--distributed-backend": NoEffect("the engine takes the device's collective library (hccl, nccl, gloo): the "
+                                      "same collectives run", ("llm",), True, declared=True),
+    **{name: NoEffect("training reads Megatron's train split only: no evaluation runs here", ("llm",), True,
+                      declared=True) for name in ("--eval-interval", "--eval-iters")},
     "--lora-fusion": NoEffect(_FUSION, ("llm",)),
     # MindSpeed-MM: --mm-tool is its profiler settings file (tools.json), not tool-calling data
     "--mm-tool": NoEffect("MindSpeed-MM's profiler settings file: the engine runs no profiler", ("mm",), True),

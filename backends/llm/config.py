@@ -258,8 +258,6 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     """The rest of what MindSpeed-LLM's published pretrain / tune scripts pass (types as upstream)."""
     a = p.add_argument
     # the model: the native decoder of the family stands for every Megatron build of it
-    a("--spec", nargs="*")
-    a("--transformer-impl", choices=["local", "transformer_engine"], default="transformer_engine")
     a("--use-rotary-position-embeddings", action="store_true")
     a("--enable-hf2mg-convert", action="store_true")
     a("--model-type-hf")
@@ -305,9 +303,6 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     # (backends.contract.megatron.NO_EFFECT)
     megatron_args.add_no_effect(p, "llm")
     a("--padded-samples", action="store_true")  # changes the sample order: refused (see refusals)
-    a("--manual-gc-interval", type=int, default=0)
-    a("--shape-order", choices=["SBH", "BSH", "BSND", "BNSD"], default="SBH")
-    a("--workers", type=int, default=1)  # preprocess_data.py's, in scripts that list data and training flags together
 
 
 def _true_false_none(text: str):
@@ -406,6 +401,27 @@ def _split_weights(text: str) -> list[float]:
     return weights + [0.0] * (3 - len(weights))
 
 
+# Megatron's architecture switches whose omission asks for a model no family here has (Megatron's defaults:
+# a GELU MLP, biases on every linear layer, LayerNorm, learned absolute positions). Every published script
+# of our families and every rendered file gives them; an omitted one is refused, never read as given.
+ARCHITECTURE_SWITCHES = {
+    ("--swiglu",): "a GELU MLP (Megatron's default); the native decoders are gated SiLU (SwiGLU)",
+    ("--disable-bias-linear",): "biases on every linear layer (Megatron's default); the native decoders have none "
+                                "(--add-qkv-bias adds the attention input's)",
+    ("--normalization",): "LayerNorm (Megatron's default); the native decoders use RMSNorm: give --normalization "
+                          "RMSNorm",
+    ("--position-embedding-type", "--use-rotary-position-embeddings"):
+        "learned absolute position embeddings (Megatron's default); the native decoders are rotary: give "
+        "--position-embedding-type rope",
+}
+
+
+def architecture_refusals(argv: list[str]) -> list[str]:
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    return [f"{flags[0]} is not given: Megatron builds {why}" for flags, why in ARCHITECTURE_SWITCHES.items()
+            if not given & set(flags)]
+
+
 def refusals(ns: argparse.Namespace) -> list[str]:
     """Flags of MindSpeed-LLM this build does not implement as set: each names the flag and what to use."""
     out = []
@@ -413,6 +429,15 @@ def refusals(ns: argparse.Namespace) -> list[str]:
         if getattr(ns, flag):
             out.append(f"--{flag.replace('_', '-')} {getattr(ns, flag)}: the native decoders have no dropout; "
                        f"set it to 0, as MindSpeed-LLM's published scripts do")
+    if ns.num_query_groups is not None and not ns.group_query_attention:
+        out.append(f"--num-query-groups {ns.num_query_groups} without --group-query-attention: Megatron ignores it "
+                   f"and builds one key/value head per head; add --group-query-attention")
+    mla_sizes = [f"--{name.replace('_', '-')}" for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                                             "qk_pos_emb_head_dim", "v_head_dim")
+                 if getattr(ns, name) is not None]
+    if mla_sizes and not ns.multi_latent_attention:
+        out.append(f"{' '.join(mla_sizes)} without --multi-latent-attention: Megatron builds standard attention and "
+                   f"ignores them; add --multi-latent-attention")
     if ns.stage not in (None, "sft"):
         out.append(f"--stage {ns.stage}: this engine trains pre-training and SFT only; use framework llamafactory "
                    f"(stage: dpo) or mindspeed-rl for preference and RL training")
@@ -497,6 +522,13 @@ def data_notices(ns: argparse.Namespace) -> list[str]:
         out.append("notice: --variable-seq-lengths has no effect on pre-training data: every GPTDataset sample is "
                    "--seq-length tokens long")
     return out
+
+
+def attention_notices(ns: argparse.Namespace) -> list[str]:
+    if ns.attention_mask_type == "general":   # MindSpeed's full [s, s] mask, for CP layouts that need one
+        return ["notice: --attention-mask-type general has no effect on this engine: the same causal attention is "
+                "computed without materialising the mask"]
+    return []
 
 
 def routing_notices(ns: argparse.Namespace) -> list[str]:
@@ -588,10 +620,11 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
     """The flags, plus the sidecar (`engine`: a mapping or a path; None: the file $AF_ENGINE_FILE names)."""
     ns = megatron_args.parse(_parser(), argv, "MindSpeed-LLM", _HINTS, engine="llm")
     refused = refusals(ns)
+    refused += architecture_refusals(argv)
     if refused:
-        raise ConfigError("this build of backends.llm does not implement: " + "; ".join(refused))
+        raise ConfigError("this build of backends.llm does not implement:\n" + "\n".join(refused))
     if os.environ.get("RANK", "0") == "0":
-        for line in routing_notices(ns) + data_notices(ns):
+        for line in routing_notices(ns) + data_notices(ns) + attention_notices(ns):
             print(f"python -m backends.llm: {line}", file=sys.stderr)
     side = read_engine_file(engine)
     if ns.enable_hf2mg_convert:  # MindSpeed-LLM converts the HF weights at load time: our native HF load

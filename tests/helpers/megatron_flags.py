@@ -108,3 +108,8 @@ def problems(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
         except FlagError as err:
             out.append(str(err))
     return out
+
+
+# the architecture switches every MindSpeed-LLM script of our families gives (backends.llm refuses their
+# omission: Megatron's defaults build another model)
+ARCH = ["--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]

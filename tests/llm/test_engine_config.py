@@ -12,6 +12,7 @@ from ascendfactory.job_file import load_job, parse_job
 from ascendfactory.plan import make_plan
 from ascendfactory.render import render
 from backends.llm.config import ConfigError, lora_targets, parse_args, read_engine_file
+from tests.helpers.megatron_flags import ARCH
 
 ROOT = Path(__file__).resolve().parents[2]
 LLM_EXAMPLES = [p for p in sorted((ROOT / "examples").rglob("*.yaml")) if load_job(p).framework == "mindspeed-llm"]
@@ -68,7 +69,8 @@ def test_every_job_setting_reaches_the_engine(job_text, tmp_path):
     assert cfg.model.overrides["moe"]["num_experts"] == 8 and cfg.model.overrides["moe"]["experts_per_token"] == 2
 
 
-BASE = ["--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
+BASE = [*ARCH, "--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters",
+        "1"]
 CARD = {"model_id": "qwen3-8b"}
 
 
@@ -532,3 +534,36 @@ def test_pretraining_data_notices(capsys, monkeypatch):
     assert noticed == ["--split", "--no-shuffle", "--variable-seq-lengths"]
     parse_args(BASE + ["--split", "100,0,0", "--no-shuffle", "--is-instruction-dataset"], engine=CARD)
     assert "notice" not in capsys.readouterr().err     # instruction data: shuffled by the engine's loader
+
+
+def test_omitted_architecture_switches_are_refused_not_read_as_given():
+    """Megatron's defaults without --swiglu / --disable-bias-linear / --normalization / a rotary
+    --position-embedding-type build a model no family here has: each omission is one refusal line."""
+    from tests.llm.test_published_scripts import refused_flags
+
+    rest = BASE[len(ARCH):]
+    with pytest.raises(ConfigError) as err:
+        parse_args(rest, engine=CARD)
+    assert refused_flags(str(err.value)) == ["--swiglu", "--disable-bias-linear", "--normalization",
+                                             "--position-embedding-type"]
+    assert len(str(err.value).splitlines()) == 5
+    rotary = [a for a in BASE if a not in ("--position-embedding-type", "rope")] + ["--use-rotary-position-embeddings"]
+    assert parse_args(rotary, engine=CARD).model.model_id == CARD["model_id"]
+    for extra, flag in ((["--num-query-groups", "2"], "--num-query-groups"),
+                        (["--kv-lora-rank", "8", "--v-head-dim", "8"], "--kv-lora-rank")):
+        with pytest.raises(ConfigError) as err:
+            parse_args(BASE + extra, engine=CARD)
+        assert refused_flags(str(err.value)) == [flag]
+
+
+def test_value_flags_without_effect_are_one_notice_each(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    given = ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec", "--transformer-impl", "local",
+             "--shape-order", "BNSD", "--manual-gc-interval", "50", "--num-workers", "4",
+             "--distributed-backend", "nccl", "--eval-interval", "10", "--eval-iters", "2",
+             "--attention-mask-type", "general"]
+    parse_args(BASE + ["--split", "100,0,0"] + given, engine=CARD)
+    noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert noticed == [a for a in given if a.startswith("--")]
+    with pytest.raises(ConfigError, match="--shape-order: invalid choice"):   # upstream's choices still hold
+        parse_args(BASE + ["--shape-order", "XYZ"], engine=CARD)

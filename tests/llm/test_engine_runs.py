@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.megatron_flags import ARCH
 from tests.helpers.tiny_runs import tiny_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +199,8 @@ def test_flash_and_fused_switches_choose_the_plain_ops():
     from backends.llm.config import parse_args
     from backends.llm.recipe import kernel_overrides
 
-    base = ["--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
+    base = [*ARCH, "--data-path", "x", "--seq-length", "8", "--global-batch-size", "1", "--lr", "1e-4",
+            "--train-iters", "1"]
     card = {"model_id": "qwen3-8b"}
     moe = ["--moe-grouped-gemm", "--moe-permute-fusion"]
     fused = base + ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
