@@ -51,10 +51,12 @@ def _load(job_file: Path, overrides: Optional[List[str]]):
     return load_job(job_file, overrides or [])
 
 
-def _plan(job_file: Path, overrides, allow_unsupported: bool = False, check_memory: bool = True):
-    from ascendfactory.plan import make_plan
+def _plan(job_file: Path, overrides, allow_unsupported: bool = False, for_run: bool = False):
+    """The plan; `for_run`: also every check `run` makes before it writes anything (the input files, and the
+    engine of this build where the job runs here), all problems in one error."""
+    from ascendfactory.plan import check_job
 
-    return make_plan(_load(job_file, overrides), allow_unsupported=allow_unsupported, check_memory=check_memory)
+    return check_job(job_file, overrides, allow_unsupported=allow_unsupported, check_inputs=for_run)
 
 
 def _warn(warnings: list[str]) -> None:
@@ -84,15 +86,13 @@ def _split_overrides(args: List[str]) -> tuple[List[Path], List[str]]:
 def validate(args: List[str] = typer.Argument(..., help="job files, then key.sub=value overrides for all of them",
                                              metavar="JOB... [KEY=VALUE...]"),
              allow_unsupported: bool = ALLOW) -> None:
-    """Check job files: schema, capability matrix, layout and memory. Exit 2 if any fails."""
-    from ascendfactory.job_file import load_job
-    from ascendfactory.plan import make_plan
-
+    """Check job files in one pass: schema, capability matrix, layout, memory, the engine and the input files
+    (data, model, images, checkpoint). Exit 2 if any fails."""
     job_files, overrides = _split_overrides(args)
     con, failed = _console(), 0
     for path in job_files:
         try:
-            plan = make_plan(load_job(path, overrides), allow_unsupported=allow_unsupported)
+            plan = _plan(path, overrides, allow_unsupported, for_run=True)
         except JobError as err:
             failed += 1
             _console(stderr=True).print(f"[bold red]✗[/] {_escape(str(path))}\n{_escape(err.render())}")
@@ -144,13 +144,13 @@ def plan(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES, allow
     _warn(p.warnings)
 
 
-def _render_to(job_file: Path, overrides, out_dir: Optional[Path], allow_unsupported: bool):
+def _render_to(job_file: Path, overrides, out_dir: Optional[Path], allow_unsupported: bool, for_run: bool = False):
     import yaml
 
     from ascendfactory.plan import effective_yaml
     from ascendfactory.render import render, write_files
 
-    p = _plan(job_file, overrides, allow_unsupported)
+    p = _plan(job_file, overrides, allow_unsupported, for_run=for_run)
     target = Path(out_dir) if out_dir else Path(p.job.output_dir)
     rendered = render(p, run_dir=target)
     job_yaml = yaml.safe_dump(p.job.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
@@ -182,13 +182,12 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
         allow_unsupported: bool = ALLOW) -> None:
     """Validate, plan, render into the run directory and launch (slurm: submit with sbatch and follow;
     k8s: kubectl apply); returns the engine's (or the Slurm job's) exit code."""
-    from ascendfactory.engines import require_ready
     from ascendfactory.errors import Problem
     from ascendfactory.launch import (apply_k8s, cluster_command, run_with_progress, shell_join,
                                       submit_and_follow_slurm)
 
     try:
-        p, rendered, written = _render_to(job_file, overrides, None, allow_unsupported)
+        p, rendered, written = _render_to(job_file, overrides, None, allow_unsupported, for_run=not dry_run)
         con = _console()
         con.print(f"run directory: {_escape(str(rendered.run_dir))}")
         _warn(rendered.warnings)
@@ -201,8 +200,6 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
                       + _escape(shell_join(command)))
             return
         if p.job.launcher == "slurm":
-            require_ready(p.job)
-            _check_inputs(p)
             raise typer.Exit(submit_and_follow_slurm(rendered.run_dir, p.job.train.steps, follow, con,
                                                      ask_cancel=_ask_cancel))
         if p.job.launcher == "k8s":
@@ -212,8 +209,6 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
                            [Problem("launcher", f"{rendered.run_dir / 'launch.sh'} is ready",
                                     hint="use it as the ModelArts job's boot command: bash launch.sh "
                                          "(AF_WORKDIR or MA_JOB_DIR says where the code is)")])
-        require_ready(p.job)
-        _check_inputs(p)
     except JobError as err:
         _fail(err)
     outcome = run_with_progress(rendered.argv, rendered.env, rendered.run_dir / "metrics.jsonl",
@@ -280,13 +275,9 @@ def _ask_cancel(job_id: str) -> bool:
 
 def _check_inputs(p) -> None:
     """Files the engine will need must exist before anything starts."""
-    from ascendfactory.errors import Problem
+    from ascendfactory.inputs import input_problems
 
-    problems = []
-    if not Path(p.job.data.path).exists():
-        problems.append(Problem("data.path", f"{p.job.data.path} does not exist", hint="fix the path (relative paths start at the current directory)"))
-    if p.job.resume not in ("auto", "never") and not Path(p.job.resume).exists():
-        problems.append(Problem("resume", f"checkpoint {p.job.resume} does not exist", hint="use resume: auto or never, or a checkpoints/step_N directory"))
+    problems = input_problems(p.job)
     if problems:
         raise JobError("Inputs are missing", problems)
 

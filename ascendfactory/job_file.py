@@ -3,6 +3,7 @@ validates against the schema in ascendfactory/spec.py. Every problem of the file
 JobError (dotted path, YAML line, did-you-mean). `json_schema()` is that schema for editors.
 """
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,31 @@ def parse_job(text: str, overrides: list[str] | None = None, source: str = "job"
     except ValidationError as err:
         problems = _problems_from(err, lines, overridden)
         n = len(problems)
-        raise JobError(f"{source}: {n} problem{'s' if n != 1 else ''} in the job file", problems) from None
+        error = JobError(f"{source}: {n} problem{'s' if n != 1 else ''} in the job file", problems)
+        error.partial, error.removed = _without_refused(data, err)
+        raise error from None
+
+
+def _without_refused(data: dict, err: ValidationError) -> tuple[JobSpec | None, list[str]]:
+    """The job with every refused key dropped (its default instead), when that is a valid job: the later
+    checks (matrix, layout, inputs) then see the rest of the file. None when a required key is wrong."""
+    data, removed = copy.deepcopy(data), []
+    for e in err.errors():
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        node, path = data, []
+        for part in loc:   # as deep as the data goes (union members and validators add parts of their own)
+            if not isinstance(node, dict) or part not in node or not isinstance(part, str):
+                break
+            parent, node = node, node[part]
+            path.append(part)
+        if not path or e["type"] == "missing":
+            return None, []
+        parent.pop(path[-1], None)
+        removed.append(".".join(path))
+    try:
+        return JobSpec.model_validate(data), removed
+    except ValidationError:
+        return None, []
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

@@ -13,7 +13,7 @@ from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
 from backends.contract.layout import Layout, rl_batches
 from backends.contract.layout import solve as solve_layout
-from ascendfactory.matrix import CapabilityReport, require_supported
+from ascendfactory.matrix import CapabilityReport
 from ascendfactory.spec import RL_STAGES, ROLE_INHERITS, TRAINED_ROLES, JobSpec
 
 DEFAULT_DEVICE_MEMORY_GIB = {"npu": 64.0, "cuda": 80.0}
@@ -52,7 +52,7 @@ class Plan:
 
 # launchers whose processes read the job's paths on another file system (the pods' volumes, ModelArts'
 # storage); local and torchrun run here, and Slurm runs from this machine's shared file system
-REMOTE_FS_LAUNCHERS = ("k8s", "modelarts")
+from ascendfactory.inputs import REMOTE_FS_LAUNCHERS  # noqa: E402
 
 
 def _remote_path_problems(job: JobSpec, field: str, value: str) -> tuple[list[Problem], list[str]] | None:
@@ -259,38 +259,92 @@ def _same_layout(role_layout, parallel) -> bool:
     return all(getattr(role_layout, k) == getattr(parallel, k) for k in type(role_layout).model_fields)
 
 
-def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool = True) -> Plan:
-    """Capability check, layout rules and memory estimate; every refusal in one JobError."""
+def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool = True,
+              check_inputs: bool = False) -> Plan:
+    """Capability check, model, layout rules, memory estimate and, with `check_inputs` (what `run` checks
+    before it writes anything), the files the engine opens and the engine of this build where the job runs
+    here: every problem of every check in one JobError, titled by the check when only one failed."""
+    from ascendfactory.engines import require_ready
+    from ascendfactory.inputs import input_problems
+    from ascendfactory.matrix import check
     from ascendfactory.memory import estimate
 
-    capability = require_supported(job, allow_unsupported)
+    found: dict[str, list[Problem]] = {}
+    capability = check(job, allow_unsupported)
+    n = len(capability.refusals)
+    found[f"The capability matrix refuses this job ({n} reason{'s' if n != 1 else ''})"] = list(capability.refusals)
     card = catalog.models()[job.model]
-    family, arch, source, problems, warnings = resolve_arch(job, card)
-    if problems:
-        raise JobError("The model cannot be resolved", problems)
-    layout, problems, more = _layout_rules(job, arch)
+    family, arch, source, arch_problems, warnings = resolve_arch(job, card)
+    found["The model cannot be resolved"] = arch_problems
+    if arch_problems:   # plan the layout on the card's architecture: its rules still hold for the job's numbers
+        arch = copy.deepcopy(card["arch"])
+    layout, layout_problems, more = _layout_rules(job, arch)
     roles, role_problems = _role_layouts(job, arch)
-    problems += role_problems
+    layout_problems += role_problems
     warnings += more
-    if problems:
-        n = len(problems)
-        layout_only = all(pr.where.startswith(("parallel", "resources")) or
-                          (pr.where.startswith("rl.") and ".parallel" in pr.where) for pr in problems)
-        what = "The parallel layout does not work" if layout_only else "The job cannot be planned"
-        raise JobError(f"{what} ({n} problem{'s' if n != 1 else ''})", problems)
-    if job.stage in RL_STAGES:
-        layout = _rl_layout(layout, job)
-    device = job.resources.device
-    limit = job.resources.device_memory_gib or DEFAULT_DEVICE_MEMORY_GIB.get(device)
-    mem = estimate(job, arch, layout, card, device_memory_gib=limit)
-    if check_memory and limit is not None and mem.total_gib > limit:
-        raise JobError(
-            f"The job does not fit in device memory: about {mem.total_gib:.1f} GiB per device, {limit:g} GiB available",
-            [Problem("resources.device_memory_gib", mem.breakdown_text(),
-                     hint=mem.advice())])
+    layout_only = all(pr.where.startswith(("parallel", "resources")) or
+                      (pr.where.startswith("rl.") and ".parallel" in pr.where) for pr in layout_problems)
+    n = len(layout_problems)
+    found[f"{'The parallel layout does not work' if layout_only else 'The job cannot be planned'} "
+          f"({n} problem{'s' if n != 1 else ''})"] = layout_problems
+    if check_inputs:
+        found["Inputs are missing"] = input_problems(job)
+        if job.launcher not in REMOTE_FS_LAUNCHERS:   # there the engine is the image's
+            try:
+                require_ready(job)
+            except JobError as err:
+                found[err.title] = err.problems
+    mem = None
+    if not layout_problems:
+        if job.stage in RL_STAGES:
+            layout = _rl_layout(layout, job)
+        device = job.resources.device
+        limit = job.resources.device_memory_gib or DEFAULT_DEVICE_MEMORY_GIB.get(device)
+        mem = estimate(job, arch, layout, card, device_memory_gib=limit)
+        if check_memory and limit is not None and mem.total_gib > limit:
+            found[f"The job does not fit in device memory: about {mem.total_gib:.1f} GiB per device, "
+                  f"{limit:g} GiB available"] = [Problem("resources.device_memory_gib", mem.breakdown_text(),
+                                                         hint=mem.advice())]
+    failed = {title: problems for title, problems in found.items() if problems}
+    if failed:
+        raise JobError(_title(failed), [pr for problems in failed.values() for pr in problems])
     return Plan(job=job, model_id=job.model, card=card, family=family, arch=arch, arch_source=source,
                 layout=layout, memory=mem, capability=capability,
                 warnings=capability.warnings + warnings, roles=roles)
+
+
+def _title(failed: dict[str, list[Problem]]) -> str:
+    """The failed check's own title, or for several: how many problems and which checks found them."""
+    if len(failed) == 1:
+        return next(iter(failed))
+    n = sum(len(problems) for problems in failed.values())
+    said = [title.split(" (")[0].split(":")[0] for title in failed]
+    return f"The job cannot run ({n} problems): " + "; ".join(what[0].lower() + what[1:] for what in said)
+
+
+def check_job(path, overrides: list[str] | None = None, allow_unsupported: bool = False,
+              check_inputs: bool = False) -> Plan:
+    """load_job then make_plan in one pass: a job file with schema problems is also planned with those
+    fields at their defaults (when the rest is a valid job), so the matrix, layout and inputs problems of
+    the other fields come in the same error. Problems about a field the schema refused are not repeated."""
+    from ascendfactory.job_file import load_job
+
+    try:
+        job = load_job(path, overrides)
+    except JobError as err:
+        partial, removed = getattr(err, "partial", None), getattr(err, "removed", ())
+        if partial is None:
+            raise
+        try:
+            make_plan(partial, allow_unsupported=allow_unsupported, check_inputs=check_inputs)
+        except JobError as later:
+            more = [pr for pr in later.problems
+                    if not any(pr.where == r or pr.where.startswith(r + ".") for r in removed)]
+            if more:
+                raise JobError(f"{err.title}; with those fields at their defaults, {later.title[0].lower()}"
+                               f"{later.title[1:]}", err.problems + more) from None
+        raise
+    return make_plan(job, allow_unsupported=allow_unsupported, check_inputs=check_inputs)
 
 
 def effective_yaml(plan: Plan) -> str:

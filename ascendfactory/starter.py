@@ -57,7 +57,7 @@ def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int
         f"  path: {path}       # file or directory (JSON/JSONL/parquet)",
         f"  format: {fmt}                 # alpaca | sharegpt | text | pairwise | prompt",
         "  seq_len: 4096",
-        "  packing: false                 # pack several samples per row (no cross-document attention)",
+        *([] if rl else ["  packing: false                 # pack several samples per row (no cross-document attention)"]),
         "parallel:                        # chosen by `init` so the memory estimate fits the device",
         f"  tp: {par['tp']}                          # tensor parallel",
         f"  pp: {par['pp']}                          # pipeline parallel",
@@ -84,7 +84,9 @@ def _job_text(card: dict, model_id: str, framework: str, stage: str, nnodes: int
     ]
     if rl:
         lines += ["rl:", "  rollout:                       # generation: its own layout goes in rollout.parallel",
-                  "    n: 8                         # responses per prompt", "    engine: vllm",
+                  "    n: 8                         # responses per prompt",
+                  # this build drives one vLLM engine per rank (whole weights); at tp > 1 the actor samples itself
+                  "    engine: vllm" if par["tp"] == 1 else "    engine: hf                   # vllm needs rollout tp 1",
                   "    max_new_tokens: 1024", "  reward: {type: gsm8k}          # or {type: model, model_path: …}",
                   "  # actor / reference / critic (ppo): {parallel: {...}, lr: ...}; default: the job's own"]
     lines += ["resources:", "  device: npu                    # auto | npu | cuda | cpu", f"  nnodes: {nnodes}",

@@ -159,7 +159,13 @@ def test_init_writes_a_starter_that_validates(tmp_path, model, framework, stage)
     res = invoke("init", "--model", model, "--framework", framework, "--stage", stage, "-o", out)
     assert res.exit_code == 0, res.output
     assert "#" in out.read_text()
-    assert invoke("validate", out).exit_code == 0
+    first = invoke("validate", out)   # the starter's data path is a placeholder: the one thing to fill in
+    assert first.exit_code == 2 and first.output.splitlines()[1:3] == [
+        "Inputs are missing", f"  data.path: {yaml.safe_load(out.read_text())['data']['path']} does not exist"]
+    data = tmp_path / "train.json"
+    data.write_text("[]")
+    checked = invoke("validate", out, f"data.path={data}")
+    assert checked.exit_code == 0 and "warning" not in checked.output, checked.output
     again = invoke("init", "--model", model, "--framework", framework, "--stage", stage, "-o", out)
     assert again.exit_code == 2 and "--force" in again.output
 
@@ -232,3 +238,31 @@ def test_plan_reports_every_rl_role_layout():
     assert data["resolved"]["role_layouts"]["rollout"]["tp"] == 2
     assert data["rl"]["critic"]["lr"] == 1e-5 and data["rl"]["actor"]["lr"] == data["train"]["lr"]
     assert data["rl"]["reference"]["parallel"]["tp"] == 1
+
+
+def test_validate_reports_every_problem_in_one_pass_and_run_writes_nothing(tmp_path, monkeypatch):
+    """Four mistakes of four kinds (schema, matrix, layout, inputs) come from one `validate`, each once,
+    and `run` refuses the same job before it writes its run directory."""
+    monkeypatch.chdir(ROOT)
+    job = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    job["train"]["learning_rate"] = 1e-4                   # schema: unknown key (train.lr)
+    job["data"]["path"] = str(tmp_path / "missing.json")    # inputs
+    job["finetuning"] = "freeze"                           # matrix: freeze is llamafactory's
+    job["parallel"] = {"tp": 3}                            # layout: 3 divides neither heads nor the world
+    job["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    res = invoke("validate", path)
+    out = res.output
+    assert res.exit_code == 2
+    for said in ("train.learning_rate", "allowed here: lr,", "missing.json does not exist", "finetuning",
+                 "parallel.tp"):
+        assert said in out, (said, out)
+    assert "with those fields at their defaults" in out
+    assert invoke("run", path).exit_code == 2 and not (tmp_path / "run").exists()
+    # a schema problem about a field is not repeated by the later checks that saw its default
+    job["train"].pop("learning_rate")
+    job["parallel"] = {"tp": "two"}
+    path.write_text(yaml.safe_dump(job))
+    out = invoke("validate", path).output
+    assert out.count("parallel.tp") == 1 and "missing.json" in out and "finetuning" in out
