@@ -141,6 +141,11 @@ def _parser() -> megatron_args.Parser:
     return p
 
 
+# what the refusal of these flags says instead of a near spelling (finetune_qwen2_5_vl_72b_fsdp.sh sets them)
+_FSDP2 = "MindSpeed-MM's FSDP2 training is not built in backends.mm; use --use-distributed-optimizer (ZeRO-1)"
+_HINTS = {"--use-torch-fsdp2": _FSDP2, "--fsdp2-config-path": _FSDP2}
+
+
 def supported_flags() -> list[str]:
     return megatron_args.supported_flags(_parser())
 
@@ -415,7 +420,7 @@ _ENGINE_KEYS = {"model_id": ef.text, "model_family": ef.text, "load_hf": ef.text
 
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> MMConfig:
-    ns = megatron_args.parse(_parser(), argv, "MindSpeed-MM", engine="mm")
+    ns = megatron_args.parse(_parser(), argv, "MindSpeed-MM", _HINTS, engine="mm")
     try:
         side, source = ef.read_engine_file(_ENGINE_KEYS, engine)
     except ef.EngineFileError as err:
