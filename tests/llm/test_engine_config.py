@@ -532,3 +532,14 @@ def test_pretraining_data_notices(capsys, monkeypatch):
     assert noticed == ["--split", "--no-shuffle", "--variable-seq-lengths"]
     parse_args(BASE + ["--split", "100,0,0", "--no-shuffle", "--is-instruction-dataset"], engine=CARD)
     assert "notice" not in capsys.readouterr().err     # instruction data: shuffled by the engine's loader
+
+
+def test_only_no_pad_to_seq_lengths_makes_batches_dynamic(capsys, monkeypatch):
+    """MindSpeed-LLM's collator pads to --pad-to-multiple-of only with --no-pad-to-seq-lengths (which sets
+    --variable-seq-lengths itself); --variable-seq-lengths alone pads to --seq-length, said in one notice."""
+    monkeypatch.delenv("RANK", raising=False)
+    sft = BASE + ["--is-instruction-dataset"]
+    assert parse_args(sft + ["--no-pad-to-seq-lengths", "--variable-seq-lengths"], engine=CARD).data.dynamic
+    assert "notice" not in capsys.readouterr().err
+    assert not parse_args(sft + ["--variable-seq-lengths"], engine=CARD).data.dynamic
+    assert "notice: --variable-seq-lengths has no effect here" in capsys.readouterr().err
