@@ -329,6 +329,12 @@ def sized_stage_class():
     class SizedStage(PipelineStage):
         carry_shapes: list = []
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # torch's debug-mode checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) hold every micro-batch to the
+            # construction metadata, i.e. to the first micro-batch's width
+            self._runtime_validate = False
+
         def get_fwd_recv_ops(self, fwd_chunk_id: int):
             _fit(self.args_recv_info[fwd_chunk_id], self.carry_shapes[fwd_chunk_id])
             return super().get_fwd_recv_ops(fwd_chunk_id)
