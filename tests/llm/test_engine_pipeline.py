@@ -1,5 +1,6 @@
 """backends.llm pipeline parallel: N CPU processes match one process (jobs rendered as `ascendfactory run`
-renders them, trained in one launch per world size: tests/helpers/engine_runs.py)."""
+renders them, trained in one launch per world size: tests/helpers/engine_runs.py); padded, packed, and with
+dynamic sequence length (micro-batches of different widths within a step)."""
 
 import json
 
