@@ -36,6 +36,7 @@ FEATURE_JOBS = {
     "lora-glm": dict(model="glm-4-9b-chat", finetuning="lora", lora={"targets": ["gate_up_proj", "down_proj"]}),
     "packing": dict(data={"packing": True, "neat_packing": True}),
     "dynamic": dict(data={"dynamic_seq_len": True, "pad_to_multiple_of": 16, "max_samples": 5, "shuffle": False}),
+    "pipeline-dynamic": dict(parallel={"pp": 2, "vpp": 2, "tp": 2, "sp": True}, data={"dynamic_seq_len": True}),
     "ring": dict(parallel={"cp": 2, "cp_algo": "ring"}),
     "ulysses": dict(parallel={"cp": 2, "cp_algo": "ulysses"}),
     "hybrid": dict(parallel={"tp": 2, "cp": 4, "cp_algo": "hybrid", "ulysses_degree": 2},
@@ -134,6 +135,8 @@ def test_every_init_starter_renders_upstream_valid_flags(model_id, stage, parser
 def test_feature_jobs_render_upstream_valid_flags(name, plan_of, parser, deprecated, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     args = assert_upstream_valid(plan_of(**FEATURE_JOBS[name]), tmp_path, parser, deprecated)
+    if name.endswith("dynamic"):  # MindSpeed-LLM pads to the multiple with --no-pad-to-seq-lengths only
+        assert "--no-pad-to-seq-lengths" in args and _values(args, "--pad-to-multiple-of")
     if name == "lora-hf-names":
         assert _values(args, "--lora-target-modules") == ["linear_qkv", "linear_fc2"]
     if name == "lora-mla":

@@ -14,7 +14,8 @@ works, i.e. fails when it is broken:
 - flash_attention: the packed path equals per-document SDPA, and the kernel table names the path
   that ran (tests/kernels/test_kernel_attention.py);
 - dynamic_seq_len: every trained micro-batch is as wide as its longest sample, rounded up to the
-  multiple (test_feature_proofs.py);
+  multiple (test_feature_proofs.py); pipeline stages exchange each micro-batch's own width and equal one
+  process (test_engine_pipeline.py);
 - long_seq: ring / Ulysses / hybrid context parallel equal one process (test_engine_parallel.py,
   tests/parallel/test_context_parallel.py);
 - sptd: tp / sp / pp / vpp / distributed optimizer / FSDP2 equal one process (test_engine_parallel.py,
@@ -63,10 +64,9 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
          "expert parallel with tp routes each tp rank's sequence shard; set parallel.sp: true (as Megatron asks)"),
         ({"parallel.ep": ABOVE_ONE, "parallel.moe_dispatcher": "allgather"},
          "expert parallel here dispatches tokens with all-to-all; use moe_dispatcher alltoall"),
-        ({"parallel.pp": ABOVE_ONE, "data.dynamic_seq_len": True},
-         "pipeline stages exchange one fixed micro-batch shape; dynamic sequence length changes it"),
         ({"parallel.pp": ABOVE_ONE, "parallel.cp": ABOVE_ONE, "data.packing": True},
-         "per-document context-parallel padding changes the micro-batch shape, which pipeline stages fix"),
+         "per-document context-parallel padding is kept out of the MoE aux loss by a mask set on the layers per "
+         "forward, which a pipeline's interleaved micro-batches (and their recompute) would mix up"),
     ],
 }
 

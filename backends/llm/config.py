@@ -506,8 +506,15 @@ def pretraining(ns: argparse.Namespace) -> bool:
 
 
 def data_notices(ns: argparse.Namespace) -> list[str]:
-    """Pre-training flags whose upstream effect is partly outside what this engine runs."""
+    """Data flags whose upstream effect is partly outside what this engine runs."""
     if not pretraining(ns):
+        # MindSpeed-LLM pads instruction batches to --seq-length unless --no-pad-to-seq-lengths (which turns
+        # --variable-seq-lengths on itself); --variable-seq-lengths only lets Megatron's pipeline stages send
+        # each micro-batch's shape ahead, and this engine's stages always exchange each micro-batch's own shape
+        if ns.variable_seq_lengths and not ns.no_pad_to_seq_lengths:
+            return ["notice: --variable-seq-lengths has no effect here: batches are padded to --seq-length "
+                    "without --no-pad-to-seq-lengths (as MindSpeed-LLM pads them), and pipeline stages always "
+                    "exchange each micro-batch's own shape"]
         return []
     out = []
     split = ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT
@@ -686,7 +693,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             input=ns.input, fmt=fmt, prefix=ns.data_path, template=template,
             instruction=ns.is_instruction_dataset or fmt in ("alpaca", "sharegpt"),
             packing=ns.reset_attention_mask or ns.pack or ns.neat_pack, neat_pack=ns.neat_pack,
-            dynamic=ns.variable_seq_lengths or ns.no_pad_to_seq_lengths,
+            dynamic=ns.no_pad_to_seq_lengths,  # MindSpeed-LLM's collator: --pad-to-multiple-of, else --seq-length
             pad_to_multiple_of=ns.pad_to_multiple_of, shuffle=not ns.no_shuffle, max_samples=ns.max_samples,
             seq_len=ns.seq_length, split=ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT,
             reset_position_ids=ns.reset_position_ids, reset_attention_mask=ns.reset_attention_mask,

@@ -218,6 +218,7 @@ def _runner_class():
             output = vision if sid < self.split.merger_stage else text
             stage = PipelineStage(module, sid, self.plan.n_virtual, self.device, input_args=(inputs,),
                                   output_args=(output,), group=self.pp_group)
+            self.stages = [stage]
             self.schedule = Schedule1F1B(stage, n_micro, loss_fn=self._loss, scale_grads=False)
             self._shape = (n_micro, mb_shape)
 

@@ -567,3 +567,14 @@ def test_value_flags_without_effect_are_one_notice_each(capsys, monkeypatch):
     assert noticed == [a for a in given if a.startswith("--")]
     with pytest.raises(ConfigError, match="--shape-order: invalid choice"):   # upstream's choices still hold
         parse_args(BASE + ["--shape-order", "XYZ"], engine=CARD)
+
+
+def test_only_no_pad_to_seq_lengths_makes_batches_dynamic(capsys, monkeypatch):
+    """MindSpeed-LLM's collator pads to --pad-to-multiple-of only with --no-pad-to-seq-lengths (which sets
+    --variable-seq-lengths itself); --variable-seq-lengths alone pads to --seq-length, said in one notice."""
+    monkeypatch.delenv("RANK", raising=False)
+    sft = BASE + ["--is-instruction-dataset"]
+    assert parse_args(sft + ["--no-pad-to-seq-lengths", "--variable-seq-lengths"], engine=CARD).data.dynamic
+    assert "notice" not in capsys.readouterr().err
+    assert not parse_args(sft + ["--variable-seq-lengths"], engine=CARD).data.dynamic
+    assert "notice: --variable-seq-lengths has no effect here" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """backends.llm pipeline parallel: N CPU processes match one process (jobs rendered as `ascendfactory run`
-renders them, trained in one launch per world size: tests/helpers/engine_runs.py)."""
+renders them, trained in one launch per world size: tests/helpers/engine_runs.py); padded, packed, and with
+dynamic sequence length (micro-batches of different widths within a step)."""
 
 import json
 
@@ -40,6 +41,12 @@ CASES = {  # name: (parallel, devices, packed data too)
     "pp2xcp2": ({"pp": 2, "cp": 2, "cp_algo": "ring"}, 4, False),
 }
 RUNS = [(name, packed) for name, (_, _, both) in CASES.items() for packed in ((False, True) if both else (False,))]
+DYNAMIC = {  # name: (parallel, devices); every micro-batch as wide as its longest sample (--no-pad-to-seq-lengths)
+    "pp2": ({"pp": 2}, 2),
+    "pp2-vpp2xtp2-sp": ({"pp": 2, "vpp": 2, "tp": 2, "sp": True}, 4),
+    "pp2xcp2": ({"pp": 2, "cp": 2, "cp_algo": "ring"}, 4),
+}
+DYNAMIC_STEPS = 3
 
 
 TIED_MOE = ["llama", "qwen3_moe", "deepseek_v3"]
@@ -71,14 +78,34 @@ def runs(engine_runs, one_process, tiny_model, tmp_path_factory):
         tied = family == "llama"
         add(("tied-moe", family), pjob(tmp / f"pp-{family}", fmodel, family, train=train,
                                        parallel={"pp": 2, "distributed_optimizer": tied}, **torchrun(4 if tied else 2)))
+    data = {"path": str(varied_lengths(tmp / "varied.json")), "dynamic_seq_len": True}
+    dynamic = {"steps": DYNAMIC_STEPS}
+    names[("ref", "dynamic")] = one_process.name(pjob(tmp / "ref", model, data=data, train=dynamic))
+    for name, (parallel, devices) in DYNAMIC.items():
+        add(("dynamic", name), pjob(tmp / f"dynamic-{name}", model, data=data, train=dynamic, parallel=parallel,
+                                    **torchrun(devices)))
     add(("resume", 1), pjob(tmp / "run", model, parallel={"pp": 2, "vpp": 2}, resume="auto",
                             backend_overrides={"exit-interval": 2}, **torchrun(2)))
     add(("resume", 2), pjob(tmp / "run", model, resume="auto"), after=("resume", 1))
     return {key: (lambda n=n: engine_runs[n]) for key, n in names.items()}
 
 
+def varied_lengths(path):
+    """Alpaca records whose answers repeat 1-6 times: 8-token padded widths from 16 to 64 (seq_len)."""
+    rows = [{"instruction": f"What is {a} + {3 * a}?", "input": "",
+             "output": " ".join([f"{a} plus {3 * a} is {4 * a}."] * (1 + a % 6))} for a in range(1, 33)]
+    path.write_text(json.dumps(rows))
+    return path
+
+
 def logs(out) -> str:
     return "".join(p.read_text() for p in sorted((out / "logs").glob("*.log")))
+
+
+def widths_exchanged(out) -> list[list[int]]:
+    """The micro-batch widths of the steps on which the pipeline runner met a new width (its log)."""
+    return [json.loads(line.split("this step's widths ")[1]) for line in logs(out).splitlines()
+            if "this step's widths" in line]
 
 
 @pytest.mark.parametrize("name,packed", RUNS, ids=[f"{n}-{'packed' if p else 'padded'}" for n, p in RUNS])
@@ -88,6 +115,18 @@ def test_pipeline_matches_one_process(runs, name, packed):
     assert_pipeline_matches(out, runs[("ref", packed)]())
     if parallel.get("vpp"):  # the interleaved schedule really ran: each rank held two virtual stages
         assert "4 virtual stages (interleaved 1F1B)" in logs(out) and "stages [0, 2] = layers [0, 2]" in logs(out)
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC))
+def test_pipeline_with_dynamic_sequence_length_matches_one_process(runs, name):
+    """Stages exchange each micro-batch at its own width (1F1B; interleaved with SP's sequence shards; CP's
+    shards): losses, grad norms and weights equal one process's. The widths really differ within a step."""
+    out = runs[("dynamic", name)]()
+    assert_pipeline_matches(out, runs[("ref", "dynamic")]())
+    assert len(losses(out)) == DYNAMIC_STEPS
+    steps = widths_exchanged(out)
+    assert any(len(set(widths)) > 1 for widths in steps), steps
+    assert len({w for widths in steps for w in widths}) >= 3, steps
 
 
 def test_uneven_layer_list_with_sequence_parallel(runs):

@@ -13,10 +13,18 @@ optimizer, gradient sync and clipping see one module per rank. The stage modules
 PipelineStage are views over it.
 
 Data. Every pp rank reads the same micro-batches. The first stage takes input_ids; every stage
-gets position_ids and, for packed rows, per-token document ids as keyword arguments (fixed-shape
-[B,S] tensors the schedule can split; cu_seqlens is rebuilt from them on each stage). Between
-stages travel the hidden states and, for MoE models, the running aux-loss sum, so the aux gradient
-reaches the routers of every stage.
+gets position_ids and, for packed rows, per-token document ids as keyword arguments (cu_seqlens is
+rebuilt from them on each stage). Between stages travel the hidden states and, for MoE models, the
+running aux-loss sum, so the aux gradient reaches the routers of every stage.
+
+Shapes. Each micro-batch keeps its own width (dynamic sequence length pads a micro-batch only to its
+longest sample; context-parallel shards of packed rows vary too), so the tensors crossing a stage
+boundary change shape from one micro-batch to the next. Megatron's --variable-seq-lengths sends each
+shape ahead of the tensor because its middle stages read no data; here every pp rank holds the same
+micro-batches, so each stage derives every boundary shape ([B, S or S/tp under SP, H], plus the aux
+carry) from its own copy, and its receive buffers (activations forward, gradients backward) take the
+shape of the micro-batch they are for (SizedStage). The schedule, its p2p order and pairing are
+torch's, built once; nothing is rebuilt or recompiled per shape.
 
 Loss. The last stage computes the summed token cross entropy (chunked, no full logits; vocab-
 parallel under TP) and scales it exactly as backends.common.trainer does: × dp_world / global valid
@@ -26,6 +34,8 @@ is off for that reason.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.common.parallel.parts import ModelParts
+
+log = logging.getLogger("backends.common.parallel.pipeline")
 
 
 class PipelineConfigError(ValueError):
@@ -176,7 +188,9 @@ class PipelineRunner:
         self.modules = [StageModule(parts, plan.layers[s], first=s == 0, last=s == last, carry_aux=carry_aux)
                         for s in plan.stage_ids]
         self.schedule = None
+        self.stages: list = []           # the PipelineStages of this rank, with the schedule
         self._shape = None
+        self._widths: set[int] = set()   # micro-batch widths exchanged so far (logged once each)
         self._scale = (1.0, 0.0)
         self._loss_sums: list[torch.Tensor] = []
         self._auxes: list[torch.Tensor] = []
@@ -201,56 +215,74 @@ class PipelineRunner:
                 loss = loss + aux.float().reshape(()) * aux_scale
         return loss
 
-    # ---- schedule (built on the first step, when the micro-batch shape is known)
+    # ---- schedule (built on the first step, when the micro-batch count is known)
 
     def _meta(self, shape, dtype):
         # float activations carry gradients back: the static stage metadata must say so
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
-    def _build(self, n_micro: int, mb_shape: tuple[int, int], dtype: torch.dtype) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
+    def carry_shapes(self, mb_shape: tuple[int, int]) -> tuple[tuple[int, ...], ...]:
+        """The shapes crossing every stage boundary for a [B, S] micro-batch: the hidden states (this tp
+        rank's sequence rows under SP) and, for MoE, the aux carry."""
         b, s = mb_shape
-        tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
-        h = self.hidden_size
-        hidden = self._meta((b, s // tp if self.sp else s, h), dtype)
-        carry = (hidden, self._meta((1,), dtype)) if self.carry_aux else (hidden,)
-        stages = []
+        rows = s
+        if self.sp and self.tp_mesh is not None:
+            rows = sp_rows(s, self.tp_mesh.size(), self.tp_mesh.get_local_rank())
+        hidden = (b, rows, self.hidden_size)
+        return (hidden, (1,)) if self.carry_aux else (hidden,)
+
+    def _build(self, n_micro: int, mb_shape: tuple[int, int], dtype: torch.dtype) -> None:
+        """The stages and the schedule. The metadata given here (the first micro-batch's shapes) sizes the
+        stages' first receive buffers; later micro-batches resize them (SizedStage)."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+        carry = tuple(self._meta(shape, dtype) for shape in self.carry_shapes(mb_shape))
+        stage_class = sized_stage_class()
+        self.stages = []
         for sid, module in zip(self.plan.stage_ids, self.modules):
-            inputs = (self._meta((b, s), torch.long),) if sid == 0 else carry
-            stages.append(PipelineStage(module, sid, self.plan.n_virtual, self.device, input_args=inputs,
-                                        output_args=carry, group=self.pp_group))
-        if len(stages) == 1:
-            self.schedule = Schedule1F1B(stages[0], n_micro, loss_fn=self._loss, scale_grads=False)
+            inputs = (self._meta(mb_shape, torch.long),) if sid == 0 else carry
+            self.stages.append(stage_class(module, sid, self.plan.n_virtual, self.device, input_args=inputs,
+                                           output_args=carry, group=self.pp_group))
+        if len(self.stages) == 1:
+            self.schedule = Schedule1F1B(self.stages[0], n_micro, loss_fn=self._loss, scale_grads=False)
         else:
-            self.schedule = ScheduleInterleaved1F1B(stages, n_micro, loss_fn=self._loss, scale_grads=False)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, n_micro, loss_fn=self._loss, scale_grads=False)
         self._shape = (n_micro, mb_shape)
 
     def forward_backward(self, micro_batches: list[dict], token_scale: float, aux_scale: float):
         """-> (summed token loss over the micro-batches, mean aux over them or None), the same on every
-        pp rank. Gradients are left in the parameters' .grad."""
+        pp rank. Gradients are left in the parameters' .grad. The micro-batches may differ in width."""
         n = len(micro_batches)
-        mb_shape = tuple(micro_batches[0]["input_ids"].shape)
-        if any(tuple(mb["input_ids"].shape) != mb_shape for mb in micro_batches):
-            raise PipelineConfigError("pipeline parallel needs micro-batches of one shape; dynamic sequence length "
-                              "(--variable-seq-lengths / data.dynamic) does not combine with pp > 1")
+        shapes = [tuple(mb["input_ids"].shape) for mb in micro_batches]
         if self._shape is None:
-            self._build(n, mb_shape, torch.float32)
-        elif self._shape != (n, mb_shape):
-            raise RuntimeError(f"micro-batch layout changed from {self._shape} to {(n, mb_shape)} between steps")
-        cat = {key: torch.cat([mb[key] for mb in micro_batches]) for key in ("input_ids", "labels", "position_ids")}
-        kwargs = {"position_ids": cat["position_ids"]}
-        if micro_batches[0].get("cu_seqlens") is not None:
-            kwargs["doc_ids"] = torch.cat([
-                doc_ids_from_cu_seqlens(mb["cu_seqlens"], mb["input_ids"].shape[1]).unsqueeze(0).to(self.device)
-                for mb in micro_batches])
+            self._build(n, shapes[0], torch.float32)
+        elif self._shape[0] != n:
+            raise RuntimeError(f"micro-batches per step changed from {self._shape[0]} to {n} between steps")
+        carried = [self.carry_shapes(shape) for shape in shapes]
+        sized = all(isinstance(stage, sized_stage_class()) for stage in self.stages)
+        if not sized and set(shapes) != {self._shape[1]}:
+            raise PipelineConfigError(f"this pipeline's stages exchange one fixed micro-batch shape "
+                                      f"{self._shape[1]}; this step's micro-batches are {sorted(set(shapes))}")
+        self._log_new_widths(shapes)
+        for stage in self.stages:  # what the schedule's step() does before its micro-batches, then the shapes
+            stage.has_backward = True
+            stage.clear_runtime_states()
+            if sized:
+                stage.carry_shapes = carried
+        kwargs = [{"position_ids": mb["position_ids"]} for mb in micro_batches]
+        for kw, mb in zip(kwargs, micro_batches):
+            if mb.get("cu_seqlens") is not None:
+                doc_ids = doc_ids_from_cu_seqlens(mb["cu_seqlens"], mb["input_ids"].shape[1])
+                kw["doc_ids"] = doc_ids.unsqueeze(0).to(self.device)
+        args = [(mb["input_ids"],) if self.plan.first_rank else () for mb in micro_batches]
         self._scale = (token_scale, aux_scale)
         self._loss_sums, self._auxes = [], []
-        args = (cat["input_ids"],) if self.plan.first_rank else ()
         from backends.common.trainer import autocast_for
 
         with autocast_for(self.device, self.precision):
-            self.schedule.step(*args, target=cat["labels"], return_outputs=False, **kwargs)
+            # the micro-batches as they are (step() would concatenate and split them: one width only)
+            self.schedule._step_microbatches(args, kwargs, [mb["labels"] for mb in micro_batches],
+                                             return_outputs=False)
         # the last stage knows the loss; the pp group sums it so every rank reports the same value
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.plan.last_rank:
@@ -259,6 +291,60 @@ class PipelineRunner:
                 stats[1] = torch.stack(self._auxes).sum()
         dist.all_reduce(stats, group=self.pp_group)
         return stats[0], (float(stats[1]) / n if self.carry_aux else None)
+
+    def _log_new_widths(self, shapes: list[tuple[int, int]]) -> None:
+        """Once per width not seen before (bounded: widths are multiples of the padding multiple up to the
+        sequence length), the step's micro-batch widths: what the stages exchanged."""
+        widths = [s for _, s in shapes]
+        new = sorted(set(widths) - self._widths)
+        if new:
+            self._widths.update(new)
+            log.info("pipeline: micro-batch width %s first exchanged; this step's widths %s",
+                     ", ".join(map(str, new)), widths)
+
+
+def sp_rows(s: int, tp: int, tp_rank: int) -> int:
+    """The sequence rows tp rank `tp_rank` holds of `s` under sequence parallel: DTensor's Shard(1), which
+    splits as torch.chunk does (the last ranks hold fewer when tp does not divide s)."""
+    chunk = -(-s // tp)
+    return max(0, min(chunk, s - tp_rank * chunk))
+
+
+def _fit(infos, shapes) -> None:
+    """Give each receive buffer `shapes`' shape (a new tensor only when it changes; dtype and device kept)."""
+    for info, shape in zip(infos, shapes):
+        buffer = getattr(info, "buffer", None)  # None: a root argument of the first stage, or no gradient
+        if buffer is not None and tuple(buffer.shape) != tuple(shape):
+            info.buffer = torch.empty(shape, dtype=buffer.dtype, device=buffer.device)
+
+
+@functools.cache
+def sized_stage_class():
+    """torch's PipelineStage, whose receive buffers (made once from the metadata given at construction)
+    take the shape of the micro-batch each receive is for: `carry_shapes[i]`, set before every step, is
+    micro-batch i's boundary shapes. A stage receives activations of that shape from the stage before and
+    gradients of that shape from the stage after, so one list serves both directions."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class SizedStage(PipelineStage):
+        carry_shapes: list = []
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # torch's debug-mode checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) hold every micro-batch to the
+            # construction metadata, i.e. to the first micro-batch's width
+            self._runtime_validate = False
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int):
+            _fit(self.args_recv_info[fwd_chunk_id], self.carry_shapes[fwd_chunk_id])
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int):
+            if self.has_backward and not self.is_last:
+                _fit(self.grad_recv_info[bwd_chunk_id], self.carry_shapes[bwd_chunk_id])
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    return SizedStage
 
 
 def tied_embedding_groups(mesh, pp: int):
