@@ -80,11 +80,12 @@ def train_part(model, par, *, lr: float, betas: tuple[float, float], weight_deca
 def megatron_schedule(t, total_steps: int) -> Callable:
     """Megatron's LR schedule of the training flags `t` (lr, min_lr, schedule, warmup, warmup_fraction and,
     where the engine reads --lr-decay-iters, decay_steps): warm-up, then decay over the decay steps (the
-    run's steps without --lr-decay-iters); --lr-warmup-fraction is a fraction of those."""
+    run's steps without --lr-decay-iters); --lr-warmup-fraction is a fraction of those (not rounded: Megatron
+    counts warm-up in samples)."""
     from backends.common.optim import build_scheduler
 
     decay = getattr(t, "decay_steps", None) or total_steps
-    warmup = round(t.warmup_fraction * decay) if t.warmup_fraction is not None else t.warmup
+    warmup = t.warmup_fraction * decay if t.warmup_fraction is not None else t.warmup
     return lambda optimizer: build_scheduler(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=warmup, total=decay,
                                              style=t.schedule)
 

@@ -7,14 +7,17 @@ import math
 import torch
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, total: int, style: str) -> float:
+def lr_at(step: int, *, lr: float, min_lr: float, warmup: float, total: int, style: str) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr.
 
-    Megatron semantics: warmup goes from lr/warmup to lr over `warmup` steps; cosine and linear
-    decay run from lr to min_lr over the remaining steps; constant stays at lr.
+    Megatron's OptimizerParamScheduler as its training loop steps it (held against megatron-core 0.12.1 in
+    tests/common/test_trainer_step.py), and VeRL's and transformers' warm-up alike: step s trains at
+    lr·s/warmup (the first at 0), lr from step `warmup` on; `warmup` may be fractional (Megatron counts it
+    in samples: --lr-warmup-fraction of the decay steps). Cosine and linear decay run from lr to min_lr over
+    the steps after warm-up; constant stays at lr.
     """
     if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
+        return lr * step / warmup
     if style == "constant":
         return lr
     span = max(total - warmup, 1)
@@ -64,7 +67,7 @@ def _fused_ok(params: list[torch.Tensor]) -> bool:
             and all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point() for p in params))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, lr: float, min_lr: float, warmup: int, total: int,
+def build_scheduler(optimizer: torch.optim.Optimizer, *, lr: float, min_lr: float, warmup: float, total: int,
                     style: str) -> torch.optim.lr_scheduler.LambdaLR:
     lr_at(0, lr=lr, min_lr=min_lr, warmup=warmup, total=total, style=style)  # reject a bad style up front
     return torch.optim.lr_scheduler.LambdaLR(

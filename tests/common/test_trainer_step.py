@@ -1,6 +1,8 @@
 """The trainer's optimizer step: the loss is the global token mean; the LR schedule follows Megatron's shape."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +70,7 @@ def test_grad_clip_reports_the_pre_clip_norm():
 @pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
 def test_lr_schedule_shape(style):
     kw = dict(lr=1.0, min_lr=0.1, warmup=4, total=20, style=style)
-    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [lr_at(s, **kw) for s in range(4)] == [0.0, 0.25, 0.5, 0.75]
     assert lr_at(4, **kw) == 1.0
     end = lr_at(20, **kw)
     assert end == pytest.approx(1.0 if style == "constant" else 0.1)
@@ -88,7 +90,7 @@ def test_scheduler_drives_the_optimizer_and_rejects_a_bad_style():
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert seen == pytest.approx([1.0, 2.0, 2.0])
+    assert seen == pytest.approx([0.0, 1.0, 2.0])
     with pytest.raises(ValueError, match="unknown lr decay style"):
         build_scheduler(opt, lr=2.0, min_lr=0.0, warmup=0, total=10, style="exp")
 
@@ -128,3 +130,27 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path):
         out = manager.dict()
         mp.spawn(_overflow_worker, args=(str(tmp_path / "init"), out), nprocs=2)
         assert dict(out) == {0: [1.0, 1.0, 1.0], 1: [1.0, 1.0, 1.0]}  # neither rank stepped
+
+
+MEGATRON_LRS = Path(__file__).resolve().parents[1] / "fixtures" / "upstream" / "megatron-core" / "lr_reference.json"
+
+
+def test_megatron_schedule_is_megatron_cores_lr_per_iteration():
+    """kit.megatron_schedule (backends.llm, .mm, MindSpeed-RL) gives each iteration the lr megatron-core
+    0.12.1's OptimizerParamScheduler gives it in Megatron's training loop (make_lr_reference.py): warm-up
+    from 0 by iterations or by a fraction of the decay steps, cosine / linear / constant, --lr-decay-iters."""
+    from types import SimpleNamespace
+
+    from backends.common.kit import megatron_schedule
+
+    for case in json.loads(MEGATRON_LRS.read_text())["cases"]:
+        t = SimpleNamespace(lr=case["lr"], min_lr=case["min_lr"], schedule=case["style"], warmup=case["warmup_iters"],
+                            warmup_fraction=case["warmup_fraction"], decay_steps=case["decay_iters"])
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=case["lr"])
+        sched = megatron_schedule(t, case["train_iters"])(opt)
+        seen = []
+        for _ in range(case["train_iters"]):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        assert seen == pytest.approx(case["lrs"], rel=1e-9, abs=1e-15), case

@@ -287,7 +287,8 @@ def test_lr_warmup_fraction_is_of_the_decay_steps():
 
     cfg = parse_args(BASE[:-1] + ["100", "--lr-warmup-fraction", "0.1", "--lr-decay-iters", "50"], engine=CARD)
     assert (cfg.train.warmup_fraction, cfg.train.decay_steps) == (0.1, 50)
-    assert lr_at(4, lr=1.0, min_lr=0.0, warmup=5, total=50, style="cosine") == 1.0  # what the recipe builds
+    assert lr_at(5, lr=1.0, min_lr=0.0, warmup=5.0, total=50, style="cosine") == 1.0  # what the recipe builds
+    assert lr_at(4, lr=1.0, min_lr=0.0, warmup=5.0, total=50, style="cosine") == 0.8
 
 
 def test_prompt_types_encode_as_mindspeed_llm():
