@@ -155,12 +155,18 @@ NO_EFFECT: dict[str, NoEffect] = {
     "--manual-gc-interval": NoEffect("Python garbage collection timing", ("llm",), True, int),
     "--workers": NoEffect("preprocess_data.py's worker processes (scripts that list data and training flags "
                           "together): the same dataset is written", ("llm",), True, int),
-    "--num-workers": NoEffect("data-loader worker processes: the same samples load in the same order", ("llm",),
-                              True, declared=True),
+    "--num-workers": NoEffect("data-loader worker processes: the same samples load in the same order",
+                              takes_value=True, declared=True),
     "--distributed-backend": NoEffect("the engine takes the device's collective library (hccl, nccl, gloo): the "
-                                      "same collectives run", ("llm",), True, declared=True),
-    **{name: NoEffect("training reads Megatron's train split only: no evaluation runs here", ("llm",), True,
-                      declared=True) for name in ("--eval-interval", "--eval-iters")},
+                                      "same collectives run", takes_value=True, declared=True),
+    "--distributed-timeout-minutes": NoEffect("how long a collective may wait before the run fails",
+                                              takes_value=True, type=int),
+    **{name: NoEffect("the engines train only: no evaluation runs (MindSpeed-LLM's pre-training reads the train "
+                      "split of --split)", takes_value=True, declared=True) for name in ("--eval-interval", "--eval-iters")},
+    "--make-vocab-size-divisible-by": NoEffect("MindSpeed-MM's text decoder takes its vocabulary size from "
+                                               "model.json", ("mm",), True, declared=True),
+    "--ckpt-format": NoEffect("backends.mm writes its own checkpoint layout, whichever format is named", ("mm",),
+                              True, declared=True),
     "--lora-fusion": NoEffect(_FUSION, ("llm",)),
     # MindSpeed-MM: --mm-tool is its profiler settings file (tools.json), not tool-calling data
     "--mm-tool": NoEffect("MindSpeed-MM's profiler settings file: the engine runs no profiler", ("mm",), True),

@@ -134,7 +134,6 @@ def _parser() -> megatron_args.Parser:
     megatron_args.add(p, megatron.OPTIMIZER)
     megatron_args.add(p, megatron.PRECISION)
     megatron_args.add(p, megatron.RUN)
-    a("--distributed-timeout-minutes", type=int, default=10)
     a("--no-load-optim", action="store_true")  # refused when --load resumes an engine checkpoint
     a("--no-load-rng", action="store_true")
     megatron_args.add_no_effect(p, "mm")  # --mm-tool (the profiler settings file) and the other no-effect flags

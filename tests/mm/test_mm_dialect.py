@@ -217,9 +217,10 @@ def test_published_finetune_script_parses_with_one_notice_per_no_effect_flag(ups
     monkeypatch.delenv("RANK", raising=False)
     cfg = parse_args(args + ["--no-gradient-accumulation-fusion"], engine={"model_id": "qwen2.5-vl-7b"})
     noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
-    assert noticed == ["--use-mcore-models", "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu",
-                       "--no-masked-softmax-fusion",
-                       "--variable-seq-lengths", "--no-save-optim", "--no-save-rng", "--mm-tool", "--log-tps",
+    assert noticed == ["--use-mcore-models", "--make-vocab-size-divisible-by", "--use-fused-rmsnorm", "--swiglu",
+                       "--use-fused-swiglu", "--no-masked-softmax-fusion", "--variable-seq-lengths", "--no-save-optim",
+                       "--no-save-rng", "--num-workers", "--distributed-timeout-minutes", "--mm-tool", "--eval-interval",
+                       "--eval-iters", "--ckpt-format", "--log-tps", "--distributed-backend",
                        "--no-gradient-accumulation-fusion"]
     assert cfg.partial_load == ("--no-load-optim", "--no-load-rng") and cfg.parallel.pp == 2
     recipe = MMRecipe.__new__(MMRecipe)
