@@ -4,7 +4,9 @@ One step, on every rank (each takes train_batch_size / world of the prompts, con
 global order of the responses is the one-process order):
 
   rollout     n responses per prompt from the actor's own weights (rollout.generate, in place)
-              (stopping at the model's EOS ids: generation_config.json and the tokenizer's, as vLLM does)
+              (stopping at the model's EOS ids: generation_config.json and the tokenizer's, as vLLM does);
+              with VeRL's rollout tensor_model_parallel_size, on the world / tp rollout replicas instead, each
+              a tp-sharded copy loaded from the actor after an update (tp_rollout.py), each its share of prompts
   rewards     rewards.Scorer on the decoded responses; the score sits on the last response token
               (DAPO: groups whose rewards are all equal are dropped and more prompts are rolled out,
               up to max_gen_rounds rounds; the first train_batch_size kept groups in global order train)
@@ -45,8 +47,7 @@ from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, se
 from backends.models import decoder
 
 from . import (advantages, algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding,
-               validation)
-from .tp_rollout import TPRollout
+               tp_rollout, validation)
 from .batches import Rollouts
 from .config import RLConfig, RLConfigError, batch_problems
 from .data import load_records, load_val_records, stop_ids
@@ -168,7 +169,8 @@ class RLRecipe(Recipe):
         # VeRL's rollout replicas: a copy taken before any layout (the rollout's weights follow the actor's)
         self.tp_rollout = None
         if c.rollout_tp > 1:
-            self.tp_rollout = TPRollout(copy.deepcopy(actor), c.rollout_tp, self.rt.world, self.rt.device.type)
+            self.tp_rollout = tp_rollout.TPRollout(copy.deepcopy(actor), c.rollout_tp, self.rt.world,
+                                                   self.rt.device.type)
             t = self.tp_rollout
             self.gen_dp, self.gen_rank, self.gen_group = t.replicas, t.replica, t.group
         self.reference = None
@@ -201,7 +203,8 @@ class RLRecipe(Recipe):
         c = self.cfg
         critic = (multimodal.VLCritic if vl else roles.Critic)(lm).to(self.rt.device)
         fsdp = self.fsdp
-        if c.gradient_checkpointing if c.critic_gradient_checkpointing is None else c.critic_gradient_checkpointing:
+        recompute = c.critic_gradient_checkpointing
+        if recompute if recompute is not None else c.gradient_checkpointing:  # (None: the actor's setting)
             apply_recompute(lm.parts(), "full", fsdp=fsdp is not None)
         if fsdp is not None:
             sharding.shard(critic, lm.parts(), fsdp, c.reshard_after_forward)

@@ -21,9 +21,10 @@ Qwen3 (the arithmetic one) and a tiny random Qwen2 (the Qwen2.5 model file has q
 rollout at its published tensor_model_parallel_size 2 is also run at 1: the same rollouts and the same training.
 """
 
+import hashlib
 import json
 import os
-import shutil
+import re
 import subprocess
 from pathlib import Path
 
@@ -37,12 +38,12 @@ VERL, MSRL = FIXTURES / "verl", FIXTURES / "mindspeed-rl" / "05a90d77" / "config
 MODEL = ROOT / "examples" / "tiny-qwen3-arith"
 WORLD = 4
 
-# each VeRL script: (fixture, the paths it reads from its environment, the test's own overrides)
 BATCH = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
          "data.max_response_length=8", f"trainer.n_gpus_per_node={WORLD}", "trainer.nnodes=1",
          "trainer.total_training_steps=2", "actor_rollout_ref.rollout.name=hf"]
 MICRO = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
          "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"]
+# each VeRL script: (its fixture, the test's overrides beyond BATCH: sizes and paths)
 VERL_CASES = {
     "grpo_qwen3": ("b178a3cd/examples/grpo_trainer/run_qwen3-8b.sh", MICRO + [
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2"]),
@@ -55,7 +56,8 @@ VERL_CASES = {
     "dapo": ("v0.7.0/recipe/dapo/test_dapo_7b.sh", ["data.gen_batch_size=12", "reward_model.overlong_buffer.len=2"]),
 }
 # the module each script runs -> the engine's command line before the overrides
-ENTRY = {"verl.trainer.main_ppo": [], "recipe.dapo.main_dapo": [str(VERL / "v0.7.0/recipe/dapo/config/dapo_trainer.yaml")]}
+ENTRY = {"verl.trainer.main_ppo": [],
+         "recipe.dapo.main_dapo": [str(VERL / "v0.7.0/recipe/dapo/config/dapo_trainer.yaml")]}
 
 # each MindSpeed-RL config: (its model file's entry, the tiny model it runs, the model's FFN width)
 MSRL_CASES = {"grpo_qwen3_8b_A3": ("qwen3_8b", "arith", 192), "grpo_qwen25_7b_A3": ("qwen25_7b", "qwen2", 128)}
@@ -84,7 +86,7 @@ def _parquet(path: Path, rows: list[dict]) -> str:
 def _shims(tmp: Path) -> Path:
     """`python3` writing its arguments (NUL-separated) to $ARGV_OUT, and `ray` running what follows `--`."""
     bin_ = tmp / "bin"
-    bin_.mkdir()
+    bin_.mkdir(exist_ok=True)
     (bin_ / "python3").write_text('#!/bin/bash\nprintf \'%s\\0\' "$@" > "$ARGV_OUT"\n')
     (bin_ / "ray").write_text('#!/bin/bash\nwhile [ $# -gt 0 ] && [ "$1" != "--" ]; do shift; done\nshift\n'
                               'exec "$@"\n')
@@ -104,25 +106,55 @@ def published_argv(script: Path, tmp: Path, env: dict) -> list[str]:
     return ENTRY[args[1]] + args[2:]
 
 
+def verl_argv(name: str, tmp: Path, home: Path) -> list[str]:
+    """The engine's command line for VERL_CASES[name]: the script's own, then the test's overrides (its work
+    folder tmp/<name>: checkpoints, rollout dumps; its data under home/data)."""
+    script, extra = VERL_CASES[name]
+    work = tmp / name
+    work.mkdir(parents=True, exist_ok=True)
+    env = {"HOME": str(home), "NNODES": "1", "MODEL_PATH": str(MODEL), "CKPTS_DIR": str(work / "ckpt"),
+           "TRAIN_FILE": str(home / "data/gsm8k/train.parquet"), "TEST_FILE": str(home / "data/gsm8k/test.parquet")}
+    return published_argv(VERL / script, work, env) + [f"actor_rollout_ref.model.path={MODEL}"] + BATCH + [
+        x.format(model=MODEL) for x in extra] + [f"trainer.default_local_dir={work / 'ckpt'}",
+                                                 f"trainer.rollout_data_dir={work / 'rollouts'}"]
+
+
+def msrl_argv(name: str, tmp: Path, model: Path, data: Path) -> list[str]:
+    """The engine's command line for the MindSpeed-RL config MSRL_CASES[name] on `model` and `data`."""
+    entry, _, ffn = MSRL_CASES[name]
+    m = f"model.{entry}."
+    return [str(MSRL / f"{name}.yaml"),
+            f"{m}num_layers=2", f"{m}hidden_size=64", f"{m}ffn_hidden_size={ffn}", f"{m}num_attention_heads=4",
+            f"{m}num_query_groups=2", f"{m}max_position_embeddings=512", f"{m}padded_vocab_size=512",
+            f"megatron_training.tokenizer_name_or_path={model}", f"actor_config.load={model}",
+            f"actor_config.save={tmp / name / 'ckpt'}", f"megatron_training.data_path={data}",
+            "megatron_training.global_batch_size=4", "rl_config.mini_batch_size=4", "rl_config.n_samples_per_prompt=2",
+            "generate_config.sampling_config.max_tokens=8", f"rl_config.actor_resource.num_npus={WORLD}",
+            "megatron_training.train_iters=2"]
+
+
+def _msrl_prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": json.loads(p)["prompt"], "labels": json.loads(p)["answer"]}) + "\n"
+                            for p in prompts))
+    return path
+
+
+PROMPTS = ROOT / "examples" / "data" / "easy_arithmetic_prompts.jsonl"  # what tiny-qwen3-arith answers
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from tests.helpers.tiny_hf import make_tiny_hf
 
     tmp = tmp_path_factory.mktemp("rl_published")
-    prompts = (ROOT / "examples" / "data" / "easy_arithmetic_prompts.jsonl").read_text().splitlines()
+    prompts = PROMPTS.read_text().splitlines()
     home = tmp / "home"  # the scripts' $HOME/data/<set>/{train,test}.parquet
     for name, source in (("gsm8k", "openai/gsm8k"), ("math", "DigitalLearningGmbH/MATH-lighteval")):
         _parquet(home / "data" / name / "train.parquet", _verl_rows(prompts[::6], source))
         _parquet(home / "data" / name / "test.parquet", _verl_rows(prompts[3::24], source))
     cases = []
-    for name, (script, extra) in VERL_CASES.items():
-        work = tmp / name
-        work.mkdir()
-        env = {"HOME": str(home), "NNODES": "1", "MODEL_PATH": str(MODEL), "CKPTS_DIR": str(work / "ckpt"),
-               "TRAIN_FILE": str(home / "data/gsm8k/train.parquet"), "TEST_FILE": str(home / "data/gsm8k/test.parquet")}
-        argv = published_argv(VERL / script, work, env) + [f"actor_rollout_ref.model.path={MODEL}"] + BATCH + [
-            x.format(model=MODEL) for x in extra] + [f"trainer.default_local_dir={work / 'ckpt'}",
-                                                     f"trainer.rollout_data_dir={work / 'rollouts'}"]
+    for name in VERL_CASES:
+        argv = verl_argv(name, tmp, home)
         cases.append({"name": name, "argv": argv})
         if name == "grpo_qwen3":  # the same script, its rollout at tensor_model_parallel_size 1
             tp1 = tmp / "grpo_qwen3_tp1"  # (its own checkpoints: VeRL's resume_mode auto would resume from the other's)
@@ -131,19 +163,8 @@ def runs(tmp_path_factory):
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]})
     models = {"arith": MODEL, "qwen2": make_tiny_hf("qwen2", tmp / "tiny-qwen2", rope_parameters={
         "rope_type": "default", "rope_theta": 1000000.0})}
-    data = tmp / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": json.loads(p)["prompt"], "labels": json.loads(p)["answer"]}) + "\n"
-                            for p in prompts[::12]))
-    for name, (entry, model, ffn) in MSRL_CASES.items():
-        m = f"model.{entry}."
-        cases.append({"name": name, "argv": [str(MSRL / f"{name}.yaml"),
-            f"{m}num_layers=2", f"{m}hidden_size=64", f"{m}ffn_hidden_size={ffn}", f"{m}num_attention_heads=4",
-            f"{m}num_query_groups=2", f"{m}max_position_embeddings=512", f"{m}padded_vocab_size=512",
-            f"megatron_training.tokenizer_name_or_path={models[model]}", f"actor_config.load={models[model]}",
-            f"actor_config.save={tmp / name / 'ckpt'}", f"megatron_training.data_path={data}",
-            "megatron_training.global_batch_size=4", "rl_config.mini_batch_size=4", "rl_config.n_samples_per_prompt=2",
-            "generate_config.sampling_config.max_tokens=8", f"rl_config.actor_resource.num_npus={WORLD}",
-            "megatron_training.train_iters=2"]})
+    data = _msrl_prompts(tmp / "prompts.jsonl", prompts[::12])
+    cases += [{"name": name, "argv": msrl_argv(name, tmp, models[MSRL_CASES[name][1]], data)} for name in MSRL_CASES]
     return Launches("_rl_published_worker.py", tmp, {WORLD: cases}), tmp
 
 
@@ -168,6 +189,8 @@ def test_rollout_tensor_parallel_samples_and_trains_as_one(runs):
         a = (tmp / "grpo_qwen3" / "rollouts" / f"{step}.jsonl").read_text().splitlines()
         b = (tmp / "grpo_qwen3_tp1" / "rollouts" / f"{step}.jsonl").read_text().splitlines()
         assert len(a) == len(b) == 8 and a == b
+        line = json.loads(a[0])  # VeRL's _log_rollout_data line
+        assert set(line) == {"input", "output", "gts", "score", "step", "uid"} and line["step"] == step, line
     one, two = steps(tp1, "grpo_qwen3_tp1"), steps(tp2, "grpo_qwen3")
     for x, y in zip(one, two):
         for key in ("loss", "grad_norm", "reward_mean", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy"):
@@ -184,3 +207,106 @@ def test_rollout_copy_is_sharded_and_follows_the_trained_actor(runs, name, tp):
     assert all(r["grad_norm"] > 0 for r in steps(launches[name], name))
     copy = json.loads((launches[name] / f"{name}.rollout_copy").read_text())
     assert copy["diff"] == 0.0 and copy["share"] < 1.5 / tp, copy
+
+
+# ---------------------------------------------------------------------- the files, the readings (no training)
+
+
+def _blob(path: Path) -> str:
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.mark.parametrize("project", ["verl", "mindspeed-rl"])
+def test_fixtures_are_the_published_files(project):
+    """Every fixture is byte for byte the upstream file its SOURCE.md names: the git blob id listed there."""
+    folder = FIXTURES / project
+    rows = re.findall(r"^\| `([^`]+)` \|.*\| ([0-9a-f]{40}) \|", (folder / "SOURCE.md").read_text(), re.M)
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != "SOURCE.md")
+    assert sorted(name for name, _ in rows) == files
+    for name, blob in rows:
+        assert _blob(folder / name) == blob, name
+
+
+def test_old_keys_and_no_effect_keys_are_read_with_one_notice_each(tmp_path):
+    """VeRL 0.7 / 0.8 keys are read under their 0.9.1 names (or, dropped in 0.9.1 and changing nothing, accepted)
+    and vLLM's settings under the in-repo generator are accepted, each with one notice line naming the key; what
+    changes the numbers is read with its meaning."""
+    from backends.rl.dialects import from_argv
+
+    cfg = from_argv(verl_argv("ppo_deepseek", tmp_path, tmp_path / "home"))
+    for words in ("trainer.use_legacy_worker_impl: removed in VeRL 0.9.1, accepted, no effect",
+                  "critic.model.fsdp_config.param_offload: renamed in VeRL 0.9.1, read as critic.fsdp.param_offload",
+                  "actor_rollout_ref.rollout.gpu_memory_utilization: accepted, no effect with rollout name hf"):
+        assert sum(line.startswith(words) for line in cfg.notices) == 1, (words, cfg.notices)
+    assert (cfg.algorithm, cfg.rollout_tp, cfg.expected_world) == ("ppo", 4, WORLD)
+    ppo = from_argv(verl_argv("ppo_qwen2_5", tmp_path, tmp_path / "home"))  # the critic's own recompute flag
+    assert (ppo.gradient_checkpointing, ppo.critic_gradient_checkpointing) == (True, False)
+    dapo = from_argv(verl_argv("dapo", tmp_path, tmp_path / "home"))
+    assert any(line.startswith("hydra.searchpath: Hydra's own settings") for line in dapo.notices), dapo.notices
+    assert (dapo.algorithm, dapo.truncation, dapo.overlong_buffer, dapo.overlong_max_length, dapo.dynamic_bsz,
+            dapo.clip_high, dapo.val_do_sample) == ("dapo", "left", 2, 8, True, 0.28, True)
+
+
+@pytest.mark.parametrize("override,words", [
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=3", "3 does not divide the 4 GPUs"),
+    ("actor_rollout_ref.rollout.name=vllm", "2: one vLLM engine per rank holds the whole weights here"),
+    ("trainer.use_legacy_worker_impl=sometimes", "must be auto or enable or disable"),
+    ("data.truncation=middle", "'middle' is not built in this engine"),
+])
+def test_what_is_not_built_is_refused_by_name(tmp_path, override, words):
+    from backends.rl.config import RLConfigError
+    from backends.rl.dialects import from_argv
+
+    with pytest.raises(RLConfigError, match=re.escape(words)):
+        from_argv(verl_argv("grpo_qwen3", tmp_path, tmp_path / "home") + [override])
+
+
+def test_a_recipe_config_composes_over_ppo_trainer_only(tmp_path):
+    """`defaults: [ppo_trainer, _self_]` (the DAPO recipe's) puts the file over VeRL's default; another order or
+    config is refused by name."""
+    from backends.rl.config import RLConfigError
+    from backends.rl.dialects import from_argv
+
+    tree = (VERL / "v0.7.0/recipe/dapo/config/dapo_trainer.yaml").read_text()
+    argv = verl_argv("dapo", tmp_path, tmp_path / "home")
+    for defaults in ("- _self_\n  - ppo_trainer", "- ppo_megatron_trainer\n  - _self_"):
+        path = tmp_path / "composed.yaml"
+        path.write_text(tree.replace("- ppo_trainer\n  - _self_", defaults))
+        with pytest.raises(RLConfigError, match="defaults: .* the file composes over VeRL's ppo_trainer"):
+            from_argv([str(path)] + argv[1:])
+
+
+def test_truncation_left_keeps_a_long_prompt_s_last_tokens(tmp_path):
+    """data.truncation left: a prompt over max_prompt_length keeps its last tokens (VeRL 0.9.1's agent loop);
+    error (VeRL's default) stops at it, naming the row."""
+    import transformers
+
+    from backends.rl.config import RLConfig, RLConfigError
+    from backends.rl.data import load_records
+
+    path = _parquet(tmp_path / "t.parquet", _verl_rows(PROMPTS.read_text().splitlines()[:2], "openai/gsm8k"))
+    tok = transformers.AutoTokenizer.from_pretrained(MODEL)
+    whole = load_records(RLConfig(model_path=str(MODEL), train_files=[path]), tok)
+    cut = load_records(RLConfig(model_path=str(MODEL), train_files=[path], max_prompt_length=10, truncation="left"),
+                       tok)
+    assert all(len(r["prompt_ids"]) > 10 for r in whole)
+    assert [r["prompt_ids"] for r in cut] == [r["prompt_ids"][-10:] for r in whole]
+    with pytest.raises(RLConfigError, match="row 0: the prompt has .* tokens, more than data.max_prompt_length 10"):
+        load_records(RLConfig(model_path=str(MODEL), train_files=[path], max_prompt_length=10), tok)
+
+
+def test_mindspeed_rl_no_effect_keys_are_noticed(tmp_path):
+    """The published MindSpeed-RL config's fusion, kernel and plumbing keys are accepted with one notice line each;
+    the keys that change the numbers are read, not noticed."""
+    from backends.rl.dialects import from_argv
+
+    data = _msrl_prompts(tmp_path / "p.jsonl", PROMPTS.read_text().splitlines()[:4])
+    cfg = from_argv(msrl_argv("grpo_qwen3_8b_A3", tmp_path, MODEL, data))
+    keys = [line.split(": accepted")[0] for line in cfg.notices]
+    assert len(keys) == len(set(keys))
+    for key in ("megatron_training.use_flash_attn", "megatron_training.sequence_parallel",
+                "generate_config.offload_train_param", "generate_config.gpu_memory_utilization"):
+        assert key in keys, cfg.notices
+    assert not any(k.endswith((".lr", ".clip_grad", ".init_kl_coef", ".weight_decay")) for k in keys)
+    assert (cfg.tp, cfg.pp, cfg.precision, cfg.kl_loss_coef, cfg.betas) == (2, 2, "bf16", 0.01, (0.9, 0.95))
