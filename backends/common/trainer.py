@@ -51,6 +51,10 @@ class Loss:
     metrics: dict[str, Any] = field(default_factory=dict)  # logged: weighted mean over micro-batches and ranks
     mean: torch.Tensor | None = None        # this micro-batch's share of the step loss, already normalised
     weight: float = 1.0                     # this micro-batch's weight in the metric means (e.g. its tokens)
+    # Megatron's default reduction (no --calculate-per-token-loss): this micro-batch's token mean (this rank's
+    # summed share / the micro-batch's loss terms on all its context-parallel ranks × their number); the
+    # gradient averages it over micro-batches and data-parallel replicas. `sum` is then the logged loss only.
+    micro_mean: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,11 @@ class Scales:
         """(what backward runs on, the micro-batch's logged loss in summed-token units, float64)."""
         backward = logged = 0.0
         if out.sum is not None:
-            backward, logged = out.sum.float() * self.token, out.sum.detach().to(torch.float64)
+            logged = out.sum.detach().to(torch.float64)
+            if out.micro_mean is None:
+                backward = out.sum.float() * self.token
+        if out.micro_mean is not None:   # averaged over micro-batches here, over replicas by the gradient sync
+            backward = backward + out.micro_mean.float() * self.extra
         if out.mean is not None:
             backward = backward + out.mean.float() * self.mean
             logged = logged + out.mean.detach().to(torch.float64) * self.denom

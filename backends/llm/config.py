@@ -117,6 +117,8 @@ class TrainArgs:
     exit_interval: int | None = None
     warmup_fraction: float | None = None   # --lr-warmup-fraction: of the total steps
     decay_steps: int | None = None        # --lr-decay-iters
+    per_token_loss: bool = False          # --calculate-per-token-loss: the global token mean, not Megatron's
+    #                                       default mean of per-micro-batch token means
 
 
 @dataclass
@@ -294,6 +296,7 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     a("--split")
     a("--stage", choices=["sft", "dpo", "ray_ppo", "ray_online_dpo", "ray_grpo"])
     a("--no-pad-to-seq-lengths", action="store_true")
+    a("--calculate-per-token-loss", action="store_true")
     a("--no-load-optim", action="store_true")
     a("--no-load-rng", action="store_true")
     a("--exit-on-missing-checkpoint", action="store_true")
@@ -705,7 +708,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             eps=ns.adam_eps, grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
             seed=ns.seed, log_interval=ns.log_interval, save_interval=ns.save_interval,
             moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval,
-            warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters),
+            warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters,
+            per_token_loss=ns.calculate_per_token_loss),
         lora=lora,
         kernel_backend=side.kernel_backend,
         kernel_overrides=side.kernel_overrides,

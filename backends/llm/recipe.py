@@ -48,16 +48,28 @@ class CausalLMWithLoss(torch.nn.Module):
         return loss_sum, count, getattr(self.decoder, "aux_loss", None)
 
 
-def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0, topk: int = 1) -> Loss:
-    """The summed next-token loss of a micro-batch, plus Megatron's MoE load-balancing loss (× its coefficient)
-    when asked. The model's aux loss is transformers' (Mixtral) E·Σ f_i·P_i, f_i the share of tokens routed to
-    expert i; Megatron's switch_load_balancing_loss_func takes f_i as a share of the top-k assignments: 1/topk."""
+def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0, topk: int = 1,
+                   cp: int | None = 1) -> Loss:
+    """The summed next-token loss of a micro-batch, reduced as Megatron reduces it: without
+    --calculate-per-token-loss (`cp` the context-parallel size) each micro-batch's token mean, averaged over
+    micro-batches and replicas (schedules.forward_step: loss / num_tokens × cp / num_microbatches); with it
+    (`cp` None) the token mean of the global batch. Plus Megatron's MoE load-balancing loss (× its
+    coefficient) when asked. The model's aux loss is transformers' (Mixtral) E·Σ f_i·P_i, f_i the share of
+    tokens routed to expert i; Megatron's switch_load_balancing_loss_func takes f_i as a share of the top-k
+    assignments: 1/topk."""
     loss_sum, _, aux = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"),
                              mb.get("aux_mask"))
+    micro_mean = None if cp is None else loss_sum * (cp / micro_batch_tokens(mb))
     if aux is None or not aux_coeff:
-        return Loss(loss_sum)
+        return Loss(loss_sum, micro_mean=micro_mean)
     aux = aux / topk
-    return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()})
+    return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()}, micro_mean=micro_mean)
+
+
+def micro_batch_tokens(mb: dict) -> float:
+    """The micro-batch's loss terms on all its context-parallel ranks (at least 1: a micro-batch with none
+    adds nothing, where Megatron's 0 / 0 would make the step NaN)."""
+    return max(float(int(mb.get("mb_tokens", mb["n_tokens"]))), 1.0)
 
 
 def job_fields(cfg: LLMConfig) -> dict[str, object]:
@@ -272,11 +284,18 @@ class LLMRecipe(Recipe):
                 for _ in range(self.accum)]
 
     def loss(self, model, mb: dict) -> Loss:
-        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff, self._topk())
+        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff, self._topk(), self._micro_mean_cp())
+
+    def _micro_mean_cp(self) -> int | None:
+        """Megatron's per-micro-batch reduction (the context-parallel size), or None for
+        --calculate-per-token-loss (the global token mean)."""
+        return None if self.cfg.train.per_token_loss else self.par.layout.cp
 
     def _pipeline_step(self, micro_batches, scales):
         coeff, topk = self.cfg.train.moe_aux_loss_coeff, self._topk()   # Megatron's aux: see causal_lm_loss
-        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, scales.token, scales.extra * coeff / topk)
+        cp = self._micro_mean_cp()
+        token = scales.token if cp is None else [scales.extra * cp / micro_batch_tokens(mb) for mb in micro_batches]
+        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, token, scales.extra * coeff / topk)
         return loss_sum, ({"aux_loss": aux / topk} if aux is not None and coeff else {}), 1.0  # this rank's mean
 
     def _topk(self) -> int:
