@@ -241,10 +241,12 @@ def runs(engine_runs, tmp_path_factory):
         "early": (lf_file(tmp / "early", max_samples=32, val_size=4, eval_strategy="steps", eval_steps=1,
                           metric_for_best_model="loss", greater_is_better=True, early_stopping_steps=2,
                           save_strategy="steps", save_steps=100, max_steps=6), 1),
+        # ZeRO-3 (FSDP2) and gradient checkpointing: the evaluation's forward goes through both
         "dp2": (lf_file(tmp / "dp2", max_samples=64, val_size=0.25, per_device_eval_batch_size=3,
                         per_device_train_batch_size=2, gradient_accumulation_steps=1, eval_on_start=True,
-                        max_steps=1), 2),
+                        max_steps=1, deepspeed=str(tmp / "ds_z3.json"), disable_gradient_checkpointing=False), 2),
     }
+    (tmp / "ds_z3.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     (tmp / "dpo" / "dataset_info.json").write_text(json.dumps({**DATASETS, **PAIRS}))
     for name, (path, nproc) in files.items():
         add_lf(engine_runs, f"lf-eval/{name}", path, nproc=nproc, env={"AF_PLOT": "1"} if name == "sft" else None)
@@ -348,11 +350,39 @@ def test_early_stopping_ends_training_and_keeps_the_best(runs):
 
 
 def test_two_ranks_evaluate_as_hf_trainer_under_torchrun(runs):
-    """Two processes deal the 16 samples in batches of 3 (the last completed from the first samples); each step's
-    loss counts both ranks' tokens: the value transformers gives under that rule, not the one-process value."""
+    """Two processes (ZeRO-3) deal the 16 samples in batches of 3 (the last completed from the first samples); each
+    step's loss counts both ranks' tokens: the value transformers gives under that rule, not the one-process
+    value."""
     out = runs("dp2")
     at_start = next(r for r in metrics(out) if r.get("event") == "validation")
     records = [ALPACA[i] for i in split_of(64, 0.25)["test"]]
     two, _ = hf_eval(TINY, records, 3, ranks=2)
     one, _ = hf_eval(TINY, records, 3)
     assert at_start["eval_loss"] == pytest.approx(two, abs=1e-5) and abs(two - one) > 1e-4
+
+
+def test_vision_language_eval_is_transformers_batch_means(tmp_path):
+    """A Qwen2.5-VL eval set (images through LF's mm plugin): each batch's token mean from transformers' own model
+    on the same batches, weighed by its samples (LF loads a processor, so no cross-batch token count)."""
+    from transformers import AutoModelForImageTextToText
+
+    from backends.common.distributed import init_runtime
+    from backends.lf.recipe import LFRecipe, parse_command
+    from backends.lf.vl_data import VISION_KEYS
+    from tests.lf.test_lf_vl import BUNDLED, vl_file
+
+    path = vl_file(tmp_path, max_samples=16, val_size=0.25, per_device_eval_batch_size=3)
+    recipe = LFRecipe(parse_command(["train", str(path)]))
+    recipe.build(init_runtime("cpu"))
+    got = recipe.evaluation.run(None, 0)["eval_loss"]
+    model = AutoModelForImageTextToText.from_pretrained(BUNDLED, dtype=torch.float32).eval()
+    (only,) = recipe.evaluation.sets
+    loader, losses = only.loader(), []
+    for _ in range(len(loader)):
+        mb = next(loader)
+        unshifted = torch.full_like(mb["labels"], -100)
+        unshifted[:, 1:] = mb["labels"][:, :-1]
+        with torch.no_grad():
+            loss = model(input_ids=mb["input_ids"], labels=unshifted, **{k: mb[k] for k in VISION_KEYS if k in mb}).loss
+        losses += [float(loss)] * mb["input_ids"].shape[0]
+    assert only.units == 4 and len(losses) == 4 and got == pytest.approx(np.mean(losses), abs=1e-5)
