@@ -175,6 +175,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "metric_for_best_model": (None, _kind(str, none=True)),
     "greater_is_better": (None, _kind(bool, none=True)),
     "early_stopping_steps": (None, _kind(int, none=True)),
+    "restore_callback_states_from_checkpoint": (False, _kind(bool)),  # the early-stopping count on resume
     "logging_nan_inf_filter": (True, _kind(bool)),  # the eval loss leaves out non-finite batch losses
     "average_tokens_across_devices": (True, _only((True,), "the loss is the mean over every trained token of "
                                                             "the global batch")),
@@ -283,7 +284,7 @@ _EFFECTLESS = {
         "master_addr", "master_port", "use_cpu", "torch_compile", "torch_compile_backend", "torch_compile_mode",
         "torch_empty_cache_steps", "gradient_checkpointing", "gradient_checkpointing_kwargs", "use_cache",
         "full_determinism", "remove_unused_columns", "label_names", "length_column_name", "save_on_each_node",
-        "enable_jit_checkpoint", "restore_callback_states_from_checkpoint", "skip_memory_metrics", "debug"),
+        "enable_jit_checkpoint", "skip_memory_metrics", "debug"),
     "logging and profiling switches (this engine logs to trainer_log.jsonl and metrics.jsonl)": (
         "print_param_status", "logging_first_step", "logging_dir", "run_name", "disable_tqdm", "log_on_each_node",
         "include_num_input_tokens_seen", "log_level", "log_level_replica", "project",

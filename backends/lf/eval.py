@@ -67,9 +67,12 @@ def lf_test_size(val_size: int | float) -> int | float:
     return int(val_size) if val_size > 1 else val_size
 
 
+Records = tuple[Path, str]  # a canonical records file and its format
+
+
 def held_out(cfg: LFConfig, records: Path, fmt: str, eval_entries: list,
-             write: Callable[[list], tuple[Path, str]]) -> tuple[tuple[Path, str], dict[str | None, tuple[Path, str]]]:
-    """((the training records, their format), the eval sets: name -> (records, format); name None: one set, metrics eval_*).
+             write: Callable[[list], Records]) -> tuple[Records, dict[str | None, Records]]:
+    """(the training records, the eval sets by name: None for one set, metrics eval_*; else eval_<name>_*).
     write(entries): the canonical records of those datasets (backends.lf.data.write_canonical)."""
     if cfg.val_size > 1e-6:
         lines = records.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -288,7 +291,6 @@ class Evaluation:
 
     def final(self, trainer, step: int) -> None:
         metrics = self.run(trainer, step)
-        self._early_stopping(metrics)
         metrics["epoch"] = step / self.schedule.per_epoch
         if self.cfg.stage == "pt":
             for s in self.sets:
@@ -374,7 +376,11 @@ class Evaluation:
         return {"best": self.best, "best_step": self.best_step, "patience": self.patience}
 
     def load_state_dict(self, state: dict) -> None:
-        self.best, self.best_step, self.patience = state["best"], state["best_step"], state["patience"]
+        """TrainerState's best metric comes back; the callback's count only with restore_callback_states_from_checkpoint
+        (else it starts again at 0, as transformers does)."""
+        self.best, self.best_step = state["best"], state["best_step"]
+        if self.cfg.restore_callback_states_from_checkpoint:
+            self.patience = state["patience"]
 
 
 def write_results(out: Path, split: str, metrics: dict) -> None:

@@ -163,7 +163,8 @@ class LFRecipe(Recipe):
         if self.eval_sets:
             from backends.lf.eval import Evaluation, Schedule
 
-            self.evaluation = Evaluation(self, list(self.eval_sets.values()), Schedule.of(cfg, steps, self.steps_per_epoch))
+            schedule = Schedule.of(cfg, steps, self.steps_per_epoch)
+            self.evaluation = Evaluation(self, list(self.eval_sets.values()), schedule)
             self.evaluation.check()
         return self._settings(rt, steps)
 

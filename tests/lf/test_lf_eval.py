@@ -109,8 +109,8 @@ def test_bad_evaluation_settings_are_one_line_each(tmp_path, keys, needle):
     assert needle in str(err.value) and str(err.value).count("\n") == 0
 
 
-def test_schedule_is_default_flow_callbacks():
-    cfg = parse_config(lf_file(Path("/nonexistent"), val_size=0.1, eval_strategy="steps", logging_steps=3))
+def test_schedule_is_default_flow_callbacks(tmp_path):
+    cfg = parse_config(lf_file(tmp_path, val_size=0.1, eval_strategy="steps", logging_steps=3))
     due = lambda sch: [s for s in range(1, 11) if sch.due(s)]  # noqa: E731
     assert due(lfeval.Schedule.of(cfg, 10, 4)) == [3, 6, 9, 10]  # unset: logging_steps; and the last step
     cfg.args.update(eval_steps=0.25, eval_delay=5)
@@ -386,3 +386,21 @@ def test_vision_language_eval_is_transformers_batch_means(tmp_path):
             loss = model(input_ids=mb["input_ids"], labels=unshifted, **{k: mb[k] for k in VISION_KEYS if k in mb}).loss
         losses += [float(loss)] * mb["input_ids"].shape[0]
     assert only.units == 4 and len(losses) == 4 and got == pytest.approx(np.mean(losses), abs=1e-5)
+
+
+def test_resume_keeps_the_best_metric_and_restarts_the_stopping_count(tmp_path):
+    """TrainerState's best_metric comes back with a checkpoint; EarlyStoppingCallback's count only with
+    restore_callback_states_from_checkpoint."""
+    from types import SimpleNamespace
+
+    cfg = parse_config(lf_file(tmp_path, val_size=0.1, eval_strategy="steps",
+                               metric_for_best_model="loss", early_stopping_steps=2))
+    saved = {"best": 1.0, "best_step": 3, "patience": 1}
+    evaluation = lfeval.Evaluation(SimpleNamespace(cfg=cfg), [], lfeval.Schedule.of(cfg, 10, 2))
+    evaluation.load_state_dict(saved)
+    evaluation._early_stopping({"eval_loss": 2.0})
+    assert (evaluation.best, evaluation.patience, evaluation.stop) == (1.0, 1, False)
+    cfg.args["restore_callback_states_from_checkpoint"] = True
+    evaluation.load_state_dict(saved)
+    evaluation._early_stopping({"eval_loss": 2.0})
+    assert (evaluation.patience, evaluation.stop) == (2, True)
