@@ -174,6 +174,9 @@ class Recipe:
     def logged(self, record: dict) -> None:  # every rank, after metrics.jsonl got the record (own logs)
         pass
 
+    def should_stop(self) -> str | None:    # after a step, the same on every rank: why training ends there
+        return None                          # (e.g. early stopping); it then exports and finishes as at the end
+
     def plot_title(self, total_steps: int) -> str:
         return f"{self.name} · {total_steps} steps"
 
@@ -427,6 +430,11 @@ class Trainer:
                 saved = self.save()
             if self._agree_to_stop():
                 return self._preempted(saved)
+            stop = self.recipe.should_stop()
+            if stop:
+                log.info("%s: training ends after step %d of %d", stop, self.step, s.total_steps)
+                self.metrics.event("stopped", step=self.step, reason=stop)
+                break
             if exiting:
                 log.info("exit interval %d: stopping after step %d; resume continues from here", s.exit_interval,
                          self.step)

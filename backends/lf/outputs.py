@@ -47,8 +47,9 @@ class TrainerOutputs:
         self.log_history.append(entry)
         return loss
 
-    def finish(self, step: int) -> None:
-        """The closing metrics into log_history and the three files (rank 0, after the last step)."""
+    def finish(self, step: int, **state) -> None:
+        """The closing metrics into log_history and the three files (rank 0, after the last step); state: more
+        TrainerState fields (best_metric, best_global_step)."""
         runtime = time.time() - (self._start or time.time())
         steps = step - (self._first_step or 0)
         metrics = {"train_runtime": round(runtime, 4)}
@@ -59,19 +60,19 @@ class TrainerOutputs:
         metrics.update(total_flos=self.total_flos, train_loss=sum(self._losses) / max(len(self._losses), 0.001),
                        epoch=step / self.per_epoch)
         self.log_history.append({**metrics, "step": step})
-        self._write_state(step)
+        self._write_state(step, **state)
         for name in ("train_results.json", "all_results.json"):
             path = self.dir / name
             combined = json.loads(path.read_text()) if name == "all_results.json" and path.exists() else {}
             path.write_text(json.dumps({**combined, **metrics}, indent=4, sort_keys=True) + "\n")
 
-    def _write_state(self, step: int) -> None:
+    def _write_state(self, step: int, **fields) -> None:
         from transformers import TrainerState
 
         state = TrainerState(epoch=step / self.per_epoch, global_step=step, max_steps=self.max_steps,
                              logging_steps=self.logging_steps, save_steps=self.save_steps,
                              train_batch_size=self.micro_batch, num_train_epochs=self.num_train_epochs,
-                             total_flos=self.total_flos, log_history=self.log_history)
+                             total_flos=self.total_flos, log_history=self.log_history, **fields)
         state.save_to_json(str(self.dir / "trainer_state.json"))
 
     def state_dict(self) -> dict:
