@@ -157,7 +157,7 @@ class MegatronView:
                 continue
             grouped = f"{prefix}mlp.experts.{'weight1' if which == 'linear_fc1' else 'weight2'}"
             if grouped not in names:
-                raise MegatronCheckpointError(f"{self.path}: no weights of expert {e} ({which}) in "
+                raise MegatronCheckpointError(f"no weights of expert {e} ({which}) in "
                                               f"{files.paths[(t, p, x)].parent.name}")
             stored = store.shape(base + (grouped,))
             self._claim(base + (grouped,))
@@ -193,7 +193,7 @@ class MegatronView:
                 stacked[rest] = store.shape(key)[0]
         counts = set(stacked.values())
         if len(counts) > 1:
-            raise MegatronCheckpointError(f"{self.path}: the stacked layer tensors disagree on the layer count "
+            raise MegatronCheckpointError(f"the stacked layer tensors disagree on the layer count "
                                           f"({sorted(counts)})")
         total = max([*counts, *(n + 1 for n in per_layer)], default=0)
         layers = []
@@ -296,7 +296,7 @@ class MegatronView:
         """[gate; up] of each shard -> (gate, up) over all shards."""
         rows = shards[0].shape[0]
         if rows % 2:
-            raise MegatronCheckpointError(f"{self.path}: {where} has {rows} rows per shard, not [gate; up] halves")
+            raise MegatronCheckpointError(f"{where} has {rows} rows per shard, not [gate; up] halves")
         half = rows // 2
         return (Concat(0, [Narrowed(s, 0, 0, half) for s in shards]),
                 Concat(0, [Narrowed(s, 0, half, half) for s in shards]))
@@ -309,7 +309,7 @@ class MegatronView:
         rows = shards[0].shape[0]
         if rows % group:
             raise MegatronCheckpointError(
-                f"{self.path}: layer {i}'s linear_qkv has {rows} rows per tensor-parallel shard, not a whole number "
+                f"layer {i}'s linear_qkv has {rows} rows per tensor-parallel shard, not a whole number "
                 f"of query groups of {group} rows ({n.num_heads // n.num_groups} query heads + k + v of "
                 f"{n.head_dim}); the attention flags (--num-attention-heads, --num-query-groups, --kv-channels) "
                 f"must describe the checkpoint")
