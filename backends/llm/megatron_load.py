@@ -121,7 +121,8 @@ def checkpoint_reader(start: MegatronStart, decoder):
         view = MegatronView(start.ckpt, naming)
     except MegatronCheckpointError as err:
         raise ConfigError(f"--load {load}: {err}") from None
-    want = {name: tuple(t.shape) for n, p in meta_decoder(cfg).named_parameters() for name, t in to_hf(n, p, cfg.family)}
+    want = {name: tuple(t.shape) for n, p in meta_decoder(cfg).named_parameters()
+            for name, t in to_hf(n, p, cfg.family)}
     wrong = [f"no {name}" for name in want if name not in view]
     wrong += [f"{view.stored_name(name)} gives {name} of shape {view.shape(name)}, the model needs {shape}"
               for name, shape in want.items() if name in view and view.shape(name) != shape]

@@ -39,7 +39,8 @@ def _hf(model_dir: Path) -> tuple[dict, dict]:
 
 def _dims(cfg: dict) -> tuple[int, int, int, int, int]:
     heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    return cfg["num_hidden_layers"], cfg["hidden_size"], heads, groups, cfg.get("head_dim") or cfg["hidden_size"] // heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"], cfg["hidden_size"], heads, groups, head_dim
 
 
 def _qkv(q, k, v, groups):
@@ -292,8 +293,8 @@ def test_megatron_rules_for_which_checkpoint_and_iteration(checkpoints, tmp_path
                                           r"model.layers.0.mlp.gate_proj.weight of shape \(128, 64\), the model needs "
                                           r"\(96, 64\)"):
         _load_in_process([*QWEN3, *RUN, "--ffn-hidden-size", "96", "--load", str(legacy), "--finetune"])
-    with pytest.raises(ConfigError, match=r"--load \S+: layer 0's linear_qkv has 64 rows per tensor-parallel shard, not "
-                                          r"a whole number of query groups of 24 rows"):
+    with pytest.raises(ConfigError, match=r"--load \S+: layer 0's linear_qkv has 64 rows per tensor-parallel shard, "
+                                          r"not a whole number of query groups of 24 rows"):
         _load_in_process([*QWEN3, *RUN, "--num-query-groups", "4", "--kv-channels", "8", "--load", str(legacy),
                           "--finetune"])
     bad = tmp_path / "bad"
@@ -319,6 +320,26 @@ def test_megatron_rules_for_which_checkpoint_and_iteration(checkpoints, tmp_path
     assert start(legacy, "--finetune", "--exit-on-missing-checkpoint") is not None
     with pytest.raises(ValueError, match="holds a Megatron checkpoint .*this engine resumes its own"):
         kit.megatron_resume(str(legacy), None)
+
+
+@pytest.mark.parametrize("script,card", [("tune_llama31_8b_4k_full_ptd", "llama3.1-8b"),
+                                         ("tune_glm4_9b_32k_full_ptd", "glm-4-9b-chat")])
+def test_published_scripts_loading_megatron_checkpoints_build_their_models(script, card, tmp_path):
+    """MindSpeed-LLM's Llama 3.1 and GLM-4 tune scripts --load a Megatron checkpoint: their flags alone build the
+    model of the card (llama3 rope scaling, GLM's half interleaved rotary, biases, vocabulary); the sequence length
+    they train at stands for max_position_embeddings, which nothing computed reads."""
+    import dataclasses
+
+    from backends.llm.megatron_load import flags_config
+    from backends.models.decoder import card_config
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    argv = [line for line in (ROOT / "tests" / "fixtures" / "upstream" / "mindspeed-llm" / "published_args" /
+                              f"{script}.args").read_text().splitlines() if not line.startswith("#")]
+    argv[argv.index("--load") + 1] = str(tmp_path)
+    got, want = flags_config(parse_args(argv, engine={})), card_config(card)
+    assert {f.name for f in dataclasses.fields(want) if getattr(got, f.name) != getattr(want, f.name)} == {
+        "max_position_embeddings"}
 
 
 def test_published_script_flags_build_the_model_megatron_builds(tiny_model):

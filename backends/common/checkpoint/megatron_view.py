@@ -138,7 +138,7 @@ class MegatronView:
                     return self._legacy_expert(store, p, chunk, prefix, which, e)
 
                 layers.append(_Layer(shards, experts, by_layer[local]))
-        return layers, {name: ("legacy", keys) for name, keys in top.items()}
+        return layers, top
 
     def _legacy_expert(self, store: LegacyStore, p, chunk, prefix, which, e) -> list[Source]:
         """Expert e's linear_fc1 ([gate; up] shard, [2I/tp, H]) or linear_fc2 ([H, I/tp]) on each tp rank."""
@@ -149,7 +149,8 @@ class MegatronView:
         for t in range(files.tp):
             names = set(store.keys(t, p, x, chunk))
             base = (t, p, x, chunk)
-            seq, te = f"{prefix}mlp.experts.local_experts.{local}.{which}.weight", f"{prefix}mlp.experts.{which}.weight{local}"
+            seq = f"{prefix}mlp.experts.local_experts.{local}.{which}.weight"   # SequentialMLP
+            te = f"{prefix}mlp.experts.{which}.weight{local}"                   # TEGroupedMLP
             if seq in names or te in names:
                 key = base + ((seq if seq in names else te),)
                 self._claim(key)
@@ -170,7 +171,8 @@ class MegatronView:
 
     def _experts_per_rank(self, store: LegacyStore, p, chunk, prefix) -> int:
         names = store.keys(0, p, 0, chunk)
-        seq = {n for n in names if n.startswith(f"{prefix}mlp.experts.local_experts.") and n.endswith("linear_fc1.weight")}
+        seq = {n for n in names
+               if n.startswith(f"{prefix}mlp.experts.local_experts.") and n.endswith("linear_fc1.weight")}
         te = {n for n in names if n.startswith(f"{prefix}mlp.experts.linear_fc1.weight")}
         if seq or te:
             return len(seq or te)
@@ -183,7 +185,7 @@ class MegatronView:
         top = {}
         for key in store.keys():
             if not key.startswith("decoder.layers."):
-                top[key] = ("dist", key)
+                top[key] = [key]
                 continue
             rest = key[len("decoder.layers."):]
             head, _, tail = rest.partition(".")
@@ -224,11 +226,7 @@ class MegatronView:
 
     # ------------------------------------------------------------------ HF names
 
-    def _top_shards(self, entry) -> list[Source]:
-        kind, keys = entry
-        if kind == "dist":
-            self._claim(keys)
-            return [Piece(self.store, keys)]
+    def _top_shards(self, keys: list) -> list[Source]:
         self._claim(*keys)
         return [Piece(self.store, k) for k in keys]
 
