@@ -176,7 +176,7 @@ def _naming(model_dir: Path) -> Naming:
 
 
 @pytest.mark.parametrize("model,kind,layout", [("dense", "legacy", (2, 2, 1)), ("moe", "legacy", (2, 2, 1)),
-                                               ("moe", "dist", None)])
+                                               ("moe", "torch_dist", None)])
 def test_checkpoints_the_upstream_tools_wrote_read_back_to_their_hf_weights(model, kind, layout):
     hf, cfg = _hf(UPSTREAM / model / "hf")
     ckpt = open_checkpoint(UPSTREAM / model / kind)
@@ -201,7 +201,7 @@ def test_the_writers_reproduce_the_upstream_checkpoints(tmp_path):
             assert sorted(got["model"]) == sorted(want["model"]), theirs
             for key, value in want["model"].items():
                 assert torch.equal(got["model"][key], value), (theirs, key)
-    store = open_checkpoint(UPSTREAM / "moe" / "dist").store
+    store = open_checkpoint(UPSTREAM / "moe" / "torch_dist").store
     want = {k: store.read(k, full_region(store.shape(k))) for k in store.keys()}
     got = dist_tensors(UPSTREAM / "moe" / "hf")
     assert sorted(got) == sorted(want)
@@ -227,7 +227,7 @@ def checkpoints(tiny_model, tmp_path_factory):
         hf = tiny_model(family)
         base = tmp_path_factory.mktemp(f"megatron-{family}")
         out[family] = (hf, write_legacy(hf, base / "legacy", tp=2, pp=2, grouped=family == "qwen3_moe"),
-                       write_dist(hf, base / "dist"))
+                       write_dist(hf, base / "torch_dist"))
     return out
 
 
