@@ -126,6 +126,8 @@ class Settings:
     save_interval: int | None = None
     exit_interval: int | None = None
     resume: str | None = None     # "auto" | None (never) | a step_N checkpoint path
+    start_step: int = 0           # without a resume: the step the run continues from (Megatron's --load of an
+                                  # iteration-N checkpoint with a fresh optimizer)
     log_interval: int = 1
     metrics_file: str | None = None
     keep_last: int | None = None
@@ -397,6 +399,7 @@ class Trainer:
             s.metrics_file = str(Path(s.save_dir).resolve().parent / "metrics.jsonl")
             if self.rt.is_main:
                 log.info("metrics: %s (the loss curve goes next to it)", s.metrics_file)
+        self.step = s.start_step
         self._resume()
         self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main)
         layout = _layout_of(self.recipe)
