@@ -3,7 +3,9 @@
 learning rate of trainer_log.jsonl and trainer_state.json's log_history, fp32 on the CPU, with gradient
 accumulation, warmup and a decaying schedule, over an epoch's end (a last micro-batch of one sample, a last
 optimizer step of one micro-batch, the next epoch reshuffled), samples cut at cutoff_len; in file order
-(disable_shuffling) and in LLaMA-Factory's shuffled order (seed, data_seed), full and LoRA fine-tuning.
+(disable_shuffling) and in LLaMA-Factory's shuffled order (seed, data_seed), full and LoRA fine-tuning, the
+loss over an interval of logged steps, and train_on_prompt (HF's loss denominator counts every label before the
+shift).
 Both sides run every case in one launch each (LLaMA-Factory's CLI entry called once per file)."""
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ CASES = {
              "max_steps": -1, "num_train_epochs": 2, "warmup_steps": 1, "lr_scheduler_type": "cosine"},
     # the logged loss is the mean over the logging interval
     "every-3": {"seed": 5, "warmup_steps": 1, "lr_scheduler_type": "cosine", "logging_steps": 3},
+    # a sample's first label is kept, so the loss is divided by one more label per sample than it has targets
+    "train-on-prompt": {"train_on_prompt": True, "disable_shuffling": True, "warmup_steps": 1,
+                        "lr_scheduler_type": "cosine"},
 }
 
 
