@@ -237,7 +237,7 @@ class Evaluation:
         if not (self.cfg.eval_on_start if start else self.schedule.due(step)):
             return {}
         metrics = self.run(trainer, step)
-        entry = {**metrics, "epoch": step / self.schedule.per_epoch, "step": step}
+        entry = {**metrics, "epoch": self.recipe.outputs.epoch(step), "step": step}
         if start:  # no loss entry at this step: the entry goes in now
             self.recipe.eval_logged(entry, self.schedule.total)
         else:
@@ -291,7 +291,7 @@ class Evaluation:
 
     def final(self, trainer, step: int) -> None:
         metrics = self.run(trainer, step)
-        metrics["epoch"] = step / self.schedule.per_epoch
+        metrics["epoch"] = self.recipe.outputs.epoch(step)
         if self.cfg.stage == "pt":
             for s in self.sets:
                 loss = metrics[f"{s.prefix}_loss"]

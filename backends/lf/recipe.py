@@ -44,6 +44,11 @@ def total_steps(cfg: LFConfig, batches_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch(cfg, batches_per_epoch)))
 
 
+def interval_steps(value: float, total: int) -> int:
+    """logging_steps / save_steps as HF's TrainerState reads them: below 1 a fraction of the run (rounded up)."""
+    return math.ceil(total * value) if value < 1 else int(value)
+
+
 def warmup_steps(cfg: LFConfig, total: int) -> int:
     """warmup_steps (a count, or below 1 a fraction of the run), else ceil(warmup_ratio × steps)."""
     w = cfg.warmup_steps
@@ -98,30 +103,26 @@ def resume_setting(cfg: LFConfig, save_dir: Path) -> str | None:
 
 
 class TrainerLog:
-    """output_dir/trainer_log.jsonl as LLaMA-Factory's LogCallback writes it (rank 0)."""
+    """output_dir/trainer_log.jsonl as LLaMA-Factory's LogCallback writes it (rank 0): a line per Trainer log
+    (the log_history entry's loss, learning rate and epoch), and one without them for the closing metrics. No
+    throughput / total_tokens: the Trainer counts no input tokens unless include_num_input_tokens_seen."""
 
-    def __init__(self, path: Path, total: int, steps_per_epoch: int, resumed: bool):
-        self.path, self.total, self.per_epoch = path, total, max(steps_per_epoch, 1)
+    def __init__(self, path: Path, total: int, first_step: int):
+        self.path, self.total, self.first_step = path, total, first_step
         self.start = time.time()
-        self.first_step: int | None = None
-        if not resumed and path.exists():
+        if not first_step and path.exists():
             path.unlink()  # a fresh run starts a fresh log, as LogCallback does
 
-    def write(self, record: dict) -> None:
-        """A training record's line, or an evaluation's ({"step", "eval_loss"}: LogCallback writes eval_loss)."""
-        step = int(record["step"])
-        if self.first_step is None:
-            self.first_step = step - 1 if "loss" in record else step
+    def write(self, step: int, entry: dict) -> None:
+        """A log_history entry's line: a training log, an evaluation's (eval_loss, as LogCallback writes it) or
+        the closing one."""
         elapsed = time.time() - self.start
-        done = max(step - self.first_step, 1)
-        remaining = (self.total - step) * elapsed / done
-        logs = {"current_steps": step, "total_steps": self.total, "loss": record.get("loss"),
-                "eval_loss": record.get("eval_loss"), "lr": record.get("lr"),
-                "epoch": round(step / self.per_epoch, 2),
+        remaining = (self.total - step) * elapsed / max(step - self.first_step, 1)
+        logs = {"current_steps": step, "total_steps": self.total, "loss": entry.get("loss"),
+                "eval_loss": entry.get("eval_loss"), "lr": entry.get("learning_rate"), "epoch": entry.get("epoch"),
                 "percentage": round(step / self.total * 100, 2) if self.total else 100,
                 "elapsed_time": str(timedelta(seconds=int(elapsed))),
-                "remaining_time": str(timedelta(seconds=int(remaining))),
-                "throughput": record.get("tokens_per_s"), "total_tokens": record.get("trained_tokens")}
+                "remaining_time": str(timedelta(seconds=int(remaining)))}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({k: v for k, v in logs.items() if v is not None}) + "\n")
 
@@ -131,7 +132,8 @@ class LFRecipe(Recipe):
 
     def __init__(self, cfg: LFConfig):
         self.cfg = cfg
-        self.trainer_log: TrainerLog | None = None
+        self._trainer_log: TrainerLog | None = None
+        self._first_step: int | None = None  # this session's first step (0 unless resumed)
         self.evaluation = None   # backends.lf.eval.Evaluation when the run has eval sets
         self.eval_sets: dict = {}
         self.vision_model = False
@@ -174,8 +176,10 @@ class LFRecipe(Recipe):
         embeddings = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Embedding))
         # the Trainer's num_train_epochs: what max_steps makes of it, else the key
         epochs = math.ceil(steps / self.steps_per_epoch) if cfg.max_steps > 0 else cfg.num_train_epochs
-        return TrainerOutputs(cfg.output_dir, max_steps=steps, steps_per_epoch=self.steps_per_epoch,
-                              logging_steps=cfg.logging_steps, save_steps=cfg.save_steps,
+        return TrainerOutputs(cfg.output_dir, max_steps=steps, batches_per_epoch=len(self.loader),
+                              accumulation=cfg.gradient_accumulation_steps,
+                              logging_steps=interval_steps(cfg.logging_steps, steps),
+                              save_steps=interval_steps(cfg.save_steps, steps),
                               micro_batch=cfg.per_device_train_batch_size, num_train_epochs=epochs,
                               flops_params=self.total - embeddings,
                               global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
@@ -208,9 +212,9 @@ class LFRecipe(Recipe):
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
         return Settings(total_steps=steps, save_dir=str(save_dir),
-                        save_interval=int(cfg.save_steps) if cfg.save_strategy == "steps" else None,
+                        save_interval=interval_steps(cfg.save_steps, steps) if cfg.save_strategy == "steps" else None,
                         exit_interval=cfg.engine.get("exit_interval"), resume=resume,
-                        log_interval=max(1, int(cfg.logging_steps)), metrics_file=metrics,
+                        log_interval=max(1, interval_steps(cfg.logging_steps, steps)), metrics_file=metrics,
                         keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora")
 
     def _reference(self, par, rt):
@@ -411,6 +415,8 @@ class LFRecipe(Recipe):
         return Loss(losses.sum(), metrics={k: float(v) for k, v in metrics.items()})
 
     def step(self, trainer, step: int):
+        if self._first_step is None:
+            self._first_step = step
         result = super().step(trainer, step)
         self.outputs.stepped(step + 1, result.loss, result.tokens)
         return result
@@ -433,27 +439,26 @@ class LFRecipe(Recipe):
 
     def logged(self, record: dict) -> None:
         # the Trainer logs the mean loss of the steps since its last log (trainer_log.jsonl reads that entry); the
-        # trainer also records a step it evaluated at, whose entries follow the loss entry
-        step, total = int(record["step"]), int(record["total_steps"])
-        if step % max(1, int(self.cfg.logging_steps)) == 0 or step == total:
-            loss = self.outputs.logged(step, record["lr"], record.get("grad_norm"))
-            self._log_line({**{k: v for k, v in record.items() if not k.startswith("eval_")}, "loss": loss}, total)
+        # shared loop also records the last step (HF does not) and a step it evaluated at, whose entries follow
+        step = int(record["step"])
+        if step % max(1, self.outputs.logging_steps) == 0:
+            entry = self.outputs.logged(step, record["lr"], record.get("grad_norm"))
+            if self.rt.is_main:
+                self.trainer_log().write(step, entry)
         for entry in self.evaluation.flush() if self.evaluation else ():
-            self.eval_logged(entry, total)
+            self.eval_logged(entry)
 
-    def eval_logged(self, entry: dict, total: int) -> None:
+    def eval_logged(self, entry: dict, total: int | None = None) -> None:
         """An evaluation's log entry (trainer_state.json's log_history, a trainer_log.jsonl line)."""
         self.outputs.log_history.append(entry)
-        self._log_line({"step": entry["step"], "eval_loss": entry.get("eval_loss")}, total)
+        if self.rt.is_main:
+            self.trainer_log().write(int(entry["step"]), entry)
 
-    def _log_line(self, record: dict, total: int) -> None:
-        if not self.rt.is_main:
-            return
-        if self.trainer_log is None:
-            resumed = int(record["step"]) > self.cfg.logging_steps
-            self.trainer_log = TrainerLog(Path(self.cfg.output_dir) / TRAINER_LOG, total, self.steps_per_epoch,
-                                          resumed)
-        self.trainer_log.write(record)
+    def trainer_log(self) -> TrainerLog:
+        if self._trainer_log is None:
+            self._trainer_log = TrainerLog(Path(self.cfg.output_dir) / TRAINER_LOG, self.outputs.max_steps,
+                                           self._first_step or 0)
+        return self._trainer_log
 
     def evaluate(self, trainer, step: int, start: bool = False) -> dict[str, float]:
         return self.evaluation.at(trainer, step, start) if self.evaluation else {}
@@ -470,8 +475,11 @@ class LFRecipe(Recipe):
 
         if self.cfg.engine.get("export_hf", True):
             export(self.model, self.cfg, self.tokenizer)
+        if self._first_step is None:  # nothing left to train after a resume
+            self._first_step = trainer.step
         if self.rt.is_main:
             self.outputs.finish(trainer.step, **(self.evaluation.trainer_state() if self.evaluation else {}))
+            self.trainer_log().write(trainer.step, self.outputs.log_history[-1])  # LogCallback on the closing log
         if self.evaluation:
             self.evaluation.after_training(trainer)
 
