@@ -654,11 +654,7 @@ def flags_model(ns: argparse.Namespace) -> FlagsModel:
         wrong.append("--multi-latent-attention: reading Megatron checkpoints of MLA models is not built; convert it to "
                      "Hugging Face format (MindSpeed-LLM's convert_ckpt_v2.py --save-model-type hf) and load that with "
                      "--enable-hf2mg-convert")
-    if not ns.swiglu:
-        wrong.append("--swiglu is off: Megatron would build a GeLU MLP; the native decoders are SwiGLU")
-    if not ns.disable_bias_linear:
-        wrong.append("--disable-bias-linear is off: Megatron would add a bias to every linear layer; the native "
-                     "decoders have none (--add-qkv-bias gives the q/k/v ones)")
+    # (omitted --swiglu / --disable-bias-linear are refused for every load: architecture_refusals)
     wrong += [f"{flag}: shared experts and dense leading layers (DeepSeek's) are not read from Megatron checkpoints; "
               f"convert it to Hugging Face format and load that with --enable-hf2mg-convert"
               for flag, value in (("--n-shared-experts", ns.n_shared_experts),

@@ -361,7 +361,7 @@ def test_published_script_flags_build_the_model_megatron_builds(tiny_model):
         .family == "llama"
     assert flags_config(parse_args(llama + RUN + ["--add-qkv-bias", "--load", str(UPSTREAM / "dense" / "legacy")],
                                    engine={})).family == "qwen2"
-    with pytest.raises(ConfigError, match="--swiglu is off: Megatron would build a GeLU MLP"):
+    with pytest.raises(ConfigError, match="--swiglu is not given: Megatron builds a GELU MLP"):
         parse_args([f for f in QWEN3 if f != "--swiglu"] + RUN + ["--load", str(UPSTREAM / "dense" / "legacy")],
                    engine={})
     with pytest.raises(ConfigError, match="or --load a Megatron checkpoint"):
