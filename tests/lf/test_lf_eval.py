@@ -264,10 +264,12 @@ def test_steps_cadence_and_what_a_run_leaves(runs):
     assert set(evals[1]) == {"eval_loss", "eval_accuracy", "eval_runtime", "eval_samples_per_second",
                              "eval_steps_per_second", "epoch", "step"}
     assert [(e["step"], "loss" in e) for e in history(out) if "train_loss" not in e] == \
-        [(0, False), (2, True), (2, False), (4, True), (4, False), (5, True), (5, False)]  # loss entry first
+        [(0, False), (2, True), (2, False), (4, True), (4, False), (5, False)]  # loss entry first; none at 5:
+    # the last step is off logging_steps 2, and the Trainer logs on the interval only (test_lf_vs_llamafactory)
     log = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines()]
     assert [(r["current_steps"], "loss" in r, r.get("eval_loss")) for r in log] == \
-        [(e["step"], "loss" in e, e.get("eval_loss")) for e in history(out) if "train_loss" not in e]
+        [(e["step"], "loss" in e, e.get("eval_loss")) for e in history(out) if "train_loss" not in e] + [(5, False, None)]
+    # (the last line: LogCallback on the closing train_runtime / train_loss entry)
     recorded = {r["step"]: r["eval_loss"] for r in metrics(out) if "eval_loss" in r}
     assert recorded == pytest.approx({e["step"]: e["eval_loss"] for e in evals}, abs=1e-6)
     # after training (do_eval follows eval_strategy): the final model once more, into eval_results.json
@@ -288,7 +290,8 @@ def test_epoch_cadence_delay_and_each_dataset(runs):
     assert {"eval_alpaca_loss", "eval_sharegpt_loss", "eval_alpaca_runtime", "eval_sharegpt_runtime"} <= set(evals[0])
     assert "eval_loss" not in evals[0]
     log = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines()]
-    assert [r["current_steps"] for r in log if "loss" not in r] == [4, 5]  # LogCallback: no eval_loss key there
+    # the two evaluations (LogCallback: no eval_loss key for per-dataset names) and the closing line
+    assert [r["current_steps"] for r in log if "loss" not in r] == [4, 5, 5]
     assert not (out / "training_eval_alpaca_loss.png").exists()  # plot_loss off
     results = json.loads((out / "eval_results.json").read_text())
     assert results["eval_alpaca_loss"] > 0 and results["eval_sharegpt_loss"] > 0
