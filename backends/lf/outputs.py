@@ -38,12 +38,13 @@ class TrainerOutputs:
         self._losses.append(loss)
         self.total_flos += 6.0 * self.flops_params * tokens
 
-    def logged(self, step: int, lr: float, grad_norm: float | None) -> float:
-        """At a logged step: the log_history entry; returns the logged loss (the interval's mean)."""
+    def logged(self, step: int, lr: float, grad_norm: float | None, metrics: dict | None = None) -> float:
+        """At a logged step: the log_history entry (with the stage's metrics, e.g. rewards/*); returns the
+        logged loss (the interval's mean)."""
         loss = sum(self._interval) / max(len(self._interval), 1)
         self._interval = []
         entry = {"loss": loss, **({"grad_norm": grad_norm} if grad_norm is not None else {}), "learning_rate": lr,
-                 "epoch": step / self.per_epoch, "step": step}
+                 **(metrics or {}), "epoch": step / self.per_epoch, "step": step}
         self.log_history.append(entry)
         return loss
 
