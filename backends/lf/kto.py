@@ -2,8 +2,8 @@
 micro-batch, from summed log-probabilities of the answers' trained tokens (policy π, reference ref: a
 frozen copy of the starting model, or under LoRA the policy with its adapters off):
 
-    kl        = max(0, mean over the micro-batch of π(KL samples) - ref(KL samples)), averaged over the
-                data-parallel ranks, no gradient (trl: gather_for_metrics(...).mean().clamp(min=0))
+    kl        = max(0, the micro-batch's mean of π(KL samples) - ref(KL samples) averaged over the
+                data-parallel ranks), no gradient (trl: gather_for_metrics(...).mean().clamp(min=0))
     desirable    w_d · (1 - σ(β·((π - ref) - kl))),   w_d = kto_chosen_weight
     undesirable  w_u · (1 - σ(β·(kl - (π - ref)))),   w_u = kto_rejected_weight
     loss      = the mean of those over the micro-batch (+ pref_ftx · mean(-π per token over the desirable
@@ -46,14 +46,13 @@ def kto_losses(beta: float, chosen_weight: float, rejected_weight: float, policy
 
 
 def kl_estimate(policy_kl: torch.Tensor, reference_kl: torch.Tensor, group=None) -> torch.Tensor:
-    from backends.common.distributed import all_reduce_sum
-
+    """The micro-batch's mean log-ratio of the KL samples, averaged over the data-parallel ranks, at least 0."""
     import torch.distributed as dist
 
-    kl = (policy_kl - reference_kl).mean().detach()
-    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if world > 1:
-        kl = all_reduce_sum(kl.clone(), group) / world
+    from backends.common.distributed import all_reduce_sum
+
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    kl = all_reduce_sum((policy_kl - reference_kl).mean().detach(), group) / world
     return kl.clamp(min=0)
 
 

@@ -1,5 +1,5 @@
-"""The LLaMA-Factory-style recipe on the shared trainer: pre-training and supervised fine-tuning of a
-Hugging Face causal LM (full, freeze or LoRA), data parallel with ZeRO 0-3, as `llamafactory-cli
+"""The LLaMA-Factory-style recipe on the shared trainer: stages pt, sft, rm, dpo and kto of a Hugging
+Face causal LM (full, freeze or LoRA), data parallel with ZeRO 0-3, as `llamafactory-cli
 train <file>.yaml` runs it. HF Trainer's rules are kept where they change the numbers: the step
 count per epoch, the schedulers (transformers' own), warmup from warmup_steps or warmup_ratio, the
 per-device batch and gradient accumulation. The loop itself is backends.common.trainer's.
@@ -136,6 +136,7 @@ class LFRecipe(Recipe):
     def __init__(self, cfg: LFConfig):
         self.cfg = cfg
         self.trainer_log: TrainerLog | None = None
+        self.step_metrics: dict[str, float] = {}  # the last step's stage metrics (rewards/*, kl, …)
 
     # ------------------------------------------------------------------ build
     def build(self, rt) -> Settings:
@@ -244,9 +245,9 @@ class LFRecipe(Recipe):
     def _data(self, rt, par):
         from backends.common.data import load_tokenizer, pad_id, preprocess
         from backends.lf.data import build_template, media_dir, read_dataset_info, write_canonical
+        from backends.lf.feedback import FeedbackLoader, build_feedback
         from backends.lf.mm_plugin import is_vl
         from backends.lf.order import LFMicroBatchLoader, order_seed
-        from backends.lf.feedback import FeedbackLoader, build_feedback
         from backends.lf.pairs import PairLoader, build_pairs
 
         cfg = self.cfg
@@ -438,8 +439,7 @@ class LFRecipe(Recipe):
 
     def logged(self, record: dict) -> None:
         # the Trainer logs the mean loss of the steps since its last log (trainer_log.jsonl reads that entry)
-        loss = self.outputs.logged(int(record["step"]), record["lr"], record.get("grad_norm"),
-                                   getattr(self, "step_metrics", {}))
+        loss = self.outputs.logged(int(record["step"]), record["lr"], record.get("grad_norm"), self.step_metrics)
         record = {**record, "loss": loss}
         if not self.rt.is_main:
             return

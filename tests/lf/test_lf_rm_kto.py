@@ -95,6 +95,8 @@ def share(recipe) -> float:
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
 def test_rm_loss_is_trl_value_head_on_transformers_hidden_states(tmp_path, finetuning):
+    from backends.lf.rm import pair_scores
+
     recipe = built(stage_file(tmp_path, "rm", finetuning_type=finetuning, per_device_train_batch_size=4))
     model = recipe.model
     if finetuning == "lora":  # adapters that change the hidden states
@@ -117,6 +119,8 @@ def test_rm_loss_is_trl_value_head_on_transformers_hidden_states(tmp_path, finet
         scores = values[torch.arange(len(ids)), lengths - 1]
         b = len(ids) // 2
         expect = -F.logsigmoid(scores[:b] - scores[b:]).mean()
+        engine = torch.cat(pair_scores(model(ids, mb["position_ids"]), lengths))
+    assert engine.tolist() == pytest.approx(scores.tolist(), abs=1e-5)
     assert float(loss) == pytest.approx(float(expect), abs=1e-5)
 
     out.mean.backward()
