@@ -300,11 +300,11 @@ def exported_model(out: Path):
     return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
 
 
-def batch_of(recipe: LFRecipe, sample) -> dict:
-    """One sample as the engine batches it (labels shifted)."""
-    ids, labels = (torch.from_numpy(x) for x in recipe.loader.padded([sample]))
-    return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.shape[1])[None],
-            "lengths": torch.tensor([len(sample[0])])}
+def batch_of(recipe: LFRecipe, samples: list) -> dict:
+    """Samples (ids, labels) as the engine batches them: right-padded, labels shifted."""
+    ids, labels = (torch.from_numpy(x) for x in recipe.loader.padded(samples))
+    return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(ids.shape[1]).expand(ids.shape),
+            "lengths": torch.tensor([len(x) for x, _ in samples])}
 
 
 @pytest.mark.parametrize("finetuning", ["full", "lora"])
@@ -318,19 +318,17 @@ def test_the_exported_reward_model_scores_as_the_engine(runs, finetuning):
     assert (out / ("adapter_model.safetensors" if finetuning == "lora" else "model.safetensors")).is_file()
     head = load_file(str(out / "value_head.safetensors"))
     assert sorted(head) == ["v_head.summary.bias", "v_head.summary.weight"]
-    model, pairs, engine = exported_model(out), recipe.dataset, recipe.model.eval()
-    scores, expect = [], []
+    pairs = recipe.dataset
+    mb = batch_of(recipe, [row for i in range(len(pairs)) for row in pairs.pair(i)])  # chosen, rejected, chosen, …
+    ids, last = mb["input_ids"], (torch.arange(len(mb["input_ids"])), mb["lengths"] - 1)
     with torch.no_grad():
-        for i in range(len(pairs) if finetuning == "full" else 8):
-            for sample in pairs.pair(i):
-                ids = torch.tensor(sample[0])[None]
-                last = model(ids, output_hidden_states=True).hidden_states[-1][0, -1]
-                scores.append(float(last @ head["v_head.summary.weight"][0] + head["v_head.summary.bias"][0]))
-                mb = batch_of(recipe, sample)
-                expect.append(float(engine(mb["input_ids"], mb["position_ids"])[0, len(sample[0]) - 1]))
-    assert scores == pytest.approx(expect, abs=1e-4)
+        hidden = exported_model(out)(ids, attention_mask=attention_mask(mb["lengths"], ids.shape[1]),
+                                     output_hidden_states=True).hidden_states[-1][last]
+        scores = hidden @ head["v_head.summary.weight"][0] + head["v_head.summary.bias"][0]
+        engine = recipe.model.eval()(ids, mb["position_ids"])[last]
+    assert scores.tolist() == pytest.approx(engine.tolist(), abs=1e-4)
     if finetuning == "full":
-        assert sum(c > r for c, r in zip(scores[::2], scores[1::2])) / len(pairs) >= 0.7
+        assert float((scores[::2] > scores[1::2]).float().mean()) >= 0.7
         rows = losses(out)
         assert sum(rows[8:]) / 8 < sum(rows[:8]) / 8
 
@@ -343,25 +341,19 @@ def test_kto_exports_its_policy_and_raises_the_desirable_answers(runs, finetunin
     from transformers import AutoModelForCausalLM
 
     path, out, recipe = runs[f"kto-{finetuning}"]
-    policy, start, data = exported_model(out), AutoModelForCausalLM.from_pretrained(TINY).eval(), recipe.dataset
-
-    def logp(model, i):
-        mb = batch_of(recipe, data.sample(i))
-        if model is recipe.model:
-            return float(model(mb["input_ids"], mb["labels"], mb["position_ids"], logps=True)[0][0])
-        picked = model(mb["input_ids"]).logits.log_softmax(-1).gather(-1, mb["labels"].clamp_min(0)[..., None])
-        return float((picked[..., 0] * (mb["labels"] != -100)).sum())
-
-    records = range(len(data) if finetuning == "full" else 8)
+    data = recipe.dataset
+    mb = batch_of(recipe, [data.sample(i) for i in range(len(data))])
+    args = mb["input_ids"], mb["labels"], mb["lengths"]
     with torch.no_grad():
-        exported = [logp(policy, i) for i in records]
-        assert exported == pytest.approx([logp(recipe.model, i) for i in records], abs=1e-3)
-        rewards = [(e - logp(start, i), bool(data.tags[i])) for i, e in enumerate(exported) if finetuning == "full"]
+        exported = transformers_logps(exported_model(out), *args)[0]
+        engine = recipe.model(mb["input_ids"], mb["labels"], mb["position_ids"], logps=True)[0]
+        assert exported.tolist() == pytest.approx(engine.tolist(), abs=1e-3)
+        rewards = exported - transformers_logps(AutoModelForCausalLM.from_pretrained(TINY).eval(), *args)[0]
+    tags = torch.from_numpy(data.tags)
     if finetuning == "lora":
         assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == 0.1
     else:
-        mean = lambda kind: sum(r for r, t in rewards if t == kind) / sum(t == kind for _, t in rewards)  # noqa: E731
-        assert mean(True) > mean(False) + 0.5
+        assert float(rewards[tags].mean()) > float(rewards[~tags].mean()) + 0.5
     rows = [r for r in metrics(out) if "step" in r and "event" not in r]
     assert {"kl", "rewards/chosen", "logps/chosen", "logits/chosen"} <= set(rows[0]) and rows[0]["kl"] == 0.0
     state = json.loads((out / "trainer_state.json").read_text())
