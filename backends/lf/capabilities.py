@@ -13,6 +13,10 @@ i.e. fails when it is broken (tests/lf/):
 - flash_attention: neat packing keeps packed samples apart (packed losses = each sample alone), the
   kernel path that ran is logged (test_lf_engine.py; the kernels' own tests in tests/kernels/).
 
+Stages rm and kto train text models from a LLaMA-Factory YAML only (the matrix has no column for them, so
+they are not listed here): their losses against transformers' outputs, the export, dp=2 = one process
+(test_lf_rm_kto.py).
+
 Vision-language families (tests/lf/test_lf_vl.py on tiny Qwen2-VL / Qwen2.5-VL / Gemma3 made in code,
 and the vl-sft / vl-dpo examples in test_lf_examples.py):
 - stages:sft: placeholders expand to the token ids and vision inputs transformers' own processors

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 from backends.common import engine_file as ef
 
-STAGES = ("pt", "sft", "dpo")
+STAGES = ("pt", "sft", "rm", "dpo", "kto")
 FINETUNING = ("full", "freeze", "lora")
 PREF_LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
 SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
@@ -82,7 +82,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "video_maxlen": (128, _kind(int)),
     "print_param_status": (False, _ANY),
     # method
-    "stage": ("sft", _choice(STAGES, " (this engine trains pt, sft and dpo)")),
+    "stage": ("sft", _choice(STAGES, " (ppo is not built here)")),
     "do_train": (False, _only((True,), "set do_train: true; this engine trains")),
     "do_eval": (False, _kind(bool)),
     "finetuning_type": ("lora", _choice(FINETUNING)),
@@ -101,6 +101,8 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "pref_loss": ("sigmoid", _choice(PREF_LOSSES)),
     "simpo_gamma": (0.5, _kind(float)),
     "dpo_label_smoothing": (0.0, _kind(float)),
+    "kto_chosen_weight": (1.0, _kind(float)),
+    "kto_rejected_weight": (1.0, _kind(float)),
     "plot_loss": (False, _kind(bool)),
     "disable_shuffling": (False, _kind(bool)),
     # dataset
@@ -122,8 +124,8 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "eval_on_each_dataset": (False, _kind(bool)),
     "streaming": (False, _only((False,), "the dataset is tokenized once into a memory-mapped cache")),
     "overwrite_cache": (False, _ANY),
-    "preprocessing_num_workers": (None, _ANY),
-    "preprocessing_batch_size": (1000, _ANY),
+    "preprocessing_num_workers": (None, _kind(int, none=True)),  # at kto they chunk the KL pairing (feedback.py)
+    "preprocessing_batch_size": (1000, _kind(int)),
     # output
     "output_dir": (None, _kind(str)),
     "overwrite_output_dir": (False, _kind(bool)),
@@ -229,12 +231,11 @@ UNBUILT: dict[str, dict[str, Any]] = {
         "badam_mode": "layer", "badam_start_block": None, "badam_switch_mode": "ascending",
         "badam_switch_interval": 50, "badam_update_ratio": 0.05, "badam_mask_mode": "adjacent", "badam_verbose": 0,
         "use_adam_mini": False, "use_muon": False},
-    "the rm, ppo and kto stages and separate reference / reward models": {
-        "pref_bco_weight": 0.0, "kto_chosen_weight": 1.0, "kto_rejected_weight": 1.0, "ppo_buffer_size": 1,
-        "ppo_epochs": 4, "ppo_score_norm": False, "ppo_target": 6.0, "ppo_whiten_rewards": False, "ref_model": None,
-        "ref_model_adapters": None, "ref_model_quantization_bit": None, "reward_model": None,
-        "reward_model_adapters": None, "reward_model_quantization_bit": None, "reward_model_type": "lora",
-        "ld_alpha": None},
+    "the ppo stage, separate reference / reward models, BCO and LD-DPO": {
+        "pref_bco_weight": 0.0, "ppo_buffer_size": 1, "ppo_epochs": 4, "ppo_score_norm": False, "ppo_target": 6.0,
+        "ppo_whiten_rewards": False, "ref_model": None, "ref_model_adapters": None, "ref_model_quantization_bit": None,
+        "reward_model": None, "reward_model_adapters": None, "reward_model_quantization_bit": None,
+        "reward_model_type": "lora", "ld_alpha": None},
     "other precisions (pure bf16, fp8, tf32)": {
         "pure_bf16": False, "fp8": False, "fp8_backend": "auto", "fp8_enable_fsdp_float8_all_gather": False,
         "tf32": None},
@@ -294,6 +295,9 @@ _EFFECTLESS = {
         "profiler_with_stack", "profile_modules"),
 }
 NO_EFFECT = {key: why for why, keys in _EFFECTLESS.items() for key in keys}
+# ...except at stage kto: LF pairs each record with a neighbour's answer (the KL data) inside the chunks its
+# batched, multi-process datasets.map makes, so these two change the data there (backends.lf.feedback)
+KTO_CHUNKING = ("preprocessing_num_workers", "preprocessing_batch_size")
 
 # the sidecar's keys (ascendfactory render writes them; a hand-written LLaMA-Factory YAML needs none)
 ENGINE_KEYS: dict[str, ef.Check] = {
@@ -331,7 +335,7 @@ class LFConfig:
         """One line per reason for the keys the file sets that change nothing here (NO_EFFECT)."""
         by_reason: dict[str, list[str]] = {}
         for key, why in NO_EFFECT.items():
-            if key in self.given:
+            if key in self.given and not (self.stage == "kto" and key in KTO_CHUNKING):
                 by_reason.setdefault(why, []).append(key)
         return [f"{', '.join(keys)}: no effect on this engine: {why}" for why, keys in by_reason.items()]
 

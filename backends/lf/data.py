@@ -139,6 +139,9 @@ def canonical(entry: DatasetEntry, stage: str, record: Any, where: str, media_di
     if not isinstance(record, dict):
         raise DataFormatError(f"{where}: a record must be a JSON object")
     out = _canonical(entry, stage, record, where)
+    if stage == "kto":  # LF's converter reads only a boolean tag; any other value drops the record (feedback.py)
+        tag = record.get(entry.columns.get("kto_tag") or "")
+        out["kto_tag"] = tag if isinstance(tag, bool) else None
     if entry.columns.get("images"):
         images = _images(entry, record, media_dir or entry.file.parent, where)
         if stage == "pt" and images:
@@ -256,6 +259,8 @@ def _alpaca_as_sharegpt(rec: dict) -> dict:
     for key in ("system", "images", "source"):
         if rec.get(key):
             out[key] = rec[key]
+    if "kto_tag" in rec:
+        out["kto_tag"] = rec["kto_tag"]
     return out
 
 

@@ -1,6 +1,7 @@
 """The end of a run as LLaMA-Factory leaves it: the trained model (full / freeze) or the PEFT adapter
-(LoRA) and the tokenizer in output_dir, next to the logs and checkpoints already there. With the
-sidecar's lora.merge_on_export the merged model also goes to output_dir/merged.
+(LoRA) and the tokenizer in output_dir, next to the logs and checkpoints already there; a reward
+model's value head beside them (value_head.safetensors, as LF's fix_valuehead_checkpoint writes it).
+With the sidecar's lora.merge_on_export the merged model (and value head) also goes to output_dir/merged.
 
 Every rank takes part (FSDP2 gathers one parameter at a time); rank 0 writes a complete directory
 under a temporary name, then moves its files into output_dir, config last.
@@ -93,7 +94,8 @@ def export(model: nn.Module, cfg: LFConfig, tokenizer) -> None:
     from backends.common.distributed import barrier
     from backends.common.lora import lora_modules, save_peft_adapter
 
-    hf = _inner(model).hf
+    inner = _inner(model)
+    hf = inner.hf
     out = Path(cfg.output_dir)
     is_main = _rank() == 0
     config = hf.config.to_dict()
@@ -114,6 +116,12 @@ def export(model: nn.Module, cfg: LFConfig, tokenizer) -> None:
     else:
         _write_model(_state(hf), config, out, tokenizer, is_main, cfg.model_name_or_path)
         log.info("model written to %s", out)
+    if hasattr(inner, "v_head"):
+        from backends.lf.rm import save_value_head
+
+        merged = cfg.finetuning_type == "lora" and cfg.engine.get("lora.merge_on_export")
+        for folder in (out, out / "merged") if merged else (out,):
+            save_value_head(inner, folder, is_main)
     barrier()
 
 

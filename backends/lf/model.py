@@ -40,11 +40,14 @@ class HFCausalLMWithLoss(nn.Module):
     def body(self) -> nn.Module:
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
-    def forward(self, input_ids, labels, position_ids=None, logps: bool = False, accuracy: bool = False, **vision):
+    def forward(self, input_ids, labels, position_ids=None, logps: bool = False, accuracy: bool = False, lengths=None,
+                **vision):
         """(summed token loss, token count); logps: per-row sums of the label tokens' log-probabilities
-        and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too). Neither
-        builds the full logits. accuracy: also per row, how many label tokens are the logits' argmax, and
-        how many label tokens there are, [B] each (LF's ComputeAccuracy; the logits of label positions only).
+        and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too), with
+        lengths [B] also each row's sum of all logits over its first `lengths` positions (KTO's logged
+        logits). None builds the full logits. accuracy: also per row, how many label tokens are the logits'
+        argmax, and how many label tokens there are, [B] each (LF's ComputeAccuracy; the logits of label
+        positions only).
         vision: a VL batch's pixel_values, image_grid_thw, mm_token_type_ids / token_type_ids."""
         if self.vision:
             # The VL model merges the image features into the embeddings; Qwen's M-RoPE positions come from
@@ -58,7 +61,8 @@ class HFCausalLMWithLoss(nn.Module):
             mask = labels != -100
             picked, _entropy = kernels.linear_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight,
                                                        labels.clamp_min(0).reshape(-1))
-            return (picked.view(labels.shape) * mask).sum(-1), mask.sum(-1)
+            sums = (picked.view(labels.shape) * mask).sum(-1), mask.sum(-1)
+            return sums if lengths is None else (*sums, _logit_sums(hidden, head, lengths))
         loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
                                                       labels.reshape(-1))
         if accuracy:
@@ -88,6 +92,17 @@ def _hits(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows
     hits = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     hits[mask] = right.float()
     return hits.sum(-1), mask.sum(-1)
+
+
+def _logit_sums(hidden, head: nn.Module, lengths) -> torch.Tensor:
+    """Per row, the sum of every logit at its first `lengths` positions, without the logits: the sum over the
+    vocabulary of h·w_v + b_v is h·Σw_v + Σb_v."""
+    with torch.no_grad():
+        per_position = hidden.float() @ head.weight.float().sum(0)
+        if getattr(head, "bias", None) is not None:
+            per_position = per_position + head.bias.float().sum()
+        kept = torch.arange(hidden.shape[1], device=hidden.device) < lengths[:, None]
+        return (per_position * kept).sum(-1)
 
 
 def attention_override(flash_attn: str) -> dict[str, str]:

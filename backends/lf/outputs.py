@@ -45,12 +45,13 @@ class TrainerOutputs:
         self._losses.append(loss)
         self.total_flos += 6.0 * self.flops_params * tokens
 
-    def logged(self, step: int, lr: float, grad_norm: float | None) -> dict:
-        """At a logged step: the log_history entry (its loss the interval's mean), returned."""
+    def logged(self, step: int, lr: float, grad_norm: float | None, metrics: dict | None = None) -> dict:
+        """At a logged step: the log_history entry (its loss the interval's mean; with the stage's metrics, e.g.
+        rewards/*), returned."""
         loss = sum(self._interval) / max(len(self._interval), 1)
         self._interval = []
         entry = {"loss": loss, **({"grad_norm": grad_norm} if grad_norm is not None else {}), "learning_rate": lr,
-                 "epoch": self.epoch(step), "step": step}
+                 **(metrics or {}), "epoch": self.epoch(step), "step": step}
         self.log_history.append(entry)
         return entry
 

@@ -1,4 +1,4 @@
-"""DPO data: ranking records tokenized as LLaMA-Factory's pairwise processor does (one prompt, a chosen
+"""Pairwise data (stages dpo and rm): ranking records tokenized as LLaMA-Factory's pairwise processor does (one prompt, a chosen
 and a rejected answer, cut together by its infer_seqlen), cached once as a Megatron indexed dataset
 of ids and labels (sequence 2i the chosen sample of pair i, 2i + 1 its rejected one), and batched as
 LLaMA-Factory's pairwise collator lays them out: a micro-batch of B pairs is 2B rows, the B chosen
@@ -171,5 +171,6 @@ class PairLoader(UnitLoader):
         width = ids.shape[1]
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                 "position_ids": torch.arange(width).expand(len(rows), width).contiguous(),
+                "lengths": torch.tensor([len(x) for x, _ in rows]),  # the reward model scores each row's last token
                 "n_tokens": torch.tensor(len(units)),  # DPO's loss terms are pairs
                 "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(len(x) for x, _ in rows))}

@@ -1,5 +1,5 @@
-"""The LLaMA-Factory-style recipe on the shared trainer: pre-training and supervised fine-tuning of a
-Hugging Face causal LM (full, freeze or LoRA), data parallel with ZeRO 0-3, as `llamafactory-cli
+"""The LLaMA-Factory-style recipe on the shared trainer: stages pt, sft, rm, dpo and kto of a Hugging
+Face causal LM (full, freeze or LoRA), data parallel with ZeRO 0-3, as `llamafactory-cli
 train <file>.yaml` runs it. HF Trainer's rules are kept where they change the numbers: the step
 count per epoch, the schedulers (transformers' own), warmup from warmup_steps or warmup_ratio, the
 per-device batch and gradient accumulation. The loop itself is backends.common.trainer's.
@@ -88,9 +88,15 @@ def precision(cfg: LFConfig) -> str:
 
 def resume_setting(cfg: LFConfig, save_dir: Path) -> str | None:
     """LLaMA-Factory's rule: resume_from_checkpoint when given; else the newest checkpoint in
-    output_dir unless overwrite_output_dir; a finished model there without checkpoints is refused."""
+    output_dir unless overwrite_output_dir; a finished model there without checkpoints is refused.
+    Stage rm with full / freeze tuning never resumes there (nor checks output_dir)."""
     from backends.common.checkpoint.resume import list_checkpoints
 
+    if cfg.stage == "rm" and cfg.finetuning_type != "lora":  # LF: "Cannot resume from checkpoint in current stage."
+        if cfg.resume_from_checkpoint:
+            log.warning("resume_from_checkpoint: LLaMA-Factory does not resume stage rm with %s tuning; ignored",
+                        cfg.finetuning_type)
+        return None
     if cfg.resume_from_checkpoint:
         return cfg.resume_from_checkpoint
     if cfg.overwrite_output_dir:
@@ -137,6 +143,7 @@ class LFRecipe(Recipe):
         self.evaluation = None   # backends.lf.eval.Evaluation when the run has eval sets
         self.eval_sets: dict = {}
         self.vision_model = False
+        self.step_metrics: dict[str, float] = {}  # the last step's stage metrics (rewards/*, kl, …)
 
     # ------------------------------------------------------------------ build
     def build(self, rt) -> Settings:
@@ -146,7 +153,7 @@ class LFRecipe(Recipe):
         kit.refuse_unbuilt(capabilities, "llamafactory", job_fields(cfg), LFConfigError, "backends.lf")
         seed_everything(cfg.seed)
         hf = self._hf_model()
-        model = HFCausalLMWithLoss(hf)
+        model = self._stage_model(hf)
         self.rt = rt
         par = self.par = parallel.setup(cfg, model, rt)
         self.checkpointed = parallel.recompute(cfg, model)
@@ -155,7 +162,7 @@ class LFRecipe(Recipe):
         self.steps_per_epoch = steps_per_epoch(cfg, len(self.loader))
         model = parallel.wrap(model, cfg, par, rt.device)
         self.model = model
-        self.reference = self._reference(par, rt) if cfg.stage == "dpo" else None
+        self.reference = self._reference(par, rt) if cfg.stage in ("dpo", "kto") else None
         self.parts = {"model": kit.train_part(
             model, par, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
             eps=cfg.adam_epsilon, schedule=lambda optimizer: build_scheduler(optimizer, cfg, steps),
@@ -181,9 +188,25 @@ class LFRecipe(Recipe):
                               logging_steps=interval_steps(cfg.logging_steps, steps),
                               save_steps=interval_steps(cfg.save_steps, steps),
                               micro_batch=cfg.per_device_train_batch_size, num_train_epochs=epochs,
-                              flops_params=self.total - embeddings,
+                              flops_params=0 if cfg.stage == "rm" else self.total - embeddings,
                               global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
                               * par.grad_world)
+
+    def _stage_model(self, hf):
+        """The trained module: the LM with its loss (dropout off for dpo / kto, as trl's trainers turn it off),
+        or for rm the LM with trl's value head (LF's, read from model_name_or_path when it holds one)."""
+        from backends.lf import kto, rm
+
+        if self.cfg.stage != "rm":
+            model = HFCausalLMWithLoss(hf)
+            if self.cfg.stage in ("dpo", "kto"):
+                kto.disable_dropout(model)
+            return model
+        model = rm.RewardModel(hf)
+        rm.freeze_unused_head(hf)
+        rm.load_value_head(model, self.cfg.model_name_or_path)
+        self.trainable, self.total = kit.count_parameters(model)
+        return model
 
     def _hf_model(self):
         """The transformers model of model_name_or_path with the kernels patched in and the finetuning type's
@@ -218,14 +241,14 @@ class LFRecipe(Recipe):
                         keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora")
 
     def _reference(self, par, rt):
-        """DPO's reference: none for orpo / simpo, the policy with its adapters off under LoRA, else a
+        """The dpo / kto reference: none for orpo / simpo, the policy with its adapters off under LoRA, else a
         frozen copy of the starting model (sharded like the policy under ZeRO-3)."""
         from backends.lf import model as lfmodel
         from backends.lf import parallel
         from backends.lf.dpo import uses_reference
 
         cfg = self.cfg
-        if not uses_reference(cfg.pref_loss) or cfg.finetuning_type == "lora":
+        if (cfg.stage == "dpo" and not uses_reference(cfg.pref_loss)) or cfg.finetuning_type == "lora":
             return None
         hf = lfmodel.load_hf_model(cfg)
         lfmodel.apply_kernels(hf)
@@ -237,6 +260,7 @@ class LFRecipe(Recipe):
     def _data(self, rt, par):
         from backends.common.data import load_tokenizer, pad_id, preprocess
         from backends.lf.data import build_template, read_dataset_info
+        from backends.lf.feedback import FeedbackLoader, build_feedback
         from backends.lf.mm_plugin import is_vl
         from backends.lf.order import LFMicroBatchLoader, order_seed
         from backends.lf.pairs import PairLoader, build_pairs
@@ -252,15 +276,25 @@ class LFRecipe(Recipe):
                                 "images column); use template gemma3")
         cache = Path(cfg.output_dir) / "data"
         template = build_template(cfg, tokenizer)
+        pairwise = cfg.stage in ("rm", "dpo")
         for key, named in (("dataset", entries), ("eval_dataset", eval_entries)):
-            if cfg.stage == "dpo" and not all(e.ranking for e in named):
-                raise LFConfigError(f"{key}: stage dpo needs ranking datasets (ranking: true in dataset_info.json); "
-                                    f"{', '.join(e.name for e in named if not e.ranking)} is not one")
-            if cfg.stage != "dpo" and any(e.ranking for e in named):
+            if pairwise and not all(e.ranking for e in named):
+                raise LFConfigError(f"{key}: stage {cfg.stage} needs ranking datasets (ranking: true in "
+                                    f"dataset_info.json); {', '.join(e.name for e in named if not e.ranking)} is not one")
+            if not pairwise and any(e.ranking for e in named):
                 raise LFConfigError(f"{key}: {', '.join(e.name for e in named if e.ranking)} is a ranking dataset, "
-                                    f"which stage {cfg.stage} cannot train (stage dpo does)")
+                                    f"which stage {cfg.stage} cannot train (stages rm and dpo do)")
+        if cfg.stage == "kto" and not all(e.columns.get("kto_tag") for e in entries):
+            raise LFConfigError(f"dataset: stage kto needs feedback datasets (a kto_tag column in dataset_info.json); "
+                                f"{', '.join(e.name for e in entries if not e.columns.get('kto_tag'))} has none")
+        if cfg.stage in ("rm", "kto") and (eval_entries or cfg.val_size):
+            raise LFConfigError(f"{'eval_dataset' if eval_entries else 'val_size'}: evaluation of stage {cfg.stage} "
+                                "is not built here (its pair accuracy / KTO metrics); train without it and evaluate "
+                                "the exported model")
 
         vl_model = self.vision_model = is_vl(cfg.model_name_or_path)
+        if vl_model and cfg.stage in ("rm", "kto"):
+            raise LFConfigError(f"stage {cfg.stage}: not built for vision-language models here (text models only)")
         if with_images and not vl_model:
             raise LFConfigError(f"dataset: {', '.join(with_images)} has an images column, but "
                                 f"{cfg.model_name_or_path} is not a vision-language model this engine trains "
@@ -273,8 +307,15 @@ class LFRecipe(Recipe):
             return self._vl_data(rt, par, entries, eval_entries, tokenizer, template, cache)
 
         def encode(records, fmt):
-            if cfg.stage == "dpo":
+            if pairwise:
                 return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache)
+            if cfg.stage == "kto":
+                return build_feedback(records, tokenizer, template, cfg.cutoff_len, cache,
+                                      cfg.preprocessing_num_workers, cfg.preprocessing_batch_size)
+                return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache)
+            if cfg.stage == "kto":
+                return build_feedback(records, tokenizer, template, cfg.cutoff_len, cache,
+                                      cfg.preprocessing_num_workers, cfg.preprocessing_batch_size)
             return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache,
                               lf_rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
@@ -284,14 +325,14 @@ class LFRecipe(Recipe):
         def batches(data, micro: int, shuffle: bool):
             kw = dict(dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=order_seed(cfg), shuffle=shuffle,
                       pad_id=pad_id(tokenizer))
-            if cfg.stage == "dpo":
-                return PairLoader(data, micro, **kw)
+            if pairwise or cfg.stage == "kto":
+                return (PairLoader if pairwise else FeedbackLoader)(data, micro, **kw)
             return LFMicroBatchLoader(data, mode=mode, micro_batch=micro, seq_len=cfg.cutoff_len, pad_to_multiple_of=8,
                                       group_by_length=False, **kw)
 
         loader = batches(dataset, cfg.per_device_train_batch_size, not cfg.disable_shuffling)
         self._eval_loaders(held, batches)
-        if cfg.stage == "dpo":
+        if pairwise or cfg.stage == "kto":
             log.info("data: %s", dataset.summary())
             return dataset, loader, tokenizer
         packing = getattr(loader, "packing", None)
@@ -357,7 +398,7 @@ class LFRecipe(Recipe):
     def next_micro_batches(self) -> list[dict]:
         """gradient_accumulation_steps micro-batches, fewer at the end of an epoch (HF Trainer's last step of
         an epoch takes what is left of it)."""
-        count = min(self.cfg.gradient_accumulation_steps, self.loader.left_in_epoch())
+        count = self.micro_count = min(self.cfg.gradient_accumulation_steps, self.loader.left_in_epoch())
         return [self.on_device(next(self._batches)) for _ in range(count)]
 
     def on_device(self, mb: dict) -> dict:
@@ -380,8 +421,23 @@ class LFRecipe(Recipe):
         return out
 
     def loss(self, model, mb: dict) -> Loss:
-        if self.cfg.stage == "dpo":
+        cfg = self.cfg
+        if cfg.stage == "dpo":
             return self._preference_loss(model, mb)
+        # rm and kto: HF's Trainer divides each micro-batch's mean loss by the step's micro-batches
+        # (LF sets model_accepts_loss_kwargs False there) and DDP averages the ranks
+        share = 1.0 / (self.micro_count * self.par.grad_world)
+        if cfg.stage == "rm":
+            from backends.lf.rm import pair_scores, pairwise_loss
+
+            chosen, rejected = pair_scores(model(mb["input_ids"], mb["position_ids"]), mb["lengths"])
+            return Loss(mean=pairwise_loss(chosen, rejected) * share)
+        if cfg.stage == "kto":
+            from backends.lf.kto import micro_batch_loss
+
+            return micro_batch_loss(model, self.reference, mb, beta=cfg.pref_beta, chosen_weight=cfg.kto_chosen_weight,
+                                    rejected_weight=cfg.kto_rejected_weight, ftx=cfg.pref_ftx, share=share,
+                                    group=self.par.grad_group, main=self.rt.is_main)
         loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), **_vision(mb))
         return Loss(loss_sum)
 
@@ -418,6 +474,11 @@ class LFRecipe(Recipe):
         if self._first_step is None:
             self._first_step = step
         result = super().step(trainer, step)
+        if self.cfg.stage == "kto":
+            from backends.lf.kto import step_metrics
+
+            result.metrics = step_metrics(result.metrics, self.micro_count)
+        self.step_metrics = dict(result.metrics)  # LF's Trainer logs them into log_history too
         self.outputs.stepped(step + 1, result.loss, result.tokens)
         return result
 
@@ -442,7 +503,7 @@ class LFRecipe(Recipe):
         # shared loop also records the last step (HF does not) and a step it evaluated at, whose entries follow
         step = int(record["step"])
         if step % max(1, self.outputs.logging_steps) == 0:
-            entry = self.outputs.logged(step, record["lr"], record.get("grad_norm"))
+            entry = self.outputs.logged(step, record["lr"], record.get("grad_norm"), self.step_metrics)
             if self.rt.is_main:
                 self.trainer_log().write(step, entry)
         for entry in self.evaluation.flush() if self.evaluation else ():

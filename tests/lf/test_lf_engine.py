@@ -265,7 +265,7 @@ def test_resume_continues_the_same_run(runs):
     ({"template": "nonesuch"}, "template: 'nonesuch' is not a template"),
     ({"deepspeed": "nowhere.json"}, "deepspeed:"),
     ({"learning_rate": "fast"}, "learning_rate must be a number"),
-    ({"stage": "ppo"}, "stage must be one of pt, sft, dpo"),
+    ({"stage": "ppo"}, "stage must be one of pt, sft, rm, dpo, kto (ppo is not built here)"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, change, needle):
     path = lf_file(tmp_path, **change)
