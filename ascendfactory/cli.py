@@ -260,6 +260,14 @@ def _value(value: float, name: str) -> str:
     return number_text(value, name)
 
 
+def _here(path: Path) -> str:
+    """A path as the user reads it: relative to the working directory when under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _rows(con, info) -> None:
     """The run's figures (last, best, mean) and the paths of what it left, those that exist."""
     from backends.contract.curves import summary_rows
@@ -273,7 +281,7 @@ def _rows(con, info) -> None:
                 shown += f" (best {_value(row['best'][1], row['name'])} at step {row['best'][0]})"
         con.print(f"  {row['name']:<11} {shown}", highlight=False)
     for name, path in info.files().items():
-        con.print(f"  {name:<11} {_escape(str(path))}", highlight=False)
+        con.print(f"  {name:<11} {_escape(_here(path))}", highlight=False)
 
 
 def _how_to_train_on(step: int, job_file: Path) -> str:
@@ -300,7 +308,7 @@ def _already_complete(p, run_dir: Path):
 
 def _tell_complete(con, info, steps: int | None, job_file: Path) -> None:
     step = info.resume[0] if info.resume else info.step
-    con.print(f"[green]already complete[/]: {_escape(str(info.path))} has trained {step} of {steps or step} steps "
+    con.print(f"[green]already complete[/]: {_escape(_here(info.path))} has trained {step} of {steps or step} steps "
               f"(checkpoint step_{step}); nothing to train")
     _rows(con, info)
     con.print(_how_to_train_on(step, job_file), highlight=False)
@@ -338,7 +346,7 @@ def _summary(con, run_dir: Path, outcome, failure, job_file: Path) -> None:
             for line in lines[:12] + (["…"] if len(lines) > 12 else []):
                 con.print(f"  {_escape(line)}", highlight=False)
             if failure.log is not None:
-                con.print(f"  {'log':<11} {_escape(str(failure.log))}", highlight=False)
+                con.print(f"  {'log':<11} {_escape(_here(failure.log))}", highlight=False)
     _rows(con, info)
 
 

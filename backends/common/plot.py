@@ -80,7 +80,7 @@ def _draw(ax, run: History, metric, name: str, colour: str, style: str, label: s
     if points:
         steps, values = [s for s, _ in points], [v for _, v in points]
         if len(values) >= 10:  # raw faint, smoothed on top (as LLaMA-Factory draws its loss)
-            ax.plot(steps, values, color=colour, linestyle=style, alpha=0.3)
+            ax.plot(steps, values, color=colour, linestyle=style, alpha=0.4)
             ax.plot(steps, smooth(values), color=colour, linestyle=style, label=name)
         else:
             ax.plot(steps, values, color=colour, linestyle=style, marker="." if len(values) < 3 else None,
@@ -99,7 +99,7 @@ def _draw(ax, run: History, metric, name: str, colour: str, style: str, label: s
 
 def _learning_rate(ax, run: History) -> None:
     lrs = run.points("lr")
-    if lrs:
+    if lrs and min(v for _, v in lrs) != max(v for _, v in lrs):  # a constant rate says nothing drawn
         twin = ax.twinx()
         twin.plot([s for s, _ in lrs], [v for _, v in lrs], color="tab:gray", alpha=0.6, linestyle="--")
         twin.set_ylabel("learning rate", color="tab:gray")

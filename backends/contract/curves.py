@@ -22,6 +22,7 @@ class Metric:
     better: str | None = None               # "min" / "max": the summary gives the best value too
     band: tuple[str, str] | None = None     # (low, high) keys drawn as a band around it
     averaged: bool = False                  # the summary gives the mean over the steps (throughput)
+    best_unless: str | None = None          # no best where the run logs this key (RL: the loss is a surrogate)
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,11 @@ class Panel:
 
 
 PANELS = (
-    Panel("loss", (Metric("loss", "loss", "loss", "min"),)),
+    Panel("loss", (Metric("loss", "loss", "loss", "min", best_unless="reward_mean"),)),
     # RL (backends/rl/recipe.py): the rollout's scores across the batch, response length, KL
     Panel("reward", (Metric("reward_mean", "reward (batch mean)", "reward", "max", band=("reward_min", "reward_max")),)),
     Panel("response length", (Metric("response_length_mean", "response length (mean)", "len"),)),
-    Panel("KL", (Metric("actor/kl_loss", "KL to the reference (kl_loss)", "kl", "min"),
+    Panel("KL", (Metric("actor/kl_loss", "KL to the reference (kl_loss)", "kl"),
                  Metric("actor/ppo_kl", "KL to the rollout policy (ppo_kl)", "kl"))),
     # DPO (backends/lf/recipe.py: TRL's names)
     Panel("preference accuracy", (Metric("rewards/accuracies", "chosen rewarded above rejected", "acc", "max"),)),
@@ -157,7 +158,7 @@ def summary_rows(run: History) -> list[dict]:
     for metric, key, short in _shown(lambda k: bool(run.points(k))):
         points = run.points(key)
         best = None
-        if metric.better:
+        if metric.better and not (metric.best_unless and run.points(metric.best_unless)):
             best = (min if metric.better == "min" else max)(points, key=lambda p: p[1])
         mean = sum(v for _, v in points) / len(points) if metric.averaged else None
         out.append({"name": short, "last": points[-1][1], "best": best, "mean": mean})
