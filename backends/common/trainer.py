@@ -289,8 +289,9 @@ def optimize(part: Part, micro_batches: list[dict], loss_fn: Callable[[torch.nn.
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, rt: Runtime):
+    def __init__(self, recipe: Recipe, rt: Runtime, quiet_ranks: bool = False):
         self.recipe, self.rt = recipe, rt
+        self.quiet_ranks = quiet_ranks  # ranks other than 0 log errors only once training starts
         self.settings: Settings | None = None
         self.step = 0
         self._signalled: str | None = None
@@ -336,7 +337,7 @@ class Trainer:
             if not s.save_dir:
                 return
             path, skipped = newest_intact(s.save_dir)
-            for bad, problems in skipped:
+            for bad, problems in skipped if self.rt.is_main else ():  # every rank checked; one says so
                 log.warning("checkpoint %s is damaged (%s); %s", bad, "; ".join(problems),
                             f"resuming from the previous complete checkpoint {path}" if path else
                             "no earlier intact checkpoint: starting from step 0")
@@ -391,7 +392,7 @@ class Trainer:
             if self.rt.is_main:
                 log.info("metrics: %s (the loss curve goes next to it)", s.metrics_file)
         self._resume()
-        if self.step >= s.total_steps > 0 and not s.eval_only:
+        if self.step >= s.total_steps > 0 and not s.eval_only and self.rt.is_main:
             log.info("already complete: resumed at step %d of %d, nothing to train (the export is written again); "
                      "to train on, raise the total steps", self.step, s.total_steps)
         self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main)
@@ -406,6 +407,11 @@ class Trainer:
         if evaluated:
             self.metrics.event("validation", step=self.step, total_steps=s.total_steps,
                                **{k: round(v, 6) for k, v in evaluated.items()})
+        if self.quiet_ranks and not self.rt.is_main:
+            # one voice from here: rank 0 tells the steps (as Megatron's print_rank_0, transformers'
+            # log_level_replica); the others speak only to fail. AF_LOG_ALL_RANKS=1 keeps every rank talking.
+            logging.getLogger().setLevel(logging.ERROR)
+            warnings.simplefilter("ignore")
         while self.step < s.total_steps and not s.eval_only:
             lr = self._first_lr()
             result = self.recipe.step(self, self.step)
@@ -538,12 +544,9 @@ def main(name: str, make_recipe: Callable[[list[str]], Recipe], argv: list[str] 
     try:
         recipe = make_recipe(sys.argv[1:] if argv is None else argv)
         rt = init_runtime(os.environ.get("AF_DEVICE", "auto"))
-        # one voice: rank 0 tells the progress, the other ranks speak only to fail
-        logging.basicConfig(level=logging.INFO if rt.is_main else logging.ERROR,
-                            format=f"[rank{rt.rank}] %(asctime)s %(message)s", stream=sys.stdout)
-        if not rt.is_main:
-            warnings.simplefilter("ignore")
-        code = Trainer(recipe, rt).run()
+        logging.basicConfig(format=f"[rank{rt.rank}] %(asctime)s %(message)s", stream=sys.stdout)
+        logging.getLogger().setLevel(logging.INFO)  # each rank says what it built; Trainer.run quiets the others
+        code = Trainer(recipe, rt, quiet_ranks=os.environ.get("AF_LOG_ALL_RANKS") != "1").run()
         if shutdown():
             leave_process(code)
         return code
