@@ -96,8 +96,12 @@ def event_line(record: dict) -> str | None:
             return None  # nothing to train: the summary says so and how to train on
         return (f"resumed at step {resumed} of {total}" if resumed else f"training {total} steps") + f" on {where}"
     if event == "validation":
-        shown = step_line(record).split("  ", 1)
-        return f"evaluation at step {record.get('step')}: " + (shown[1] if len(shown) > 1 else "no figures")
+        shown = step_line(record).partition("  ")[2]
+        if not shown:  # keys of no panel (RL's val-core/<source>/<var>/mean@n): the first few as they are
+            named = [(k, v) for k, v in record.items() if k not in ("event", "step", "total_steps", "elapsed_s")
+                     and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            shown = "  ".join(f"{k} {number_text(v)}" for k, v in named[:4]) or "no figures"
+        return f"evaluation at step {record.get('step')}: {shown}"
     return None
 
 

@@ -204,7 +204,7 @@ DPO_KEYS = {"rewards/accuracies": 0.75, "rewards/margins": 0.0123, "rewards/chos
 
 
 def test_the_line_per_step_shows_what_the_stage_optimises():
-    from ascendfactory.launch import step_line
+    from ascendfactory.launch import event_line, step_line
 
     base = {"step": 2, "total_steps": 9, "loss": 0.25, "lr": 1e-6, "grad_norm": 1.0, "tokens_per_s": 12345.6}
     assert step_line(base) == "step 2/9  loss 0.2500  tok/s 12,346"
@@ -214,6 +214,14 @@ def test_the_line_per_step_shows_what_the_stage_optimises():
     assert "kl 0.0002000" in step_line({**base, **no_kl_loss})
     assert step_line({**base, **DPO_KEYS, "eval_loss": 0.5, "eval_rewards/accuracies": 0.5}) == \
         "step 2/9  loss 0.2500  eval loss 0.5000  acc 0.7500  eval acc 0.5000  margin 0.01230  tok/s 12,346"
+    start = {"event": "start", "total_steps": 9, "world": 4, "layout": {"dp": 2, "tp": 2, "pp": 1}}
+    assert event_line({**start, "resumed_step": 0}) == "training 9 steps on 4 processes (dp 2 · tp 2)"
+    assert event_line({**start, "resumed_step": 4}) == "resumed at step 4 of 9 on 4 processes (dp 2 · tp 2)"
+    assert event_line({**start, "resumed_step": 9}) is None  # the summary says it is complete
+    evaluated = {"event": "validation", "step": 0, "total_steps": 9, "elapsed_s": 1.0}
+    assert event_line({**evaluated, "eval_loss": 1.25}) == "evaluation at step 0: eval loss 1.250"
+    assert event_line({**evaluated, "val-core/gsm8k/reward/mean@1": 0.25}) == \
+        "evaluation at step 0: val-core/gsm8k/reward/mean@1 0.2500"
 
 
 def test_history_keeps_what_a_restart_redid_once():
