@@ -51,12 +51,30 @@ def _load(job_file: Path, overrides: Optional[List[str]]):
     return load_job(job_file, overrides or [])
 
 
-def _plan(job_file: Path, overrides, allow_unsupported: bool = False, for_run: bool = False):
+def _plan(job_file: Path, overrides, allow_unsupported: bool = False, for_run: bool = False,
+          check_inputs: bool = False):
     """The plan; `for_run`: also every check `run` makes before it writes anything (the input files, and the
     engine of this build where the job runs here), all problems in one error."""
     from ascendfactory.plan import check_job
 
-    return check_job(job_file, overrides, allow_unsupported=allow_unsupported, check_inputs=for_run)
+    return check_job(job_file, overrides, allow_unsupported=allow_unsupported, check_inputs=for_run or check_inputs,
+                     check_engine=for_run)
+
+
+def _engine_warnings(job) -> list[str]:
+    """validate: what `run` would refuse because this build's engine lacks it (the job itself is valid for
+    its framework, and render writes it)."""
+    from ascendfactory.engines import require_ready
+    from ascendfactory.inputs import REMOTE_FS_LAUNCHERS
+
+    if job.launcher in REMOTE_FS_LAUNCHERS:
+        return []
+    try:
+        require_ready(job)
+    except JobError as err:
+        return [f"`run` refuses this job: {err.title[0].lower()}{err.title[1:]}: {p.where}: {p.message}"
+                for p in err.problems]
+    return []
 
 
 def _warn(warnings: list[str]) -> None:
@@ -86,20 +104,20 @@ def _split_overrides(args: List[str]) -> tuple[List[Path], List[str]]:
 def validate(args: List[str] = typer.Argument(..., help="job files, then key.sub=value overrides for all of them",
                                              metavar="JOB... [KEY=VALUE...]"),
              allow_unsupported: bool = ALLOW) -> None:
-    """Check job files in one pass: schema, capability matrix, layout, memory, the engine and the input files
-    (data, model, images, checkpoint). Exit 2 if any fails."""
+    """Check job files in one pass: schema, capability matrix, layout, memory and the input files (data,
+    model, images, checkpoint); what this build's engine cannot run is a warning. Exit 2 if any fails."""
     job_files, overrides = _split_overrides(args)
     con, failed = _console(), 0
     for path in job_files:
         try:
-            plan = _plan(path, overrides, allow_unsupported, for_run=True)
+            plan = _plan(path, overrides, allow_unsupported, check_inputs=True)
         except JobError as err:
             failed += 1
             _console(stderr=True).print(f"[bold red]✗[/] {_escape(str(path))}\n{_escape(err.render())}")
             continue
         con.print(f"[green]✓[/] {_escape(str(path))}: {plan.model_id} on {plan.job.framework}, "
                   f"{plan.layout.describe()}, ~{_size(plan.memory.total)}/device")
-        _warn(plan.warnings)
+        _warn(plan.warnings + _engine_warnings(plan.job))
     if failed:
         raise typer.Exit(2)
 

@@ -77,3 +77,12 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> tuple[str | None, dict[str, Any]
 def read_model_dir(path: str | Path) -> tuple[str | None, dict[str, Any]]:
     cfg_path = Path(path) / "config.json"
     return arch_from_hf_config(json.loads(cfg_path.read_text(encoding="utf-8")))
+
+
+def is_tiny_test_model(path: str | Path) -> bool:
+    """The directory says it is a tiny test model (its ascendfactory.json, as examples/make_tiny_model.py
+    writes it): random weights that may stand in for any card."""
+    try:
+        return json.loads((Path(path) / "ascendfactory.json").read_text(encoding="utf-8")).get("tiny_test_model") is True
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -85,7 +85,7 @@ def _remote_path_problems(job: JobSpec, field: str, value: str) -> tuple[list[Pr
 
 def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, list[Problem], list[str]]:
     """Architecture of the model that will train: config.json of model_path, else card + overrides."""
-    from ascendfactory.hfconfig import read_model_dir
+    from ascendfactory.hfconfig import is_tiny_test_model, read_model_dir
 
     problems, warnings = [], []
     family = card["family"]
@@ -111,7 +111,11 @@ def resolve_arch(job: JobSpec, card: dict) -> tuple[str, dict[str, Any], str, li
                 problems.append(Problem("model_path", f"{path / 'config.json'} is not readable JSON: {exc}"))
                 found_family = family
             if found_family and found_family != family:
-                warnings.append(f"model_path holds a {found_family} model but {job.model} is a {family} model card")
+                if is_tiny_test_model(path):
+                    source += f" (a tiny {found_family} test model standing in for {job.model})"
+                else:
+                    warnings.append(f"model_path holds a {found_family} model but {job.model} is a {family} "
+                                    "model card")
                 family = found_family
     for key, value in job.model_overrides.items():
         target = arch
@@ -260,10 +264,10 @@ def _same_layout(role_layout, parallel) -> bool:
 
 
 def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool = True,
-              check_inputs: bool = False) -> Plan:
-    """Capability check, model, layout rules, memory estimate and, with `check_inputs` (what `run` checks
-    before it writes anything), the files the engine opens and the engine of this build where the job runs
-    here: every problem of every check in one JobError, titled by the check when only one failed."""
+              check_inputs: bool = False, check_engine: bool = False) -> Plan:
+    """Capability check, model, layout rules, memory estimate, with `check_inputs` the files the engine
+    opens, and with `check_engine` that this build's engine runs the job where it runs here (what `run`
+    checks before it writes anything): every problem in one JobError, titled by the check when one failed."""
     from ascendfactory.engines import require_ready
     from ascendfactory.inputs import input_problems
     from ascendfactory.matrix import check
@@ -289,11 +293,11 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
           f"({n} problem{'s' if n != 1 else ''})"] = layout_problems
     if check_inputs:
         found["Inputs are missing"] = input_problems(job)
-        if job.launcher not in REMOTE_FS_LAUNCHERS:   # there the engine is the image's
-            try:
-                require_ready(job)
-            except JobError as err:
-                found[err.title] = err.problems
+    if check_engine and job.launcher not in REMOTE_FS_LAUNCHERS:   # there the engine is the image's
+        try:
+            require_ready(job)
+        except JobError as err:
+            found[err.title] = err.problems
     mem = None
     if not layout_problems:
         if job.stage in RL_STAGES:
@@ -323,7 +327,7 @@ def _title(failed: dict[str, list[Problem]]) -> str:
 
 
 def check_job(path, overrides: list[str] | None = None, allow_unsupported: bool = False,
-              check_inputs: bool = False) -> Plan:
+              check_inputs: bool = False, check_engine: bool = False) -> Plan:
     """load_job then make_plan in one pass: a job file with schema problems is also planned with those
     fields at their defaults (when the rest is a valid job), so the matrix, layout and inputs problems of
     the other fields come in the same error. Problems about a field the schema refused are not repeated."""
@@ -336,7 +340,8 @@ def check_job(path, overrides: list[str] | None = None, allow_unsupported: bool 
         if partial is None:
             raise
         try:
-            make_plan(partial, allow_unsupported=allow_unsupported, check_inputs=check_inputs)
+            make_plan(partial, allow_unsupported=allow_unsupported, check_inputs=check_inputs,
+                      check_engine=check_engine)
         except JobError as later:
             more = [pr for pr in later.problems
                     if not any(pr.where == r or pr.where.startswith(r + ".") for r in removed)]
@@ -344,7 +349,7 @@ def check_job(path, overrides: list[str] | None = None, allow_unsupported: bool 
                 raise JobError(f"{err.title}; with those fields at their defaults, {later.title[0].lower()}"
                                f"{later.title[1:]}", err.problems + more) from None
         raise
-    return make_plan(job, allow_unsupported=allow_unsupported, check_inputs=check_inputs)
+    return make_plan(job, allow_unsupported=allow_unsupported, check_inputs=check_inputs, check_engine=check_engine)
 
 
 def effective_yaml(plan: Plan) -> str:

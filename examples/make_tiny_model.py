@@ -139,7 +139,16 @@ def main(out: Path = OUT) -> Path:
         {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
          "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}, indent=2) + "\n", encoding="utf-8")
     build_model(tok.get_vocab_size(), tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>"), out)
+    write_marker(out)
     return out
+
+
+def write_marker(out: Path) -> None:
+    """ascendfactory.json: this directory is a tiny test model, so a job may pair it with the card of any
+    family (the examples train it under Qwen2.5 cards too) without the planner's family warning."""
+    (out / "ascendfactory.json").write_text(json.dumps(
+        {"tiny_test_model": True, "why": "random weights for CPU examples and tests; it stands in for any card"},
+        indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ ANSWERS = ("#### {}", "The answer is {}.")
 SFT_STEPS = 300
 SFT_LR = 3e-3
 TRAINED = ("config.json", "model.safetensors")  # from the SFT run; the rest is the base model's, unchanged
-UNCHANGED = ("generation_config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json")
+UNCHANGED = ("generation_config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+             "ascendfactory.json")
 
 
 def problems() -> list[dict]:

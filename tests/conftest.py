@@ -80,9 +80,11 @@ LONGEST_FIRST = (
     "tests/rl/test_rl_vllm.py", "tests/llm/test_engine_parallel.py", "tests/llm/test_engine_faults.py",
     "tests/test_slurm.py", "tests/llm/test_engine_expert_parallel.py", "tests/lf/test_lf_engine.py",
     "tests/llm/test_engine_compose.py", "tests/mm/test_mm_parallel.py",
-    "tests/llm/test_engine_distributed_optimizer.py", "tests/llm/test_engine_runs.py", "tests/llm/test_loading.py",
+    "tests/llm/test_engine_distributed_optimizer.py", "tests/llm/test_published_families.py",
+    "tests/llm/test_engine_runs.py", "tests/llm/test_loading.py",
     "tests/llm/test_engine_pipeline.py", "tests/parallel/test_tensor_parallel.py", "tests/llm/test_smoke.py",
-    "tests/rl/test_rl_tensor_parallel.py", "tests/rl/test_rl_vl.py",
+    "tests/rl/test_rl_tensor_parallel.py", "tests/rl/test_rl_vl.py", "tests/rl/test_rl_published.py",
+    "tests/mm/test_mm_published.py",
 )
 _seconds: dict[str, float] = {}
 _why: dict[str, str] = {}

@@ -243,7 +243,7 @@ def test_every_llamafactory_key_has_exactly_one_treatment():
                 assert default == _upstream_default(keys[key][1]), (key, default, keys[key][1])
 
 
-@pytest.mark.parametrize("key,value", [("use_dora", True), ("eval_strategy", "steps"), ("quantization_bit", 4),
+@pytest.mark.parametrize("key,value", [("use_dora", True), ("load_best_model_at_end", True), ("quantization_bit", 4),
                                        ("ref_model", "some/model")])
 def test_an_unbuilt_feature_is_refused_by_name_and_its_default_accepted(key, value):
     config = pytest.importorskip("backends.lf.config")

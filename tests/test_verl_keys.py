@@ -158,7 +158,7 @@ def test_unknown_and_unimplemented_keys_are_refused_by_name():
     verl_reader.parse_verl({**base, "actor_rollout_ref": {**base["actor_rollout_ref"], "actor": {
         "ppo_micro_batch_size_per_gpu": 1, "use_torch_compile": True}}})
     for key, value, words in (("trainer.test_freq", "often", "trainer.test_freq: must be an integer"),
-                              ("actor_rollout_ref.rollout.tensor_model_parallel_size", 2, "replicated weights"),
+                              ("actor_rollout_ref.rollout.tensor_model_parallel_size", 3, "does not divide the 8 GPUs"),
                               ("algorithm.adv_estimator", "rloo", "grpo or gae")):
         tree = json.loads(json.dumps(base))
         node = tree

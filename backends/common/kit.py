@@ -110,12 +110,15 @@ def rank_zero_first(is_main: bool, build: Callable[[], T]) -> T:
 
 
 def megatron_resume(load: str | None, save: str | None, *, exit_on_missing: bool = False,
-                    partial: tuple[str, ...] = (), error: type[Exception] = ValueError) -> str | None:
+                    partial: tuple[str, ...] = (), error: type[Exception] = ValueError,
+                    reads_megatron: bool = False) -> str | None:
     """Megatron's --load: a step_N checkpoint (that one, verified), or a checkpoints root: its newest
     complete checkpoint, or a fresh start when it holds none (--exit-on-missing-checkpoint: an error).
     A root that is --save too is "auto" (the trainer's newest intact one there). `partial`: the flags
     that would load part of it (--finetune, --no-load-optim, --no-load-rng), refused when there is a
-    checkpoint to load: resuming restores everything."""
+    checkpoint to load: resuming restores everything. A root holding a Megatron checkpoint (its tracker
+    file) and none of ours is the engine's to read (reads_megatron; refused otherwise): None here."""
+    from backends.common.checkpoint.megatron_checkpoint import TRACKER
     from backends.common.checkpoint.resume import MARKER, list_checkpoints, resolve_resume
 
     if not load:
@@ -123,7 +126,11 @@ def megatron_resume(load: str | None, save: str | None, *, exit_on_missing: bool
     path = Path(load)
     one = path.name.startswith("step_") or (path / MARKER).exists()
     found = [] if one else list_checkpoints(path)
-    if exit_on_missing and not (one or found):
+    megatron = not (one or found) and (path / TRACKER).is_file()
+    if megatron and not reads_megatron:
+        raise error(f"--load {load} holds a Megatron checkpoint ({TRACKER}); this engine resumes its own "
+                    "checkpoints only: start from a Hugging Face directory instead")
+    if exit_on_missing and not (one or found or megatron):
         raise error(f"--exit-on-missing-checkpoint: no checkpoint under --load {load}")
     if partial and (one or found):
         flags = " ".join(partial)

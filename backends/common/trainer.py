@@ -55,6 +55,10 @@ class Loss:
     metrics: dict[str, Any] = field(default_factory=dict)  # logged: weighted mean over micro-batches and ranks
     mean: torch.Tensor | None = None        # this micro-batch's share of the step loss, already normalised
     weight: float = 1.0                     # this micro-batch's weight in the metric means (e.g. its tokens)
+    # Megatron's default reduction (no --calculate-per-token-loss): this micro-batch's token mean (this rank's
+    # summed share / the micro-batch's loss terms on all its context-parallel ranks × their number); the
+    # gradient averages it over micro-batches and data-parallel replicas. `sum` is then the logged loss only.
+    micro_mean: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,11 @@ class Scales:
         """(what backward runs on, the micro-batch's logged loss in summed-token units, float64)."""
         backward = logged = 0.0
         if out.sum is not None:
-            backward, logged = out.sum.float() * self.token, out.sum.detach().to(torch.float64)
+            logged = out.sum.detach().to(torch.float64)
+            if out.micro_mean is None:
+                backward = out.sum.float() * self.token
+        if out.micro_mean is not None:   # averaged over micro-batches here, over replicas by the gradient sync
+            backward = backward + out.micro_mean.float() * self.extra
         if out.mean is not None:
             backward = backward + out.mean.float() * self.mean
             logged = logged + out.mean.detach().to(torch.float64) * self.denom
@@ -122,6 +130,8 @@ class Settings:
     save_interval: int | None = None
     exit_interval: int | None = None
     resume: str | None = None     # "auto" | None (never) | a step_N checkpoint path
+    start_step: int = 0           # without a resume: the step the run continues from (Megatron's --load of an
+                                  # iteration-N checkpoint with a fresh optimizer)
     log_interval: int = 1
     metrics_file: str | None = None
     keep_last: int | None = None
@@ -169,6 +179,9 @@ class Recipe:
 
     def logged(self, record: dict) -> None:  # every rank, after metrics.jsonl got the record (own logs)
         pass
+
+    def should_stop(self) -> str | None:    # after a step, the same on every rank: why training ends there
+        return None                          # (e.g. early stopping); it then exports and finishes as at the end
 
     def plot_title(self, total_steps: int) -> str:
         return f"{self.name} · {total_steps} steps"
@@ -391,6 +404,7 @@ class Trainer:
             s.metrics_file = str(Path(s.save_dir).resolve().parent / "metrics.jsonl")
             if self.rt.is_main:
                 log.info("metrics: %s (the loss curve goes next to it)", s.metrics_file)
+        self.step = s.start_step
         self._resume()
         if self.step >= s.total_steps > 0 and not s.eval_only and self.rt.is_main:
             log.info("already complete: resumed at step %d of %d, nothing to train (the export is written again); "
@@ -432,6 +446,11 @@ class Trainer:
                 saved = self.save()
             if self._agree_to_stop():
                 return self._preempted(saved)
+            stop = self.recipe.should_stop()
+            if stop:
+                log.info("%s: training ends after step %d of %d", stop, self.step, s.total_steps)
+                self.metrics.event("stopped", step=self.step, reason=stop)
+                break
             if exiting:
                 log.info("exit interval %d: stopping after step %d; resume continues from here", s.exit_interval,
                          self.step)

@@ -59,7 +59,7 @@ def _only(values: tuple, why: str) -> Callable[[Any], str | None]:
 
 
 _ANY = lambda value: None  # noqa: E731  (no effect on training here: workers, log dirs, timeouts)
-_NO_EVAL = "this engine trains only (no evaluation split or loop); evaluate the exported model separately"
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 # key -> (LLaMA-Factory 0.9.5's default, check)
 KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
@@ -84,8 +84,7 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     # method
     "stage": ("sft", _choice(STAGES, " (this engine trains pt, sft and dpo)")),
     "do_train": (False, _only((True,), "set do_train: true; this engine trains")),
-    "do_eval": (False, _only((False,), _NO_EVAL)),
-    "do_predict": (False, _only((False,), _NO_EVAL)),
+    "do_eval": (False, _kind(bool)),
     "finetuning_type": ("lora", _choice(FINETUNING)),
     "lora_rank": (8, _kind(int)),
     "lora_alpha": (None, _kind(int, none=True)),
@@ -118,7 +117,9 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "enable_thinking": (True, _kind(bool)),
     "preserve_thinking": (False, _kind(bool)),
     "default_system": (None, _kind(str, none=True)),
-    "val_size": (0.0, _only((0, 0.0), _NO_EVAL)),
+    "val_size": (0.0, _kind(float)),
+    "eval_dataset": (None, _kind(str, list, none=True)),
+    "eval_on_each_dataset": (False, _kind(bool)),
     "streaming": (False, _only((False,), "the dataset is tokenized once into a memory-mapped cache")),
     "overwrite_cache": (False, _ANY),
     "preprocessing_num_workers": (None, _ANY),
@@ -163,6 +164,19 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "ddp_find_unused_parameters": (None, _ANY),
     "dataloader_num_workers": (0, _ANY),
     "dataloader_pin_memory": (True, _ANY),
+    # evaluation (backends.lf.eval)
+    "eval_strategy": ("no", _choice(EVAL_STRATEGIES)),
+    "eval_steps": (None, _kind(int, float, none=True)),
+    "eval_delay": (0, _kind(int, float)),
+    "eval_on_start": (False, _kind(bool)),
+    "per_device_eval_batch_size": (8, _kind(int)),
+    "prediction_loss_only": (False, _kind(bool)),
+    "compute_accuracy": (False, _kind(bool)),
+    "metric_for_best_model": (None, _kind(str, none=True)),
+    "greater_is_better": (None, _kind(bool, none=True)),
+    "early_stopping_steps": (None, _kind(int, none=True)),
+    "restore_callback_states_from_checkpoint": (False, _kind(bool)),  # the early-stopping count on resume
+    "logging_nan_inf_filter": (True, _kind(bool)),  # the eval loss leaves out non-finite batch losses
     "average_tokens_across_devices": (True, _only((True,), "the loss is the mean over every trained token of "
                                                             "the global batch")),
     "gradient_checkpointing": (False, _ANY),  # LLaMA-Factory decides it from disable_gradient_checkpointing
@@ -171,10 +185,11 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
 # LLaMA-Factory features not built here: feature -> {key: LF's default}. A key at its default changes
 # nothing and is accepted; any other value is refused naming the feature.
 UNBUILT: dict[str, dict[str, Any]] = {
-    "evaluation (an eval split, loop and metrics)": {
-        "eval_dataset": None, "eval_on_each_dataset": False, "eval_strategy": "no", "eval_steps": None,
-        "eval_delay": 0, "eval_on_start": False, "load_best_model_at_end": False, "metric_for_best_model": None,
-        "greater_is_better": None, "compute_accuracy": False, "early_stopping_steps": None},
+    "loading the best checkpoint at the end (load_best_model_at_end)": {"load_best_model_at_end": False},
+    "generation in evaluation and prediction (predict_with_generate, do_predict)": {
+        "predict_with_generate": False, "do_predict": False},
+    "evaluation in pure half precision (bf16_full_eval, fp16_full_eval)": {
+        "bf16_full_eval": False, "fp16_full_eval": False},
     "loading or stacking LoRA adapters": {
         "adapter_name_or_path": None, "adapter_folder": None, "create_new_adapter": False,
         "additional_target": None},
@@ -247,11 +262,11 @@ _EFFECTLESS = {
     "no dataset has videos or audio (those columns are refused)": (
         "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
         "audio_sampling_rate"),
-    "no evaluation runs here": (
-        "per_device_eval_batch_size", "eval_num_beams", "eval_accumulation_steps", "eval_do_concat_batches",
-        "eval_use_gather_object", "bf16_full_eval", "fp16_full_eval", "prediction_loss_only", "include_for_metrics",
-        "batch_eval_metrics", "predict_with_generate", "generation_max_length", "generation_num_beams",
-        "generation_config", "sortish_sampler"),
+    "how evaluation results are moved, gathered and handed to the metrics, not what they are": (
+        "eval_accumulation_steps", "eval_do_concat_batches", "eval_use_gather_object", "include_for_metrics",
+        "batch_eval_metrics", "sortish_sampler"),
+    "read by generation in evaluation (predict_with_generate, not built)": (
+        "eval_num_beams", "generation_max_length", "generation_num_beams", "generation_config"),
     "generation and inference settings (llamafactory-cli chat / api / predict), not read by train": (
         "do_sample", "temperature", "top_p", "top_k", "num_beams", "max_length", "max_new_tokens",
         "repetition_penalty", "length_penalty", "skip_special_tokens", "infer_backend", "use_kv_cache", "infer_dtype",
@@ -269,10 +284,10 @@ _EFFECTLESS = {
         "master_addr", "master_port", "use_cpu", "torch_compile", "torch_compile_backend", "torch_compile_mode",
         "torch_empty_cache_steps", "gradient_checkpointing", "gradient_checkpointing_kwargs", "use_cache",
         "full_determinism", "remove_unused_columns", "label_names", "length_column_name", "save_on_each_node",
-        "enable_jit_checkpoint", "restore_callback_states_from_checkpoint", "skip_memory_metrics", "debug"),
+        "enable_jit_checkpoint", "skip_memory_metrics", "debug"),
     "logging and profiling switches (this engine logs to trainer_log.jsonl and metrics.jsonl)": (
         "print_param_status", "logging_first_step", "logging_dir", "run_name", "disable_tqdm", "log_on_each_node",
-        "logging_nan_inf_filter", "include_num_input_tokens_seen", "log_level", "log_level_replica", "project",
+        "include_num_input_tokens_seen", "log_level", "log_level_replica", "project",
         "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "include_effective_tokens_per_second",
         "enable_torch_profiler", "profiler_output_dir", "profiler_wait_steps", "profiler_warmup_steps",
         "profiler_active_steps", "profiler_repeat", "profiler_record_shapes", "profiler_profile_memory",
@@ -392,6 +407,30 @@ def _check_rules(args: dict[str, Any]) -> list[str]:
         problems.append(f"lora_dropout must be in [0, 1), not {args['lora_dropout']}")
     if args["learning_rate"] <= 0:
         problems.append(f"learning_rate must be positive, not {args['learning_rate']}")
+    return problems + _eval_rules(args)
+
+
+def _eval_rules(args: dict[str, Any]) -> list[str]:
+    """LLaMA-Factory's and TrainingArguments' rules for the evaluation keys (do_eval follows eval_strategy)."""
+    problems = []
+    held_out = args["val_size"] > 1e-6
+    if held_out and args["eval_dataset"]:
+        problems.append("val_size and eval_dataset exclude each other (LLaMA-Factory: cannot specify val_size if "
+                        "eval_dataset is given)")
+    if (args["do_eval"] or args["eval_strategy"] != "no") and not (held_out or args["eval_dataset"]):
+        problems.append("do_eval / eval_strategy: evaluation needs eval_dataset or val_size > 0")
+    steps = args["eval_steps"]
+    if steps is not None and (steps < 0 or (steps > 1 and steps != int(steps))):
+        problems.append(f"eval_steps must be a positive integer, or a fraction of the run below 1, not {steps}")
+    if args["per_device_eval_batch_size"] < 1:
+        problems.append(f"per_device_eval_batch_size must be at least 1, not {args['per_device_eval_batch_size']}")
+    if args["early_stopping_steps"] is not None and (args["metric_for_best_model"] is None
+                                                     or args["eval_strategy"] == "no"):
+        problems.append("early_stopping_steps needs metric_for_best_model and an eval_strategy of steps or epoch "
+                        "(transformers' EarlyStoppingCallback)")
+    if args["metric_for_best_model"] and args["save_total_limit"] and args["save_strategy"] == "steps":
+        problems.append("metric_for_best_model with save_total_limit: keeping the best checkpoint out of the "
+                        "rotation is not built; drop one of them")
     return problems
 
 

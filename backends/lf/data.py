@@ -40,8 +40,11 @@ class DatasetEntry:
     tags: dict[str, str]
 
 
-def read_dataset_info(cfg: LFConfig) -> list[DatasetEntry]:
-    """The entries of every dataset the training file names, each checked against its file."""
+def read_dataset_info(cfg: LFConfig, key: str = "dataset") -> list[DatasetEntry]:
+    """The entries of every dataset the training file names in `key` (dataset, eval_dataset), each checked
+    against its file; a name given twice counts once (LF's loader keeps the datasets by name)."""
+    if not cfg.names(key):
+        return []
     folder = Path(cfg.dataset_dir)
     info_path = folder / INFO_FILE
     try:
@@ -52,9 +55,9 @@ def read_dataset_info(cfg: LFConfig) -> list[DatasetEntry]:
     except (OSError, json.JSONDecodeError) as err:
         raise LFConfigError(f"{info_path}: cannot read it as JSON: {err}") from None
     out = []
-    for name in cfg.names("dataset"):
+    for name in dict.fromkeys(cfg.names(key)):
         if name not in info:
-            raise LFConfigError(f"dataset: {name!r} is not in {info_path} (it has: {', '.join(info) or 'nothing'})")
+            raise LFConfigError(f"{key}: {name!r} is not in {info_path} (it has: {', '.join(info) or 'nothing'})")
         out.append(_entry(name, info[name], folder, info_path))
     return out
 

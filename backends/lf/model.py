@@ -40,10 +40,11 @@ class HFCausalLMWithLoss(nn.Module):
     def body(self) -> nn.Module:
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
-    def forward(self, input_ids, labels, position_ids=None, logps: bool = False, **vision):
+    def forward(self, input_ids, labels, position_ids=None, logps: bool = False, accuracy: bool = False, **vision):
         """(summed token loss, token count); logps: per-row sums of the label tokens' log-probabilities
         and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too). Neither
-        builds the full logits.
+        builds the full logits. accuracy: also per row, how many label tokens are the logits' argmax, and
+        how many label tokens there are, [B] each (LF's ComputeAccuracy; the logits of label positions only).
         vision: a VL batch's pixel_values, image_grid_thw, mm_token_type_ids / token_type_ids."""
         if self.vision:
             # The VL model merges the image features into the embeddings; Qwen's M-RoPE positions come from
@@ -60,6 +61,8 @@ class HFCausalLMWithLoss(nn.Module):
             return (picked.view(labels.shape) * mask).sum(-1), mask.sum(-1)
         loss_sum, count = kernels.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
                                                       labels.reshape(-1))
+        if accuracy:
+            return (loss_sum, count, *_hits(hidden, head.weight, labels))
         return loss_sum, count
 
     def parts(self) -> ModelParts:
@@ -73,6 +76,18 @@ class HFCausalLMWithLoss(nn.Module):
         return ModelParts(root=self, blocks=f"{body}.layers", embedding=f"{body}.embed_tokens", norm=f"{body}.norm",
                           head=None if tied else head_name, attention="self_attn", mlp="mlp",
                           hidden_size=int(getattr(self.hf.config, "text_config", self.hf.config).hidden_size))
+
+
+def _hits(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int = 1024):
+    """Per row: label positions whose logits' argmax is the label, and label positions ([B] each); the
+    logits are built a chunk of label positions at a time."""
+    mask = labels != -100
+    picked, targets = hidden[mask], labels[mask]
+    right = torch.cat([(picked[i:i + rows] @ weight.t()).argmax(-1) == targets[i:i + rows]
+                       for i in range(0, len(targets), rows)] or [targets.new_zeros(0, dtype=torch.bool)])
+    hits = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    hits[mask] = right.float()
+    return hits.sum(-1), mask.sum(-1)
 
 
 def attention_override(flash_attn: str) -> dict[str, str]:

@@ -16,6 +16,13 @@ import numpy as np
 
 from backends.common.data import MicroBatchLoader
 from backends.common.data.loader import round_up
+from backends.common.data.templates import IGNORE_INDEX
+
+
+def num_items(label_rows) -> int:
+    """HF Trainer's num_items_in_batch, the loss denominator, for these samples' labels (before the shift): every
+    label != -100, a sample's first one too, which no position predicts (train_on_prompt, pre-training)."""
+    return sum(int((np.asarray(y) != IGNORE_INDEX).sum()) for y in label_rows)
 
 
 def order_seed(cfg) -> int:
@@ -108,13 +115,19 @@ class LFMicroBatchLoader(EpochBatches, MicroBatchLoader):
         return self.position // self.per_epoch
 
     def __next__(self) -> dict:
+        import torch
+
         units = self.take()
         if self.mode == "packed":
-            return self._packed(units)
-        samples = [self.dataset.sample(u) for u in units]
-        if self.mode == "padded":
-            return self._rows(samples, self.seq_len)
-        return self._rows(samples, round_up(max(len(ids) for ids, _ in samples), self.pad_to_multiple_of))
+            out = self._packed(units)
+            samples = [self.dataset.sample(s) for u in units for s in self.rows[u]]
+        else:
+            samples = [self.dataset.sample(u) for u in units]
+            width = self.seq_len if self.mode == "padded" else \
+                round_up(max(len(ids) for ids, _ in samples), self.pad_to_multiple_of)
+            out = self._rows(samples, width)
+        out["n_tokens"] = torch.tensor(num_items(y for _, y in samples), dtype=torch.int64)
+        return out
 
     def state_dict(self) -> dict:
         return {**self._state(), "mode": self.mode, "seq_len": self.seq_len, "epoch": self.epoch}

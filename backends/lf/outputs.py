@@ -3,8 +3,8 @@
 train_results.json and all_results.json (Trainer.save_metrics("train", ...): runtime, samples and steps per
 second, total_flos, train_loss, epoch).
 
-The numbers follow the Trainer: a logged loss is the mean of the steps since the last log; train_loss the mean
-over this session's steps; total_flos 6 x the parameters outside the embeddings x every input position on every
+The numbers follow the Trainer: a logged loss is the mean of the steps since the last log; the epoch counts the
+micro-batches taken; train_loss the mean over this session's steps; total_flos 6 x the parameters outside the embeddings x every input position on every
 rank (PreTrainedModel.floating_point_ops, padding included); samples per second count the schedule's samples
 (max_steps x the global batch) over the wall time of the session's steps."""
 
@@ -16,11 +16,12 @@ from pathlib import Path
 
 
 class TrainerOutputs:
-    def __init__(self, output_dir: str | Path, *, max_steps: int, steps_per_epoch: int, logging_steps: int,
-                 save_steps: int, micro_batch: int, num_train_epochs: float, flops_params: int,
+    def __init__(self, output_dir: str | Path, *, max_steps: int, batches_per_epoch: int, accumulation: int,
+                 logging_steps: int, save_steps: int, micro_batch: int, num_train_epochs: float, flops_params: int,
                  global_batch: int):
         self.dir = Path(output_dir)
-        self.max_steps, self.per_epoch = max_steps, max(steps_per_epoch, 1)
+        self.max_steps, self.batches, self.accumulation = max_steps, max(batches_per_epoch, 1), accumulation
+        self.per_epoch = -(-self.batches // accumulation)
         self.logging_steps, self.save_steps, self.micro_batch = logging_steps, save_steps, micro_batch
         self.num_train_epochs, self.flops_params, self.global_batch = num_train_epochs, flops_params, global_batch
         self.log_history: list[dict] = []
@@ -30,6 +31,12 @@ class TrainerOutputs:
         self._start: float | None = None
         self._first_step: int | None = None
 
+    def epoch(self, step: int) -> float:
+        """The Trainer's state.epoch after optimizer step `step`: the epoch plus the share of its micro-batches
+        taken (epoch + (micro-batch index + 1) / micro-batches per epoch, not a count of optimizer steps)."""
+        epoch, into = divmod(step - 1, self.per_epoch)
+        return epoch + min((into + 1) * self.accumulation, self.batches) / self.batches
+
     def stepped(self, step: int, loss: float, tokens: int) -> None:
         """After every optimizer step (`step` counted from 1)."""
         if self._start is None:
@@ -38,17 +45,18 @@ class TrainerOutputs:
         self._losses.append(loss)
         self.total_flos += 6.0 * self.flops_params * tokens
 
-    def logged(self, step: int, lr: float, grad_norm: float | None) -> float:
-        """At a logged step: the log_history entry; returns the logged loss (the interval's mean)."""
+    def logged(self, step: int, lr: float, grad_norm: float | None) -> dict:
+        """At a logged step: the log_history entry (its loss the interval's mean), returned."""
         loss = sum(self._interval) / max(len(self._interval), 1)
         self._interval = []
         entry = {"loss": loss, **({"grad_norm": grad_norm} if grad_norm is not None else {}), "learning_rate": lr,
-                 "epoch": step / self.per_epoch, "step": step}
+                 "epoch": self.epoch(step), "step": step}
         self.log_history.append(entry)
-        return loss
+        return entry
 
-    def finish(self, step: int) -> None:
-        """The closing metrics into log_history and the three files (rank 0, after the last step)."""
+    def finish(self, step: int, **state) -> None:
+        """The closing metrics into log_history and the three files (rank 0, after the last step); state: more
+        TrainerState fields (best_metric, best_global_step)."""
         runtime = time.time() - (self._start or time.time())
         steps = step - (self._first_step or 0)
         metrics = {"train_runtime": round(runtime, 4)}
@@ -57,21 +65,21 @@ class TrainerOutputs:
             metrics.update(train_samples_per_second=round(samples / runtime, 3),
                            train_steps_per_second=round(steps / runtime, 3))
         metrics.update(total_flos=self.total_flos, train_loss=sum(self._losses) / max(len(self._losses), 0.001),
-                       epoch=step / self.per_epoch)
+                       epoch=self.epoch(step))
         self.log_history.append({**metrics, "step": step})
-        self._write_state(step)
+        self._write_state(step, **state)
         for name in ("train_results.json", "all_results.json"):
             path = self.dir / name
             combined = json.loads(path.read_text()) if name == "all_results.json" and path.exists() else {}
             path.write_text(json.dumps({**combined, **metrics}, indent=4, sort_keys=True) + "\n")
 
-    def _write_state(self, step: int) -> None:
+    def _write_state(self, step: int, **fields) -> None:
         from transformers import TrainerState
 
-        state = TrainerState(epoch=step / self.per_epoch, global_step=step, max_steps=self.max_steps,
+        state = TrainerState(epoch=self.epoch(step), global_step=step, max_steps=self.max_steps,
                              logging_steps=self.logging_steps, save_steps=self.save_steps,
                              train_batch_size=self.micro_batch, num_train_epochs=self.num_train_epochs,
-                             total_flos=self.total_flos, log_history=self.log_history)
+                             total_flos=self.total_flos, log_history=self.log_history, **fields)
         state.save_to_json(str(self.dir / "trainer_state.json"))
 
     def state_dict(self) -> dict:

@@ -44,6 +44,11 @@ def total_steps(cfg: LFConfig, batches_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.num_train_epochs * steps_per_epoch(cfg, batches_per_epoch)))
 
 
+def interval_steps(value: float, total: int) -> int:
+    """logging_steps / save_steps as HF's TrainerState reads them: below 1 a fraction of the run (rounded up)."""
+    return math.ceil(total * value) if value < 1 else int(value)
+
+
 def warmup_steps(cfg: LFConfig, total: int) -> int:
     """warmup_steps (a count, or below 1 a fraction of the run), else ceil(warmup_ratio × steps)."""
     w = cfg.warmup_steps
@@ -98,28 +103,26 @@ def resume_setting(cfg: LFConfig, save_dir: Path) -> str | None:
 
 
 class TrainerLog:
-    """output_dir/trainer_log.jsonl as LLaMA-Factory's LogCallback writes it (rank 0)."""
+    """output_dir/trainer_log.jsonl as LLaMA-Factory's LogCallback writes it (rank 0): a line per Trainer log
+    (the log_history entry's loss, learning rate and epoch), and one without them for the closing metrics. No
+    throughput / total_tokens: the Trainer counts no input tokens unless include_num_input_tokens_seen."""
 
-    def __init__(self, path: Path, total: int, steps_per_epoch: int, resumed: bool):
-        self.path, self.total, self.per_epoch = path, total, max(steps_per_epoch, 1)
+    def __init__(self, path: Path, total: int, first_step: int):
+        self.path, self.total, self.first_step = path, total, first_step
         self.start = time.time()
-        self.first_step: int | None = None
-        if not resumed and path.exists():
+        if not first_step and path.exists():
             path.unlink()  # a fresh run starts a fresh log, as LogCallback does
 
-    def write(self, record: dict) -> None:
-        step = int(record["step"])
-        if self.first_step is None:
-            self.first_step = step - 1
+    def write(self, step: int, entry: dict) -> None:
+        """A log_history entry's line: a training log, an evaluation's (eval_loss, as LogCallback writes it) or
+        the closing one."""
         elapsed = time.time() - self.start
-        done = max(step - self.first_step, 1)
-        remaining = (self.total - step) * elapsed / done
-        logs = {"current_steps": step, "total_steps": self.total, "loss": record["loss"], "lr": record["lr"],
-                "epoch": round(step / self.per_epoch, 2),
+        remaining = (self.total - step) * elapsed / max(step - self.first_step, 1)
+        logs = {"current_steps": step, "total_steps": self.total, "loss": entry.get("loss"),
+                "eval_loss": entry.get("eval_loss"), "lr": entry.get("learning_rate"), "epoch": entry.get("epoch"),
                 "percentage": round(step / self.total * 100, 2) if self.total else 100,
                 "elapsed_time": str(timedelta(seconds=int(elapsed))),
-                "remaining_time": str(timedelta(seconds=int(remaining))),
-                "throughput": record.get("tokens_per_s"), "total_tokens": record.get("trained_tokens")}
+                "remaining_time": str(timedelta(seconds=int(remaining)))}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({k: v for k, v in logs.items() if v is not None}) + "\n")
 
@@ -129,7 +132,11 @@ class LFRecipe(Recipe):
 
     def __init__(self, cfg: LFConfig):
         self.cfg = cfg
-        self.trainer_log: TrainerLog | None = None
+        self._trainer_log: TrainerLog | None = None
+        self._first_step: int | None = None  # this session's first step (0 unless resumed)
+        self.evaluation = None   # backends.lf.eval.Evaluation when the run has eval sets
+        self.eval_sets: dict = {}
+        self.vision_model = False
 
     # ------------------------------------------------------------------ build
     def build(self, rt) -> Settings:
@@ -155,6 +162,12 @@ class LFRecipe(Recipe):
             precision=precision(cfg), grad_clip=cfg.max_grad_norm)}
         self._batches = iter(self.loader)
         self.outputs = self._outputs(hf, steps, par)
+        if self.eval_sets:
+            from backends.lf.eval import Evaluation, Schedule
+
+            schedule = Schedule.of(cfg, steps, self.steps_per_epoch)
+            self.evaluation = Evaluation(self, list(self.eval_sets.values()), schedule)
+            self.evaluation.check()
         return self._settings(rt, steps)
 
     def _outputs(self, hf, steps: int, par) -> TrainerOutputs:
@@ -163,8 +176,10 @@ class LFRecipe(Recipe):
         embeddings = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Embedding))
         # the Trainer's num_train_epochs: what max_steps makes of it, else the key
         epochs = math.ceil(steps / self.steps_per_epoch) if cfg.max_steps > 0 else cfg.num_train_epochs
-        return TrainerOutputs(cfg.output_dir, max_steps=steps, steps_per_epoch=self.steps_per_epoch,
-                              logging_steps=cfg.logging_steps, save_steps=cfg.save_steps,
+        return TrainerOutputs(cfg.output_dir, max_steps=steps, batches_per_epoch=len(self.loader),
+                              accumulation=cfg.gradient_accumulation_steps,
+                              logging_steps=interval_steps(cfg.logging_steps, steps),
+                              save_steps=interval_steps(cfg.save_steps, steps),
                               micro_batch=cfg.per_device_train_batch_size, num_train_epochs=epochs,
                               flops_params=self.total - embeddings,
                               global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
@@ -197,9 +212,9 @@ class LFRecipe(Recipe):
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
         return Settings(total_steps=steps, save_dir=str(save_dir),
-                        save_interval=int(cfg.save_steps) if cfg.save_strategy == "steps" else None,
+                        save_interval=interval_steps(cfg.save_steps, steps) if cfg.save_strategy == "steps" else None,
                         exit_interval=cfg.engine.get("exit_interval"), resume=resume,
-                        log_interval=max(1, int(cfg.logging_steps)), metrics_file=metrics,
+                        log_interval=max(1, interval_steps(cfg.logging_steps, steps)), metrics_file=metrics,
                         keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora")
 
     def _reference(self, par, rt):
@@ -221,30 +236,31 @@ class LFRecipe(Recipe):
 
     def _data(self, rt, par):
         from backends.common.data import load_tokenizer, pad_id, preprocess
-        from backends.lf.data import build_template, media_dir, read_dataset_info, write_canonical
+        from backends.lf.data import build_template, read_dataset_info
         from backends.lf.mm_plugin import is_vl
         from backends.lf.order import LFMicroBatchLoader, order_seed
         from backends.lf.pairs import PairLoader, build_pairs
 
         cfg = self.cfg
         tokenizer = load_tokenizer(cfg.model_name_or_path, use_fast=cfg.use_fast_tokenizer)
-        entries = read_dataset_info(cfg)
+        entries, eval_entries = read_dataset_info(cfg), read_dataset_info(cfg, "eval_dataset")
         for line in cfg.notices():
             log.info("notice: %s", line)
-        with_images = [e.name for e in entries if e.columns.get("images")]
+        with_images = [e.name for e in entries + eval_entries if e.columns.get("images")]
         if with_images and cfg.template == "gemma":  # LF's gemma has gemma3's text format but no image plugin
             raise LFConfigError(f"template: gemma takes no images in LLaMA-Factory ({', '.join(with_images)} has an "
                                 "images column); use template gemma3")
         cache = Path(cfg.output_dir) / "data"
         template = build_template(cfg, tokenizer)
-        if cfg.stage == "dpo" and not all(e.ranking for e in entries):
-            raise LFConfigError(f"dataset: stage dpo needs ranking datasets (ranking: true in dataset_info.json); "
-                                f"{', '.join(e.name for e in entries if not e.ranking)} is not one")
-        if cfg.stage != "dpo" and any(e.ranking for e in entries):
-            raise LFConfigError(f"dataset: {', '.join(e.name for e in entries if e.ranking)} is a ranking dataset, "
-                                f"which stage {cfg.stage} cannot train (stage dpo does)")
+        for key, named in (("dataset", entries), ("eval_dataset", eval_entries)):
+            if cfg.stage == "dpo" and not all(e.ranking for e in named):
+                raise LFConfigError(f"{key}: stage dpo needs ranking datasets (ranking: true in dataset_info.json); "
+                                    f"{', '.join(e.name for e in named if not e.ranking)} is not one")
+            if cfg.stage != "dpo" and any(e.ranking for e in named):
+                raise LFConfigError(f"{key}: {', '.join(e.name for e in named if e.ranking)} is a ranking dataset, "
+                                    f"which stage {cfg.stage} cannot train (stage dpo does)")
 
-        vl_model = is_vl(cfg.model_name_or_path)
+        vl_model = self.vision_model = is_vl(cfg.model_name_or_path)
         if with_images and not vl_model:
             raise LFConfigError(f"dataset: {', '.join(with_images)} has an images column, but "
                                 f"{cfg.model_name_or_path} is not a vision-language model this engine trains "
@@ -254,36 +270,65 @@ class LFRecipe(Recipe):
                                 "computes M-RoPE positions and image attention per row, so packed documents would "
                                 "see each other); set packing: false")
         if with_images and cfg.stage != "pt":
-            return self._vl_data(rt, par, entries, tokenizer, template, cache)
+            return self._vl_data(rt, par, entries, eval_entries, tokenizer, template, cache)
 
-        def build():
-            # max_samples per dataset, before merging (as LF's loader); the merged records are all kept
-            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
+        def encode(records, fmt):
             if cfg.stage == "dpo":
                 return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache)
             return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache,
                               lf_rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
-        dataset = kit.rank_zero_first(rt.is_main, build)
+        dataset, held = kit.rank_zero_first(rt.is_main, lambda: self._encode_sets(entries, eval_entries, encode))
+        mode = "packed" if cfg.packing else "dynamic"
+
+        def batches(data, micro: int, shuffle: bool):
+            kw = dict(dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=order_seed(cfg), shuffle=shuffle,
+                      pad_id=pad_id(tokenizer))
+            if cfg.stage == "dpo":
+                return PairLoader(data, micro, **kw)
+            return LFMicroBatchLoader(data, mode=mode, micro_batch=micro, seq_len=cfg.cutoff_len, pad_to_multiple_of=8,
+                                      group_by_length=False, **kw)
+
+        loader = batches(dataset, cfg.per_device_train_batch_size, not cfg.disable_shuffling)
+        self._eval_loaders(held, batches)
         if cfg.stage == "dpo":
-            loader = PairLoader(dataset, cfg.per_device_train_batch_size, dp_rank=par.dp_rank, dp_world=par.layout.dp,
-                                seed=order_seed(cfg), shuffle=not cfg.disable_shuffling, pad_id=pad_id(tokenizer))
             log.info("data: %s", dataset.summary())
             return dataset, loader, tokenizer
-        mode = "packed" if cfg.packing else "dynamic"
-        loader = LFMicroBatchLoader(dataset, mode=mode, micro_batch=cfg.per_device_train_batch_size,
-                                    seq_len=cfg.cutoff_len, dp_rank=par.dp_rank, dp_world=par.layout.dp,
-                                    seed=order_seed(cfg), shuffle=not cfg.disable_shuffling, pad_id=pad_id(tokenizer),
-                                    pad_to_multiple_of=8, group_by_length=False)
         packing = getattr(loader, "packing", None)
         log.info("data: %s; %s batches%s", dataset.summary(), mode,
                  f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
         return dataset, loader, tokenizer
 
-    def _vl_data(self, rt, par, entries, tokenizer, template, cache):
+    def _encode_sets(self, entries, eval_entries, encode):
+        """(the training set, the eval sets by name) tokenized by encode(records, format): max_samples per dataset,
+        before merging (as LF's loader); the merged records all kept but those val_size holds out."""
+        from backends.lf.data import media_dir, write_canonical
+        from backends.lf.eval import held_out
+
+        cfg = self.cfg
+
+        def write(named):
+            return write_canonical(named, cfg.stage, Path(cfg.output_dir) / "data", media_dir(cfg), cfg.max_samples)
+
+        records, held = held_out(cfg, *write(entries), eval_entries, write)
+        return encode(*records), {name: encode(*pair) for name, pair in held.items()}
+
+    def _eval_loaders(self, held: dict, batches) -> None:
+        """Each eval set's loader: in order, per_device_eval_batch_size samples a rank, rewound for every pass."""
+        from backends.lf.eval import EvalSet
+
+        def rewound(loader):
+            loader.load_state_dict({**loader.state_dict(), "position": 0})
+            return loader
+
+        for name, data in held.items():
+            loader = batches(data, self.cfg.per_device_eval_batch_size, False)
+            self.eval_sets[name] = EvalSet(name, loader.n_units, lambda loader=loader: rewound(loader))
+            log.info("eval data%s: %s", f" {name}" if name else "", data.summary())
+
+    def _vl_data(self, rt, par, entries, eval_entries, tokenizer, template, cache):
         """Records with images: LF's mm plugin expansion, the VL cache and loader (backends.lf.vl_data)."""
         from backends.common.data import pad_id
-        from backends.lf.data import media_dir, write_canonical
         from backends.lf.mm_plugin import load_plugin
         from backends.lf.order import order_seed
         from backends.lf.vl_data import VLLoader, build_vl
@@ -291,18 +336,20 @@ class LFRecipe(Recipe):
         cfg = self.cfg
         plugin = load_plugin(cfg.model_name_or_path, tokenizer, cfg.image_max_pixels, cfg.image_min_pixels)
 
-        def build():
-            # text datasets may come with the image ones (LF's mllm_demo,identity,alpaca_en_demo): their records
-            # are samples without images; mixed formattings are all written as sharegpt
-            records, fmt = write_canonical(entries, cfg.stage, cache, media_dir(cfg), cfg.max_samples)
+        # text datasets may come with the image ones (LF's mllm_demo,identity,alpaca_en_demo): their records are
+        # samples without images; mixed formattings are all written as sharegpt
+        def encode(records, fmt):
             return build_vl(records, fmt, tokenizer, template, plugin, cfg.cutoff_len, cache,
                             pairwise=cfg.stage == "dpo",
                             rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
 
-        dataset = kit.rank_zero_first(rt.is_main, build)
-        loader = VLLoader(dataset, plugin, cfg.per_device_train_batch_size, dp_rank=par.dp_rank,
-                          dp_world=par.layout.dp, seed=order_seed(cfg), shuffle=not cfg.disable_shuffling,
-                          pad_id=pad_id(tokenizer))
+        def batches(data, micro: int, shuffle: bool):
+            return VLLoader(data, plugin, micro, dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=order_seed(cfg),
+                            shuffle=shuffle, pad_id=pad_id(tokenizer))
+
+        dataset, held = kit.rank_zero_first(rt.is_main, lambda: self._encode_sets(entries, eval_entries, encode))
+        loader = batches(dataset, cfg.per_device_train_batch_size, not cfg.disable_shuffling)
+        self._eval_loaders(held, batches)
         log.info("data: %s; dynamic batches with images (%s plugin)", dataset.summary(), plugin.kind)
         return dataset, loader, tokenizer
 
@@ -310,11 +357,13 @@ class LFRecipe(Recipe):
     def next_micro_batches(self) -> list[dict]:
         """gradient_accumulation_steps micro-batches, fewer at the end of an epoch (HF Trainer's last step of
         an epoch takes what is left of it)."""
-        device = self.rt.device
         count = min(self.cfg.gradient_accumulation_steps, self.loader.left_in_epoch())
-        return [{k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v)
-                 for k, v in self._rows(next(self._batches)).items()}
-                for _ in range(count)]
+        return [self.on_device(next(self._batches)) for _ in range(count)]
+
+    def on_device(self, mb: dict) -> dict:
+        """A loader's micro-batch as the model takes it, on this rank's device."""
+        device = self.rt.device
+        return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in self._rows(mb).items()}
 
     def _rows(self, mb: dict) -> dict:
         """Packed micro-batches come as one flat stream of rows; LLaMA-Factory's are a batch of rows
@@ -366,17 +415,22 @@ class LFRecipe(Recipe):
         return Loss(losses.sum(), metrics={k: float(v) for k, v in metrics.items()})
 
     def step(self, trainer, step: int):
+        if self._first_step is None:
+            self._first_step = step
         result = super().step(trainer, step)
         self.outputs.stepped(step + 1, result.loss, result.tokens)
         return result
 
     def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict(), "outputs": self.outputs.state_dict()}
+        return {"loader": self.loader.state_dict(), "outputs": self.outputs.state_dict(),
+                **({"evaluation": self.evaluation.state_dict()} if self.evaluation else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.loader.load_state_dict(state["loader"])
         if "outputs" in state:  # checkpoints written before trainer_state.json was kept
             self.outputs.load_state_dict(state["outputs"])
+        if self.evaluation and "evaluation" in state:
+            self.evaluation.load_state_dict(state["evaluation"])
 
     def start_info(self) -> dict:
         return {"grad_accum": self.cfg.gradient_accumulation_steps,
@@ -384,16 +438,33 @@ class LFRecipe(Recipe):
                 "parameters": self.total, "trainable": self.trainable, "zero_stage": self.cfg.zero.stage}
 
     def logged(self, record: dict) -> None:
-        # the Trainer logs the mean loss of the steps since its last log (trainer_log.jsonl reads that entry)
-        loss = self.outputs.logged(int(record["step"]), record["lr"], record.get("grad_norm"))
-        record = {**record, "loss": loss}
-        if not self.rt.is_main:
-            return
-        if self.trainer_log is None:
-            resumed = int(record["step"]) > self.cfg.logging_steps
-            self.trainer_log = TrainerLog(Path(self.cfg.output_dir) / TRAINER_LOG, int(record["total_steps"]),
-                                          self.steps_per_epoch, resumed)
-        self.trainer_log.write(record)
+        # the Trainer logs the mean loss of the steps since its last log (trainer_log.jsonl reads that entry); the
+        # shared loop also records the last step (HF does not) and a step it evaluated at, whose entries follow
+        step = int(record["step"])
+        if step % max(1, self.outputs.logging_steps) == 0:
+            entry = self.outputs.logged(step, record["lr"], record.get("grad_norm"))
+            if self.rt.is_main:
+                self.trainer_log().write(step, entry)
+        for entry in self.evaluation.flush() if self.evaluation else ():
+            self.eval_logged(entry)
+
+    def eval_logged(self, entry: dict, total: int | None = None) -> None:
+        """An evaluation's log entry (trainer_state.json's log_history, a trainer_log.jsonl line)."""
+        self.outputs.log_history.append(entry)
+        if self.rt.is_main:
+            self.trainer_log().write(int(entry["step"]), entry)
+
+    def trainer_log(self) -> TrainerLog:
+        if self._trainer_log is None:
+            self._trainer_log = TrainerLog(Path(self.cfg.output_dir) / TRAINER_LOG, self.outputs.max_steps,
+                                           self._first_step or 0)
+        return self._trainer_log
+
+    def evaluate(self, trainer, step: int, start: bool = False) -> dict[str, float]:
+        return self.evaluation.at(trainer, step, start) if self.evaluation else {}
+
+    def should_stop(self) -> str | None:
+        return "early stopping (early_stopping_steps)" if self.evaluation and self.evaluation.stop else None
 
     def plot_title(self, total_steps: int) -> str:
         return f"training loss of {self.cfg.output_dir}"
@@ -404,8 +475,13 @@ class LFRecipe(Recipe):
 
         if self.cfg.engine.get("export_hf", True):
             export(self.model, self.cfg, self.tokenizer)
+        if self._first_step is None:  # nothing left to train after a resume
+            self._first_step = trainer.step
         if self.rt.is_main:
-            self.outputs.finish(trainer.step)
+            self.outputs.finish(trainer.step, **(self.evaluation.trainer_state() if self.evaluation else {}))
+            self.trainer_log().write(trainer.step, self.outputs.log_history[-1])  # LogCallback on the closing log
+        if self.evaluation:
+            self.evaluation.after_training(trainer)
 
 
 def _vision(mb: dict) -> dict:

@@ -24,6 +24,7 @@ from backends.common.data.formats import DataFormatError, encode_instruction, en
 from backends.common.data.indexed import IndexedDataset, IndexedDatasetWriter
 from backends.common.data.templates import IGNORE_INDEX
 from backends.lf.mm_plugin import IMAGE_PLACEHOLDER, MediaError, VisionPlugin
+from backends.lf.order import num_items
 from backends.lf.pairs import UnitLoader, build_once
 
 VL_VERSION = 1
@@ -168,7 +169,7 @@ class VLLoader(UnitLoader):
         input_ids = torch.from_numpy(ids)
         images = [self.plugin.open(p) for p in paths]
         out = {"input_ids": input_ids, "labels": torch.from_numpy(labels),
-               "n_tokens": torch.tensor(len(units) if self.dataset.pairwise else int((labels != IGNORE_INDEX).sum())),
+               "n_tokens": torch.tensor(len(units) if self.dataset.pairwise else num_items(y for _, y in rows)),
                "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(len(x) for x, _ in rows))}
         out.update(self.plugin.batch_inputs(images, input_ids))
         return out

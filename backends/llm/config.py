@@ -53,6 +53,16 @@ class ModelArgs:
     load_hf: str | None
     tokenizer: str | None
     overrides: dict[str, Any]  # card arch keys given on the command line
+    # --load of a Megatron checkpoint with neither model_id nor load_hf: the model Megatron builds from the
+    # flags (flags_model), its vocabulary padded from the tokenizer's where no flag gives it
+    from_flags: FlagsModel | None = None
+
+
+@dataclass
+class FlagsModel:
+    family: str
+    arch: dict[str, Any]          # ModelConfig.from_card's arch (vocab_size None: pad the tokenizer's)
+    vocab_multiple: int           # Megatron pads the tokenizer's vocabulary to a multiple of this
 
 
 @dataclass
@@ -117,6 +127,8 @@ class TrainArgs:
     exit_interval: int | None = None
     warmup_fraction: float | None = None   # --lr-warmup-fraction: of the total steps
     decay_steps: int | None = None        # --lr-decay-iters
+    per_token_loss: bool = False          # --calculate-per-token-loss: the global token mean, not Megatron's
+    #                                       default mean of per-micro-batch token means
 
 
 @dataclass
@@ -130,11 +142,13 @@ class LoraArgs:
 
 @dataclass
 class LoadArgs:
-    """What --load may restore from an engine checkpoint (Megatron's --finetune / --no-load-*)."""
+    """What --load may restore (Megatron's --finetune / --no-load-*), and --ckpt-format: which Megatron checkpoint
+    formats it reads (torch: the legacy one only; torch_dist, Megatron's default, detects either)."""
     finetune: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
     exit_on_missing: bool = False
+    ckpt_format: str = "torch_dist"
 
 
 @dataclass
@@ -294,6 +308,7 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     a("--split")
     a("--stage", choices=["sft", "dpo", "ray_ppo", "ray_online_dpo", "ray_grpo"])
     a("--no-pad-to-seq-lengths", action="store_true")
+    a("--calculate-per-token-loss", action="store_true")
     a("--no-load-optim", action="store_true")
     a("--no-load-rng", action="store_true")
     a("--exit-on-missing-checkpoint", action="store_true")
@@ -623,6 +638,72 @@ def check_model_facts(config, checks: dict[str, tuple[str, Any]], source: str) -
                           + ". Fix the flags to match the model, or load the model they describe")
 
 
+def _megatron_checkpoint(load: str) -> bool:
+    from backends.common.checkpoint.megatron_checkpoint import TRACKER
+
+    return (Path(load) / TRACKER).is_file()
+
+
+def flags_model(ns: argparse.Namespace) -> FlagsModel:
+    """The model Megatron builds from these flags (its defaults where one is left out), as a native family:
+    the one whose transformers class computes what this Megatron GPT computes."""
+    wrong = [f"{flag}: give it (Megatron builds the model from the flags)" for flag, value in (
+        ("--num-layers", ns.num_layers), ("--hidden-size", ns.hidden_size),
+        ("--num-attention-heads", ns.num_attention_heads)) if value is None]
+    if ns.multi_latent_attention:
+        wrong.append("--multi-latent-attention: reading Megatron checkpoints of MLA models is not built; convert it to "
+                     "Hugging Face format (MindSpeed-LLM's convert_ckpt_v2.py --save-model-type hf) and load that with "
+                     "--enable-hf2mg-convert")
+    # (omitted --swiglu / --disable-bias-linear are refused for every load: architecture_refusals)
+    wrong += [f"{flag}: shared experts and dense leading layers (DeepSeek's) are not read from Megatron checkpoints; "
+              f"convert it to Hugging Face format and load that with --enable-hf2mg-convert"
+              for flag, value in (("--n-shared-experts", ns.n_shared_experts),
+                                  ("--first-k-dense-replace", ns.first_k_dense_replace)) if value]
+    if wrong:
+        raise ConfigError(f"--load {ns.load} (a Megatron checkpoint, the model from the flags): " + "; ".join(wrong))
+    if ns.num_experts:
+        family = "qwen3_moe" if ns.qk_layernorm else "mixtral"
+    elif ns.qk_layernorm:
+        family = "qwen3"
+    elif ns.use_glm_rope or ns.rotary_percent not in (None, 1.0):
+        family = "glm"
+    else:
+        family = "qwen2" if ns.add_qkv_bias else "llama"
+    model_type = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3", "glm": "glm", "qwen2": "qwen2",
+                  "llama": "llama"}[family]
+    if ns.model_type_hf and model_type not in MODEL_TYPE_HF[ns.model_type_hf]:
+        raise ConfigError(f"--model-type-hf {ns.model_type_hf}: the architecture flags describe a {family} model "
+                          f"(--qk-layernorm, --add-qkv-bias, --num-experts, --use-glm-rope set the family)")
+    heads, hidden = ns.num_attention_heads, ns.hidden_size
+    ffn = ns.ffn_hidden_size or int(4 * hidden * 2 / 3 / 64) * 64   # Megatron's default with --swiglu
+    vocab = ns.padded_vocab_size
+    multiple = ns.make_vocab_size_divisible_by * ns.tensor_model_parallel_size
+    if vocab is None and ns.vocab_size is not None:
+        vocab = -(-ns.vocab_size // multiple) * multiple
+    arch: dict[str, Any] = dict(
+        num_layers=ns.num_layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+        num_kv_heads=ns.num_query_groups if ns.group_query_attention else heads,
+        head_dim=ns.kv_channels or hidden // heads, vocab_size=vocab,
+        max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
+        rope_theta=float(ns.rotary_base or 10000), rms_norm_eps=ns.norm_epsilon or 1e-5,
+        tie_word_embeddings=not ns.untie_embeddings_and_output_weights, qkv_bias=bool(ns.add_qkv_bias),
+        qk_norm=bool(ns.qk_layernorm), rotary_fraction=ns.rotary_percent if family == "glm" and ns.rotary_percent
+        else 1.0)
+    if ns.rope_scaling_type == "llama3":
+        arch["rope_scaling"] = {"rope_type": "llama3", "factor": ns.rope_scaling_factor,
+                                "low_freq_factor": ns.low_freq_factor, "high_freq_factor": ns.high_freq_factor,
+                                "original_max_position_embeddings": ns.original_max_position_embeddings}
+    elif ns.rope_scaling_type == "yarn":
+        arch["rope_scaling"] = {"rope_type": "yarn", "factor": ns.rope_scaling_factor, "beta_fast": ns.beta_fast,
+                                "beta_slow": ns.beta_slow, "mscale": ns.rope_scaling_mscale,
+                                "mscale_all_dim": ns.rope_scaling_mscale_all_dim,
+                                "original_max_position_embeddings": ns.rope_scaling_original_max_position_embeddings}
+    if ns.num_experts:
+        arch["moe"] = {"num_experts": ns.num_experts, "experts_per_token": ns.moe_router_topk or 2,
+                       "moe_ffn_hidden_size": ns.moe_ffn_hidden_size or ffn}
+    return FlagsModel(family, arch, multiple)
+
+
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
     """The flags, plus the sidecar (`engine`: a mapping or a path; None: the file $AF_ENGINE_FILE names)."""
     ns = megatron_args.parse(_parser(), argv, "MindSpeed-LLM", _HINTS, engine="llm")
@@ -643,9 +724,13 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
         raise ConfigError(f"give --train-iters, or train_epochs in {side.source}")
     if ns.bf16 and ns.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other")
+    from_flags = None
     if not side.model_id and not side.load_hf:
-        raise ConfigError(f"no model: give load_hf (an HF model directory) or model_id (a model card, random "
-                          f"init) in {side.source}; `ascendfactory render` writes that file")
+        if not (ns.load and _megatron_checkpoint(ns.load)):
+            raise ConfigError(f"no model: give load_hf (an HF model directory) or model_id (a model card, random "
+                              f"init) in {side.source}, or --load a Megatron checkpoint; `ascendfactory render` "
+                              f"writes that file")
+        from_flags = flags_model(ns)
     overrides = {key: getattr(ns, flag) for key, flag in (
         ("num_layers", "num_layers"), ("hidden_size", "hidden_size"), ("ffn_hidden_size", "ffn_hidden_size"),
         ("num_attention_heads", "num_attention_heads"), ("num_kv_heads", "num_query_groups"),
@@ -679,7 +764,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
                         side.lora_merge_on_export)
     return LLMConfig(
         model=ModelArgs(side.model_id, side.model_family, side.load_hf, ns.tokenizer_name_or_path or side.load_hf,
-                        overrides),
+                        overrides, from_flags),
         parallel=ParallelArgs(
             tp=ns.tensor_model_parallel_size, pp=ns.pipeline_model_parallel_size, pp_layers=ns.num_layer_list,
             vpp_layers=ns.num_layers_per_virtual_pipeline_stage,
@@ -705,7 +790,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             eps=ns.adam_eps, grad_clip=ns.clip_grad, precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
             seed=ns.seed, log_interval=ns.log_interval, save_interval=ns.save_interval,
             moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval,
-            warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters),
+            warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters,
+            per_token_loss=ns.calculate_per_token_loss),
         lora=lora,
         kernel_backend=side.kernel_backend,
         kernel_overrides=side.kernel_overrides,
@@ -715,8 +801,9 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
         load=ns.load or None,
         export_hf=side.export_hf,
         metrics_file=side.metrics_file,
-        load_args=LoadArgs(ns.finetune, ns.no_load_optim, ns.no_load_rng, ns.exit_on_missing_checkpoint),
-        checks=model_facts(ns, random_init=not side.load_hf),
+        load_args=LoadArgs(ns.finetune, ns.no_load_optim, ns.no_load_rng, ns.exit_on_missing_checkpoint,
+                           ns.ckpt_format),
+        checks=model_facts(ns, random_init=not side.load_hf and from_flags is None),
         hf2mg=ns.enable_hf2mg_convert,
         model_type_hf=ns.model_type_hf,
         tokenizer_use_fast=ns.tokenizer_use_fast,

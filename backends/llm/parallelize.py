@@ -135,6 +135,7 @@ def shard_batch(mb: dict, par: Parallel) -> dict:
     if not bool(shard.valid.all()):  # CP padding inside packed documents: not tokens of the batch
         out["aux_mask"] = shard.valid
     out["n_tokens"] = (out["labels"] != -100).sum()
+    out["mb_tokens"] = mb["n_tokens"]   # the whole micro-batch's: Megatron's per-micro-batch mean divides by it
     # metrics only: split the real-token count so the CP ranks add up to the micro-batch's
     total = int(mb.get("n_input", mb["input_ids"].numel()))
     share, extra = divmod(total, par.layout.cp)

@@ -48,16 +48,28 @@ class CausalLMWithLoss(torch.nn.Module):
         return loss_sum, count, getattr(self.decoder, "aux_loss", None)
 
 
-def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0, topk: int = 1) -> Loss:
-    """The summed next-token loss of a micro-batch, plus Megatron's MoE load-balancing loss (× its coefficient)
-    when asked. The model's aux loss is transformers' (Mixtral) E·Σ f_i·P_i, f_i the share of tokens routed to
-    expert i; Megatron's switch_load_balancing_loss_func takes f_i as a share of the top-k assignments: 1/topk."""
+def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0, topk: int = 1,
+                   cp: int | None = 1) -> Loss:
+    """The summed next-token loss of a micro-batch, reduced as Megatron reduces it: without
+    --calculate-per-token-loss (`cp` the context-parallel size) each micro-batch's token mean, averaged over
+    micro-batches and replicas (schedules.forward_step: loss / num_tokens × cp / num_microbatches); with it
+    (`cp` None) the token mean of the global batch. Plus Megatron's MoE load-balancing loss (× its
+    coefficient) when asked. The model's aux loss is transformers' (Mixtral) E·Σ f_i·P_i, f_i the share of
+    tokens routed to expert i; Megatron's switch_load_balancing_loss_func takes f_i as a share of the top-k
+    assignments: 1/topk."""
     loss_sum, _, aux = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"),
                              mb.get("aux_mask"))
+    micro_mean = None if cp is None else loss_sum * (cp / micro_batch_tokens(mb))
     if aux is None or not aux_coeff:
-        return Loss(loss_sum)
+        return Loss(loss_sum, micro_mean=micro_mean)
     aux = aux / topk
-    return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()})
+    return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()}, micro_mean=micro_mean)
+
+
+def micro_batch_tokens(mb: dict) -> float:
+    """The micro-batch's loss terms on all its context-parallel ranks (at least 1: a micro-batch with none
+    adds nothing, where Megatron's 0 / 0 would make the step NaN)."""
+    return max(float(int(mb.get("mb_tokens", mb["n_tokens"]))), 1.0)
 
 
 def job_fields(cfg: LLMConfig) -> dict[str, object]:
@@ -113,12 +125,18 @@ _ARCH_FLAGS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size", "nu
 def build_decoder(cfg: LLMConfig) -> torch.nn.Module:
     """The decoder on the meta device (no memory yet): the parallel plans are applied to it, then
     backends.models.decoder.loading.materialize gives each rank its own slices (read from engine.yaml's load_hf,
-    or the layout-invariant seeded init)."""
+    a Megatron checkpoint, or the layout-invariant seeded init)."""
     from backends.models import decoder as models
     from backends.models.decoder import loading
 
     from backends.llm.config import MODEL_TYPE_HF, check_model_facts
 
+    if cfg.model.from_flags is not None:  # a Megatron checkpoint's model, as Megatron builds it from the flags
+        from backends.llm.megatron_load import flags_config
+
+        config = flags_config(cfg)
+        check_model_facts(config, cfg.checks, "the model the flags describe")
+        return loading.meta_decoder(config)
     if not cfg.model.load_hf:
         card = models.card_config(cfg.model.model_id, **cfg.model.overrides)
         check_model_facts(card, cfg.checks, f"model card {cfg.model.model_id}")
@@ -206,13 +224,14 @@ def _megatron_samples(cfg: LLMConfig, dataset, tokenizer, par):
 
 
 def resume_setting(cfg: LLMConfig) -> str | None:
-    """Megatron's --load rule (kit.megatron_resume). Resuming restores everything: Megatron's partial loads
-    (--finetune, --no-load-optim, --no-load-rng) of an engine checkpoint are not built and are refused."""
+    """Megatron's --load rule (kit.megatron_resume) for the engine's own checkpoints. Resuming restores everything:
+    Megatron's partial loads (--finetune, --no-load-optim, --no-load-rng) of an engine checkpoint are not built and
+    are refused. A Megatron checkpoint there is megatron_load's (its model only: those flags are natural)."""
     a = cfg.load_args
     partial = tuple(flag for flag, on in (("--finetune", a.finetune), ("--no-load-optim", a.no_load_optim),
                                           ("--no-load-rng", a.no_load_rng)) if on)
     return kit.megatron_resume(cfg.load, cfg.save, exit_on_missing=a.exit_on_missing, partial=partial,
-                               error=ConfigError)
+                               error=ConfigError, reads_megatron=True)
 
 
 class LLMRecipe(Recipe):
@@ -222,8 +241,12 @@ class LLMRecipe(Recipe):
         self.cfg = cfg
 
     def build(self, rt) -> Settings:
+        from backends.llm.megatron_load import megatron_start
+
         cfg, t = self.cfg, self.cfg.train
         refuse_unbuilt_parallelism(cfg)
+        resume = resume_setting(cfg)
+        self.megatron = megatron_start(cfg, resume)
         kernels.configure(default=cfg.kernel_backend, overrides=kernel_overrides(cfg) or None)
         seed_everything(t.seed)
         decoder = build_decoder(cfg)
@@ -249,8 +272,9 @@ class LLMRecipe(Recipe):
             forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         self._batches = iter(self.loader)
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
-                        exit_interval=t.exit_interval, resume=resume_setting(cfg), log_interval=t.log_interval,
-                        metrics_file=cfg.metrics_file, trainable_only=cfg.lora is not None)
+                        exit_interval=t.exit_interval, resume=resume, log_interval=t.log_interval,
+                        metrics_file=cfg.metrics_file, trainable_only=cfg.lora is not None,
+                        start_step=self.megatron.start_step if self.megatron else 0)
 
     def _load(self, model: CausalLMWithLoss, par, rt) -> torch.nn.Module:
         """The data-parallel wrap and the weights: FSDP2 shards the meta model first, so each rank
@@ -258,9 +282,17 @@ class LLMRecipe(Recipe):
         from backends.models.decoder import loading
 
         cfg, parts = self.cfg, self.decoder.parts()
+        reader = None
+        if self.megatron is not None:  # its tensors under HF names, held against the model first
+            from backends.llm.megatron_load import checkpoint_reader
+
+            reader = checkpoint_reader(self.megatron, self.decoder)
+            log.info("--load %s: Megatron %s checkpoint %s, from iteration %d", cfg.load, self.megatron.ckpt.format,
+                     self.megatron.ckpt.directory.name, self.megatron.start_step)
         if par.fsdp:
             model = data_parallel.wrap_data_parallel(model, parts, par, rt.device)
-        loading.materialize(model, self.decoder, rt.device, hf_dir=cfg.model.load_hf, seed=cfg.train.seed)
+        loading.materialize(model, self.decoder, rt.device, hf_dir=cfg.model.load_hf, seed=cfg.train.seed,
+                            reader=reader)
         if not par.fsdp:
             model = data_parallel.wrap_data_parallel(model, parts, par, rt.device)
         return model
@@ -272,11 +304,18 @@ class LLMRecipe(Recipe):
                 for _ in range(self.accum)]
 
     def loss(self, model, mb: dict) -> Loss:
-        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff, self._topk())
+        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff, self._topk(), self._micro_mean_cp())
+
+    def _micro_mean_cp(self) -> int | None:
+        """Megatron's per-micro-batch reduction (the context-parallel size), or None for
+        --calculate-per-token-loss (the global token mean)."""
+        return None if self.cfg.train.per_token_loss else self.par.layout.cp
 
     def _pipeline_step(self, micro_batches, scales):
         coeff, topk = self.cfg.train.moe_aux_loss_coeff, self._topk()   # Megatron's aux: see causal_lm_loss
-        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, scales.token, scales.extra * coeff / topk)
+        cp = self._micro_mean_cp()
+        token = scales.token if cp is None else [scales.extra * cp / micro_batch_tokens(mb) for mb in micro_batches]
+        loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, token, scales.extra * coeff / topk)
         return loss_sum, ({"aux_loss": aux / topk} if aux is not None and coeff else {}), 1.0  # this rank's mean
 
     def _topk(self) -> int:

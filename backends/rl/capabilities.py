@@ -92,7 +92,8 @@ PENDING: dict[str, dict[str, str]] = {
 }
 
 LIMITS: dict[str, dict[str, int]] = {
-    # the rollout (in-repo generator or one vLLM engine per rank) runs on whole, replicated weights
+    # a job's rollout renders at tp 1 (the planner does not lay out VeRL's rollout replicas yet); a VeRL file's own
+    # rollout tensor_model_parallel_size runs with the in-repo generator (tp_rollout.py)
     "verl": {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
              "rl.rollout.parallel.tp": 1, "rl.rollout.parallel.pp": 1},
     # the in-repo generator may run at the actor's tp (it samples on the actor itself): UNBUILT below

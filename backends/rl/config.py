@@ -35,10 +35,12 @@ class RLConfig:
     image_key: str = "images"                  # a VL model's prompt images (file paths or {"image": path})
     freeze_vision_tower: bool = False          # a VL actor's vision encoder takes no updates
     reward_fn_key: str = "data_source"         # the column that routes each row to its verifier
-    filter_overlong_prompts: bool = False      # drop prompts over max_prompt_length (else an error)
+    filter_overlong_prompts: bool = False      # drop prompts over max_prompt_length (else truncation says)
+    truncation: str = "error"                  # a longer prompt: an error, or "left": its last tokens kept
     max_samples: int = -1                      # -1: every row
     # rollout
     rollout_engine: str = "hf"
+    rollout_tp: int = 1                        # VeRL's rollout tensor parallel: the generator on a tp-sharded copy
     gpu_memory_utilization: float | None = None  # engine vllm: its share of device memory
     enforce_eager: bool = True                  # engine vllm: no CUDA graphs / compiled model
     n: int = 4
@@ -71,7 +73,8 @@ class RLConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     warmup_ratio: float = 0.0                  # of the total steps, when warmup_steps is 0
-    gradient_checkpointing: bool = False       # full recompute of the actor's (and critic's) blocks
+    gradient_checkpointing: bool = False       # full recompute of the actor's blocks
+    critic_gradient_checkpointing: bool | None = None  # the critic's (None: the actor's setting)
     fsdp: bool = False                         # FSDP2: actor, critic and reference sharded over the ranks
     reshard_after_forward: bool = True         # FSDP2 blocks free their gathered weights after forward
     tp: int = 1                                # Megatron tensor parallel: actor and reference on a (dp, tp) mesh
@@ -129,6 +132,7 @@ class RLConfig:
     val_top_k: int = 0
     val_dump_dir: str | None = None            # trainer.validation_data_dir: <step>.jsonl of the generations
     overlong_log: bool = False                 # overlong_buffer_cfg.log: overlong_reward / overlong in the val infos
+    rollout_dump_dir: str | None = None        # trainer.rollout_data_dir: <step>.jsonl of each step's rollouts
     # trainer
     total_steps: int | None = 10               # None: total_epochs over the data set
     total_epochs: int = 1
@@ -156,6 +160,10 @@ class RLConfig:
             problems.append(f"critic_micro_batch_size must be at least 1, got {self.critic_micro_batch_size}")
         if self.val_n < 1:
             problems.append(f"val_n must be at least 1, got {self.val_n}")
+        if self.rollout_tp < 1:
+            problems.append(f"rollout_tp must be at least 1, got {self.rollout_tp}")
+        if self.truncation not in ("error", "left"):
+            problems.append(f"truncation must be error or left, got {self.truncation!r}")
         if self.val_batch_size is not None and self.val_batch_size < 1:
             problems.append(f"val_batch_size must be at least 1 (or None: the whole set), got {self.val_batch_size}")
         # the rules that hold on any number of ranks; the data-parallel ones: batch_problems(dp) at start

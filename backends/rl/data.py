@@ -1,8 +1,10 @@
 """VeRL's RL prompt data: parquet rows with the prompt as a chat-message list (data.prompt_key), the
 reward routing key (data.reward_fn_key, `data_source`), `reward_model.ground_truth` and optional
 `extra_info`. Prompts go through the tokenizer's chat template with the generation prompt, as
-VeRL's RLHFDataset does; a prompt over max_prompt_length is an error (VeRL's truncation: error)
-unless filter_overlong_prompts drops it."""
+VeRL's RLHFDataset does. A prompt over max_prompt_length is dropped with filter_overlong_prompts; else
+data.truncation left keeps its last max_prompt_length tokens (what VeRL 0.9.1's agent loop does to any
+text prompt over rollout.prompt_length, whatever data.truncation says: its RLHFDataset reads nothing of
+it), and error stops with the row named (stricter than 0.9.1, which truncates with a warning)."""
 
 from __future__ import annotations
 
@@ -87,8 +89,11 @@ def _records(cfg: RLConfig, tokenizer, rows: list[tuple]) -> list[dict]:
         if len(ids) > cfg.max_prompt_length:
             if cfg.filter_overlong_prompts:
                 continue
-            raise RLConfigError(f"{where}: the prompt has {len(ids)} tokens, more than data.max_prompt_length "
-                                f"{cfg.max_prompt_length} (raise it, or set data.filter_overlong_prompts: true)")
+            if cfg.truncation != "left":
+                raise RLConfigError(f"{where}: the prompt has {len(ids)} tokens, more than data.max_prompt_length "
+                                    f"{cfg.max_prompt_length} (raise it, set data.filter_overlong_prompts: true, or "
+                                    "data.truncation: left)")
+            ids = ids[-cfg.max_prompt_length:]
         # metric_source: the data_source column VeRL's validation metrics are named by ("unknown" without one)
         records.append({"prompt_ids": ids, "ground_truth": truth,
                         "data_source": row.get(cfg.reward_fn_key) or "", "extra_info": row.get("extra_info"),

@@ -4,7 +4,9 @@ One step, on every rank (each takes train_batch_size / world of the prompts, con
 global order of the responses is the one-process order):
 
   rollout     n responses per prompt from the actor's own weights (rollout.generate, in place)
-              (stopping at the model's EOS ids: generation_config.json and the tokenizer's, as vLLM does)
+              (stopping at the model's EOS ids: generation_config.json and the tokenizer's, as vLLM does);
+              with VeRL's rollout tensor_model_parallel_size, on the world / tp rollout replicas instead, each
+              a tp-sharded copy loaded from the actor after an update (tp_rollout.py), each its share of prompts
   rewards     rewards.Scorer on the decoded responses; the score sits on the last response token
               (DAPO: groups whose rewards are all equal are dropped and more prompts are rolled out,
               up to max_gen_rounds rounds; the first train_batch_size kept groups in global order train)
@@ -45,7 +47,7 @@ from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, se
 from backends.models import decoder
 
 from . import (advantages, algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding,
-               validation)
+               tp_rollout, validation)
 from .batches import Rollouts
 from .config import RLConfig, RLConfigError, batch_problems
 from .data import load_records, load_val_records, stop_ids
@@ -100,7 +102,8 @@ class RLRecipe(Recipe):
             self.parts["critic"] = self._part(self._critic(from_pretrained(c.model_path, device=rt.device), vl),
                                               c.critic_lr, critic=True)
         self.vllm = self._vllm_engine(rt, actor, vl) if c.rollout_engine == "vllm" else None
-        self.vllm_stale = True  # the actor's weights are pushed before the first rollout (a resume changes them)
+        self.rollout_stale = True  # the actor's weights reach the rollout engine before the first rollout (a resume
+        #                            changes them)
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
                         resume=c.resume, metrics_file=c.metrics_file, eval_only=c.val_only and c.val_before_train)
 
@@ -163,6 +166,13 @@ class RLRecipe(Recipe):
             multimodal.freeze_vision(actor)
         actor.train()
         fsdp = self.fsdp
+        # VeRL's rollout replicas: a copy taken before any layout (the rollout's weights follow the actor's)
+        self.tp_rollout = None
+        if c.rollout_tp > 1:
+            self.tp_rollout = tp_rollout.TPRollout(copy.deepcopy(actor), c.rollout_tp, self.rt.world,
+                                                   self.rt.device.type)
+            t = self.tp_rollout
+            self.gen_dp, self.gen_rank, self.gen_group = t.replicas, t.replica, t.group
         self.reference = None
         if (c.use_kl_loss and c.kl_loss_coef > 0) or c.use_kl_in_reward:
             self.reference = copy.deepcopy(actor).eval().requires_grad_(False)
@@ -193,7 +203,8 @@ class RLRecipe(Recipe):
         c = self.cfg
         critic = (multimodal.VLCritic if vl else roles.Critic)(lm).to(self.rt.device)
         fsdp = self.fsdp
-        if c.gradient_checkpointing:
+        recompute = c.critic_gradient_checkpointing
+        if recompute if recompute is not None else c.gradient_checkpointing:  # (None: the actor's setting)
             apply_recompute(lm.parts(), "full", fsdp=fsdp is not None)
         if fsdp is not None:
             sharding.shard(critic, lm.parts(), fsdp, c.reshard_after_forward)
@@ -236,10 +247,30 @@ class RLRecipe(Recipe):
             raise RLConfigError("pipeline parallel RL actors train the text decoders; a vision-language actor runs "
                                 "pp 1")
         self.shape = roles.text_shape(c.model_path)
+        if c.rollout_tp > 1:
+            self._check_rollout_tp(rt, vl)
         self.layout = kit.checked_layout(rt.world, RLConfigError, cp_algo=c.cp_algo, tp=c.tp, cp=c.cp, pp=c.pp,
                                          heads=self.shape.num_attention_heads, kv_heads=self.shape.num_kv_heads,
                                          layers=self.shape.num_layers)
         self.dp = self.layout.dp
+
+    def _check_rollout_tp(self, rt: Runtime, vl: bool) -> None:
+        """What a tensor-parallel rollout copy (tp_rollout.py) needs, named by the dialect's key."""
+        from backends.common.parallel.tensor_parallel import TPConfigError
+        from backends.models.decoder.tp_plan import check_tensor_parallel
+
+        c = self.cfg
+        key = (c.batch_fields or {}).get("rollout_tp", "rollout_tp")
+        if rt.world % c.rollout_tp:
+            raise RLConfigError(f"{key}: {c.rollout_tp} does not divide the {rt.world} processes (world / tp rollout "
+                                "replicas of tp ranks each)")
+        if vl or c.rollout_engine != "hf" or (c.tp, c.cp, c.pp) != (1, 1, 1):
+            raise RLConfigError(f"{key}: {c.rollout_tp}: a tensor-parallel rollout copy is built for text decoders "
+                                "with the in-repo generator and a data-parallel (FSDP) actor; set 1")
+        try:
+            check_tensor_parallel(self.shape, c.rollout_tp)
+        except TPConfigError as err:
+            raise RLConfigError(f"{key}: {c.rollout_tp}: {err}") from None
 
     def _mesh(self, rt: Runtime) -> None:
         """The groups of the one mesh (collective): dp for batches and counts, dp x cp for gradients, tp, the
@@ -249,6 +280,9 @@ class RLRecipe(Recipe):
         self.fsdp = par if c.fsdp and par.mesh is not None else None  # what the models shard over
         self.dp_rank, self.grad_group = par.dp_rank, par.grad_group
         self.dp_group = par.mesh["dp"].get_group() if par.mesh is not None else None
+        # who rolls out which prompts: the dp ranks (the pp x cp x tp ranks of one generate the same), unless
+        # VeRL's rollout replicas take over (_actor_and_reference)
+        self.gen_dp, self.gen_rank, self.gen_group = self.dp, self.dp_rank, self.dp_group
         if par.mesh is None:
             return
         self.tp_mesh = par.mesh["tp"] if c.tp > 1 else None
@@ -316,8 +350,8 @@ class RLRecipe(Recipe):
         """One generation round over the next train_batch_size prompts: this rank rolls out its contiguous
         share, then every rank gathers everyone's (token ids and scores only) in global prompt order."""
         c, rt = self.cfg, self.rt
-        share = c.train_batch_size // self.dp
-        first = self.cursor + self.dp_rank * share
+        share = c.train_batch_size // self.gen_dp
+        first = self.cursor + self.gen_rank * share
         rows = [self._prompt_index(first + i) for i in range(share)]
         prompts = [c.records[r]["prompt_ids"] for r in rows]
         seed, ids = c.seed * 7919 + step * 131 + round_, [first + i for i in range(share)]
@@ -327,17 +361,16 @@ class RLRecipe(Recipe):
         truths = [c.records[r].get("ground_truth") for r in rows for _ in range(c.n)]
         sources = [c.records[r].get("data_source", "") for r in rows for _ in range(c.n)]
         scores, extra = self.scorer(texts, truths, [len(r) for r in out], sources)
-        if self.vision is not None:  # each response's record (its images)
-            extra["record"] = [r for r in rows for _ in range(c.n)]
+        extra["record"] = [r for r in rows for _ in range(c.n)]  # each response's record (its images, its answer)
         if self.vllm is not None:  # vLLM's log-probability of each sampled token, checked against the actor's
             extra["rollout_logp"] = vllm_logp
         mine = Rollouts.pack([p for p in prompts for _ in range(c.n)], out, scores,
                              [first + i for i in range(share) for _ in range(c.n)], extra, rt.device)
         self.cursor += c.train_batch_size
-        if self.dp == 1:  # one process, or the pp x cp x tp ranks of the one dp rank: they generated the same
+        if self.gen_dp == 1:  # one process, or the ranks that generated the same (pp x cp x tp, a rollout replica)
             return mine
-        # the dp ranks' shares, from the peers at this rank's pp / cp / tp coordinate (they generated the same)
-        return mine.gather(self.dp_group)
+        # the generating ranks' shares, from the peers at this rank's coordinate within them (they generated the same)
+        return mine.gather(self.gen_group)
 
     def generate(self, prompts: list[list[int]], ids: list[int], seed: int, *, rows: list[int] | None, n: int,
                  temperature: float, top_p: float, top_k: int) -> tuple[list[list[int]], object]:
@@ -347,16 +380,20 @@ class RLRecipe(Recipe):
         c = self.cfg
         actor, vllm_logp = self.parts["actor"].model, None
         with sharding.gathered(actor):  # ranks stop generating at different steps: no per-block gathers
+            if self.tp_rollout is not None and self.rollout_stale:  # every rank takes part
+                self.tp_rollout.load(actor)
+                self.rollout_stale = False
             if self.vllm is not None:
-                if self.vllm_stale:  # every rank of the layout takes part (tensor parallel shards made whole)
+                if self.rollout_stale:  # every rank of the layout takes part (tensor parallel shards made whole)
                     self.vllm.load(actor)
-                    self.vllm_stale = False
+                    self.rollout_stale = False
                 inputs = self.vision.engine_prompts(rows) if self.vision else prompts
                 out, vllm_logp = self.vllm.generate(inputs, max_new_tokens=c.max_new_tokens, temperature=temperature,
                                                     top_p=top_p, top_k=top_k, n=n, eos_token_id=c.eos_token_id or None,
                                                     seed=seed, stop=c.stop or None, prompt_ids=ids)
             else:
-                out = rollout.generate(actor, prompts, max_new_tokens=c.max_new_tokens, temperature=temperature,
+                model = actor if self.tp_rollout is None else self.tp_rollout.model
+                out = rollout.generate(model, prompts, max_new_tokens=c.max_new_tokens, temperature=temperature,
                                        top_p=top_p, top_k=top_k, n=n, eos_token_id=c.eos_token_id or None,
                                        seed=seed, stop=c.stop or None,
                                        decode=self.tokenizer.decode if c.stop else None, prompt_ids=ids,
@@ -454,6 +491,8 @@ class RLRecipe(Recipe):
     def step(self, trainer, step: int) -> StepResult:
         t0 = time.perf_counter()
         r, metrics = self._collect(step)
+        if self.cfg.rollout_dump_dir and self.rt.is_main:
+            self._dump_rollouts(r, step + 1)  # VeRL's global_steps: 1 in the first step
         t_rollout = time.perf_counter() - t0
         minis = [batches.share(rows, self.dp, self.dp_rank)
                  for rows in batches.mini_batches(r.groups.tolist(), self.cfg.mini_batch_size, self.dp)]
@@ -498,12 +537,27 @@ class RLRecipe(Recipe):
         result = self._update(trainer, r, minis, step)
         if self.pp is not None:  # the rollout's whole model: the other stages' updated weights, in memory
             pipeline_parallel.refresh(actor, self.pp)
-        self.vllm_stale = True
+        self.rollout_stale = True
         t_update = time.perf_counter() - t2
         result.metrics.update(metrics)
         result.metrics.update({"time_rollout_s": t_rollout, "time_reference_s": t_ref, "time_update_s": t_update})
         result.seconds = time.perf_counter() - t0
         return result
+
+    def _dump_rollouts(self, r: Rollouts, step: int) -> None:
+        """trainer.rollout_data_dir: the step's training batch as VeRL's _log_rollout_data writes it, one line per
+        response (input, output, gts, score: its reward, step, uid: "<data row>_<sample>_0", VeRL's
+        {uid}_{session}_{index} key with the prompt's row in the data set for VeRL's random uuid)."""
+        decode = lambda ids, n: self.tokenizer.decode(ids[:n].tolist(), skip_special_tokens=True)  # noqa: E731
+        rows = []
+        for i in range(len(r)):
+            row = int(r.extra["record"][i])
+            record = self.cfg.records[row]
+            rows.append({"input": decode(r.prompts[i], int(r.prompt_lens[i])),
+                         "output": decode(r.responses[i], int(r.response_lens[i])),
+                         "gts": record.get("ground_truth"), "score": float(r.scores[i]), "step": step,
+                         "uid": f"{row}_{i % self.cfg.n}_0"})
+        validation.write_generations(self.cfg.rollout_dump_dir, step, rows)
 
     def _rollout_probs_diff(self, r: Rollouts, mine: list[int]) -> dict:
         """|p_vLLM - p_actor| of the sampled tokens over the batch (VeRL's training/rollout_probs_diff_*): the
@@ -676,15 +730,14 @@ def _merge(actor: list[StepResult], critic: list[StepResult]) -> StepResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m backends.rl <file>.yaml [key=value ...]` (a VeRL ppo_trainer tree or a MindSpeed-RL file)."""
+    """`python -m backends.rl [<file>.yaml] [key=value ...]` (a VeRL ppo_trainer tree or a MindSpeed-RL file; no
+    file: VeRL's ppo_trainer default and the overrides)."""
     from backends.common import trainer
 
-    from .dialects import load
+    from .dialects import from_argv
     from .rewards import RewardError
 
     def make(args: list[str]) -> RLRecipe:
-        if not args:
-            raise RLConfigError("usage: python -m backends.rl <file>.yaml [key=value ...]")
-        return RLRecipe(load(args[0], args[1:]))
+        return RLRecipe(from_argv(args))
 
     return trainer.main("backends.rl", make, argv, user_errors=(RLConfigError, RewardError))

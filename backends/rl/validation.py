@@ -180,7 +180,7 @@ def run(recipe, step: int) -> dict[str, float]:
     c = recipe.cfg
     records = c.val_records
     batch = c.val_batch_size or len(records)
-    dp, rank = recipe.dp, recipe.dp_rank
+    dp, rank = recipe.gen_dp, recipe.gen_rank  # the generating ranks (the dp ranks, or VeRL's rollout replicas)
     seed = (c.seed * 7919 + step * 131) ^ _SEED_SALT
     samples: list[dict] = []  # per response, in VeRL's order: prompt by prompt, its n responses together
     for start in range(0, len(records), batch):
@@ -199,7 +199,7 @@ def run(recipe, step: int) -> dict[str, float]:
                  zip([i for i in mine for _ in range(c.val_n)], texts, infos)]
         if dp > 1:
             parts: list = [None] * dp
-            dist.all_gather_object(parts, local, group=recipe.dp_group)
+            dist.all_gather_object(parts, local, group=recipe.gen_group)
             local = [s for part in parts for s in part]
         samples += local[:len(index) * c.val_n]  # the padding's responses dropped
     keys = list(samples[0]["infos"])  # VeRL takes the first response's keys
@@ -214,12 +214,20 @@ def run(recipe, step: int) -> dict[str, float]:
 def _dump(folder: str, step: int, tokenizer, records: list[dict], samples: list[dict], infos: dict) -> None:
     """trainer.validation_data_dir: <step>.jsonl, one line per response (input, output, gts, score, step, the
     reward infos), as VeRL's _dump_generations writes it."""
+    rows = []
+    for i, s in enumerate(samples):
+        record = records[s["prompt"]]
+        entry = {"input": tokenizer.decode(record["prompt_ids"], skip_special_tokens=True), "output": s["output"],
+                 "gts": record.get("ground_truth"), "score": infos["reward"][i], "step": step}
+        entry.update({k: v[i] for k, v in infos.items()})
+        rows.append(entry)
+    write_generations(folder, step, rows)
+
+
+def write_generations(folder: str, step: int, rows: list[dict]) -> None:
+    """VeRL's _write_generations: <folder>/<step>.jsonl, one JSON object a line."""
     path = Path(folder).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     with (path / f"{step}.jsonl").open("w", encoding="utf-8") as fh:
-        for i, s in enumerate(samples):
-            record = records[s["prompt"]]
-            entry = {"input": tokenizer.decode(record["prompt_ids"], skip_special_tokens=True), "output": s["output"],
-                     "gts": record.get("ground_truth"), "score": infos["reward"][i], "step": step}
-            entry.update({k: v[i] for k, v in infos.items()})
+        for entry in rows:
             fh.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")

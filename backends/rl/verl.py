@@ -32,7 +32,7 @@ def _flat_defaults() -> dict:
 _NO_EFFECT = {
     "bookkeeping and logging": (
         "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.log_val_generations",
-        "trainer.rollout_data_dir", "trainer.default_hdfs_dir",
+        "trainer.default_hdfs_dir",
         "trainer.del_local_ckpt_after_load", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
         "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.calculate_log_probs"),
     "Ray, worker and data-loader plumbing": (
@@ -117,6 +117,43 @@ def renamed(key: str) -> tuple[str, str] | None:
         if key == old or key.startswith(old + "."):
             return new + key[len(old):], where
     return None
+
+
+# keys VeRL 0.7 / 0.8 scripts set that 0.9.1 dropped, which changed nothing this engine computes: accepted with
+# one notice line at one of their old values (key -> (values, what it chose))
+REMOVED = {
+    "trainer.use_legacy_worker_impl": (("auto", "enable", "disable"), "VeRL 0.8's choice between its legacy and its "
+                                       "new FSDP worker classes; 0.9.1 has one, and both compute the same update"),
+}
+
+
+def _removed(given: dict, problems: list[str], notices: list[str]) -> dict:
+    out = {k: v for k, v in given.items() if k not in REMOVED}
+    for key in given.keys() & REMOVED.keys():
+        values, why = REMOVED[key]
+        if given[key] in values:
+            notices.append(f"{key}: removed in VeRL 0.9.1, accepted, no effect on this engine ({why})")
+        else:
+            problems.append(f"{key}: must be {' or '.join(values)} (VeRL 0.8's values), got {given[key]!r}")
+    return out
+
+
+def _composition(tree: Mapping, problems: list[str], notices: list[str]) -> dict:
+    """A file's Hydra composition, as VeRL's recipes compose theirs: `defaults: [ppo_trainer, _self_]` (the file's
+    values over VeRL's ppo_trainer, which is built in here) and a `hydra:` block (Hydra's own settings, such as
+    the searchpath where it finds ppo_trainer) -> the tree without them."""
+    tree = dict(tree)
+    defaults = tree.pop("defaults", None)
+    entries = defaults if isinstance(defaults, list) else [defaults] if defaults is not None else []
+    if entries and entries not in (["ppo_trainer"], ["ppo_trainer", "_self_"]):
+        problems.append(f"defaults: {defaults!r}: the file composes over VeRL's ppo_trainer, its own values on top "
+                        "([ppo_trainer, _self_]); other configs or another order are not built")
+    if tree.get("hydra") is not None:
+        keys = ", ".join(sorted(flatten({"hydra": tree["hydra"]})))
+        notices.append(f"{keys}: Hydra's own settings, accepted, no effect on this engine (VeRL's ppo_trainer is "
+                       "built in)")
+    tree.pop("hydra", None)
+    return tree
 
 
 def _rename(given: dict, problems: list[str], notices: list[str], aliases: dict) -> dict:
@@ -235,8 +272,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     known = {**_flat_defaults(), **VERL_READ_EXTRA}
     problems: list[str] = []
     notices: list[str] = []
-    given = flatten(tree)
-    given.pop("defaults", None)
+    given = _removed(flatten(_composition(tree, problems, notices)), problems, notices)
     aliases: dict[str, str] = {}
     given = _rename(given, problems, notices, aliases)
     if side.get("rollout_engine") is not None:
@@ -303,8 +339,6 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
 
     only("actor_rollout_ref.rollout.name", ("hf", "vllm"), "rollout runs the in-repo KV-cache generator: name hf; "
          "vllm needs the [vllm] extra")
-    only("actor_rollout_ref.rollout.tensor_model_parallel_size", (1,), "the generator runs on the actor's own "
-         "replicated weights")
     only("actor_rollout_ref.rollout.pipeline_model_parallel_size", (1,), "no pipeline parallel rollout")
     only("actor_rollout_ref.rollout.do_sample", (True,), "rollout samples; set temperature 0 for greedy")
     only("actor_rollout_ref.rollout.ignore_eos", (False,), "responses stop at EOS")
@@ -316,9 +350,8 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     only("actor_rollout_ref.actor.policy_loss.loss_mode", ("vanilla",), "the dual-clip PPO loss")
     only("algorithm.kl_ctrl.type", ("fixed",), "a fixed KL coefficient")
     only("algorithm.use_pf_ppo", (False,), "no preference-feedback reweighting")
-    only("algorithm.filter_groups.metric", ("reward", "acc", "score", "seq_reward", "seq_final_reward"),
-         "groups are filtered by the response score")
-    only("data.truncation", ("error",), "a prompt longer than max_prompt_length is an error")
+    only("data.truncation", ("error", "left"), "VeRL 0.9.1's RLHFDataset reads nothing of it and its agent loop "
+         "keeps the last tokens of a text prompt over rollout.prompt_length (left); error stops at such a prompt")
     only("data.custom_cls.path", (None,), "the parquet prompt data set")
     only("reward.reward_model.enable", (False,), "model rewards are pending; rule and function rewards only")
     only("reward.reward_manager.name", ("naive", "dapo"), "the naive and dapo reward managers")
@@ -329,6 +362,11 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         flag("algorithm.adv_estimator", f"must be grpo or gae, got {adv!r}")
         adv = "grpo"  # (not VeRL's default gae: its critic rules would only add follow-up problems)
     filter_groups = want("algorithm.filter_groups.enable", is_bool, "true or false")
+    if filter_groups:
+        only("algorithm.filter_groups.metric", ("reward", "acc", "score", "seq_reward", "seq_final_reward"),
+             "groups are filtered by the response score")
+    else:  # read by nothing then (the DAPO recipe's config leaves it null)
+        want("algorithm.filter_groups.metric", opt_str, "a metric name or null")
     algorithm = "ppo" if _ADV.get(adv) == "ppo" else ("dapo" if filter_groups else "grpo")
     critic_enable = want("critic.enable", lambda v: v is None or is_bool(v), "true, false or null (by adv_estimator)")
     if algorithm == "ppo" and critic_enable is False:
@@ -461,6 +499,8 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
                                     values["max_prompt_length"] + max_resp))
     values.update(_verl_validation(get, want, flag, notices, pos, is_num, is_int, is_bool, is_str))
     values["overlong_log"] = bool(ob_log)
+    values["truncation"] = get("data.truncation")
+    values["rollout_dump_dir"] = want("trainer.rollout_data_dir", opt_str, "a directory or null")
     # DAPO's generation rounds: each rolls out the next train_batch_size prompts here (recipe.py _round)
     gen_batch = want("data.gen_batch_size", lambda v: v is None or pos(v), "a positive integer or null")
     if gen_batch not in (None, values["train_batch_size"]):
@@ -479,15 +519,15 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     # no effect in VeRL 0.9.1 (see optim.clip_grad), but VeRL's dataclasses still type it
     want("actor_rollout_ref.actor.grad_clip", is_num, "a number")
     if algorithm == "ppo":
+        values["critic_gradient_checkpointing"] = want("critic.model.enable_gradient_checkpointing", is_bool,
+                                                       "true or false")
         for key, actor_key, field in (
-                ("critic.model.enable_gradient_checkpointing", "actor_rollout_ref.model.enable_gradient_checkpointing",
-                 "gradient_checkpointing"),
                 ("critic.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size", "mini_batch_size"),
                 ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs", "ppo_epochs"),
                 ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode", "loss_agg_mode")):
             if get(key) != values[field]:
                 flag(key, f"{get(key)!r} differs from {actor_key} {values[field]!r}; the critic updates on the "
-                     "actor's mini-batches and recompute setting here")
+                     "actor's mini-batches here")
         want("critic.grad_clip", is_num, "a number")
         only("critic.strategy", ("fsdp", "fsdp2"), "the FSDP backend (both run as FSDP2 here)")
         values.update(_verl_critic(get, want, only, problems, pos, is_num))
@@ -509,6 +549,12 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     world = want("trainer.nnodes", pos, "a positive integer") * want("trainer.n_gpus_per_node", pos,
                                                                     "a positive integer")
     values["expected_world"] = world
+    values["rollout_tp"] = _rollout_tp(want, flag, pos, world, values["rollout_engine"])
+    if values["rollout_engine"] == "hf":  # read for a vLLM engine only
+        for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.enforce_eager"):
+            if key in given and get(key) != default(key):
+                notices.append(f"{key}: accepted, no effect with rollout name hf (a vLLM engine's setting; the "
+                               "in-repo generator has none)")
     values.update(_verl_fsdp(given, get, want, problems, world, ppo=algorithm == "ppo"))
     # VeRL's batch rules, as the planner applies them (backends.contract.layout.rl_batches): FSDP data parallel
     # over every rank (Ulysses sequence parallel is 1 here, so dp is the world)
@@ -541,6 +587,21 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     cfg = with_sidecar(values, side, source)
     cfg.notices = notices
     return cfg
+
+
+def _rollout_tp(want: Callable, flag: Callable, pos: Callable, world: Any, engine: Any) -> int:
+    """actor_rollout_ref.rollout.tensor_model_parallel_size: VeRL makes world / tp rollout replicas of tp GPUs each
+    (its llm_server's num_replicas); the in-repo generator runs them on a tp-sharded copy of the actor
+    (tp_rollout.py). A vLLM engine per rank holds the whole weights here."""
+    key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    tp = want(key, pos, "a positive integer")
+    if tp > 1 and engine == "vllm":
+        flag(key, f"{tp}: one vLLM engine per rank holds the whole weights here (vLLM's own tensor parallel is not "
+             "driven); set 1, or actor_rollout_ref.rollout.name hf to sample on a tensor-parallel copy of the actor")
+    elif pos(world) and world % tp:
+        flag(key, f"{tp} does not divide the {world} GPUs (trainer.nnodes x n_gpus_per_node): VeRL makes world / tp "
+             "rollout replicas of tp GPUs each; choose a divisor")
+    return tp
 
 
 def _verl_dynamic_bsz(get: Callable, want: Callable, flag: Callable, pos: Callable, is_bool: Callable, dynamic: bool,

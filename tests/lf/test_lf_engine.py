@@ -134,8 +134,9 @@ def test_sft_leaves_what_llamafactory_leaves(sft_run):
     from transformers import AutoModelForCausalLM
 
     log = [json.loads(x) for x in (sft_run / "trainer_log.jsonl").read_text().splitlines()]
-    assert [r["current_steps"] for r in log] == list(range(1, 13))
+    assert [r["current_steps"] for r in log] == [*range(1, 13), 12]  # the last line: LogCallback's closing log
     assert {"total_steps", "loss", "lr", "epoch", "percentage", "elapsed_time", "remaining_time"} <= set(log[0])
+    assert "loss" not in log[-1] and "throughput" not in log[0]
     assert log[-1]["percentage"] == 100.0 and log[-1]["total_steps"] == 12
     assert (sft_run / "training_loss.png").stat().st_size > 0
     trained = AutoModelForCausalLM.from_pretrained(sft_run).eval()
@@ -170,8 +171,8 @@ def test_trainer_outputs_log_the_interval_mean(tmp_path):
 
     from backends.lf.outputs import TrainerOutputs
 
-    out = TrainerOutputs(tmp_path, max_steps=4, steps_per_epoch=2, logging_steps=2, save_steps=500, micro_batch=1,
-                         num_train_epochs=2, flops_params=10, global_batch=4)
+    out = TrainerOutputs(tmp_path, max_steps=4, batches_per_epoch=4, accumulation=2, logging_steps=2, save_steps=500,
+                         micro_batch=1, num_train_epochs=2, flops_params=10, global_batch=4)
     for step, loss in enumerate((4.0, 2.0, 1.0, 3.0), start=1):
         out.stepped(step, loss, tokens=7)
         if step % 2 == 0:
@@ -180,6 +181,48 @@ def test_trainer_outputs_log_the_interval_mean(tmp_path):
     state = TrainerState.load_from_json(str(tmp_path / "trainer_state.json"))
     assert [(e["step"], e["loss"], e["epoch"]) for e in state.log_history[:2]] == [(2, 3.0, 1.0), (4, 2.0, 2.0)]
     assert state.log_history[-1]["train_loss"] == 2.5 and state.total_flos == 6 * 10 * 7 * 4
+
+
+def test_the_trainer_log_has_the_trainers_logs_and_epochs(tmp_path):
+    """trainer_log.jsonl and log_history as HF Trainer + LogCallback leave them: a line per logging_steps (not the
+    last step the shared loop also records), the epoch counting micro-batches (3 an epoch, 2 a step: 1.0 after
+    step 2, 2 + 2/3 after step 5), a closing line without loss, no throughput unless tokens are counted."""
+    from types import SimpleNamespace
+
+    from backends.lf.outputs import TrainerOutputs
+    from backends.lf.recipe import LFRecipe
+
+    recipe = LFRecipe(SimpleNamespace(output_dir=str(tmp_path), engine={"export_hf": False}))
+    recipe.rt = SimpleNamespace(is_main=True)
+    recipe.outputs = TrainerOutputs(tmp_path, max_steps=5, batches_per_epoch=3, accumulation=2, logging_steps=2,
+                                    save_steps=500, micro_batch=1, num_train_epochs=3, flops_params=10,
+                                    global_batch=2)
+    recipe._first_step = 0
+    for step in range(1, 6):
+        recipe.outputs.stepped(step, float(step), tokens=4)
+        if step % 2 == 0 or step == 5:  # what backends.common.trainer records
+            recipe.logged({"step": step, "lr": 0.1 * step, "grad_norm": 1.0, "tokens_per_s": 9.0,
+                           "trained_tokens": 4})
+    recipe.export(SimpleNamespace(step=5))
+    log = [json.loads(x) for x in (tmp_path / "trainer_log.jsonl").read_text().splitlines()]
+    assert [(r["current_steps"], r.get("loss"), r.get("lr"), r["epoch"]) for r in log] == \
+        [(2, 1.5, 0.2, 1.0), (4, 3.5, 0.4, 2.0), (5, None, None, 2 + 2 / 3)]
+    assert not {"throughput", "total_tokens"} & {k for r in log for k in r}
+    history = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
+    assert [(e["step"], e["epoch"]) for e in history] == [(2, 1.0), (4, 2.0), (5, 2 + 2 / 3)]
+    assert history[-1]["train_loss"] == 3.0
+
+
+def test_logging_and_save_steps_below_one_are_fractions_of_the_run(tmp_path):
+    from transformers import TrainerState, TrainingArguments
+
+    from backends.lf.recipe import interval_steps
+
+    for logging, save, total in ((0.3, 0.5, 7), (2, 0.1, 40), (5, 3, 7)):
+        state = TrainerState()
+        state.compute_steps(TrainingArguments(output_dir=str(tmp_path), logging_steps=logging, save_steps=save,
+                                              report_to="none"), total)
+        assert (interval_steps(logging, total), interval_steps(save, total)) == (state.logging_steps, state.save_steps)
 
 
 def test_lora_adapter_loads_in_peft_and_base_is_untouched(runs):

@@ -115,3 +115,28 @@ def test_the_keys_reach_the_loaders(tmp_path):
         _, loader, _ = LFRecipe(cfg)._data(rt, par)
         assert (loader.shuffle, loader.seed) == (shuffle, seed)
         assert np.array_equal(loader.order(1), epoch_order(loader.n_units, 1, seed, shuffle))
+
+
+def test_the_loss_denominator_counts_labels_before_the_shift():
+    """HF Trainer (transformers 4.55 to 5.6, the range LLaMA-Factory 0.9.5 takes) divides a step's summed loss by
+    num_items_in_batch, its labels != -100 counted before the model shifts them: a sample's first label counts
+    though no position predicts it (train_on_prompt, pre-training), in padded and in packed micro-batches."""
+    from backends.common.data.templates import IGNORE_INDEX
+
+    class Labelled(Samples):
+        def sample(self, u):  # even samples have their first label masked (a prompt token), odd ones do not
+            ids, labels = super().sample(u)
+            labels = labels.copy()
+            if u % 2 == 0:
+                labels[0] = IGNORE_INDEX
+            return ids, labels
+
+    data = Labelled(6)
+    for mode in ("dynamic", "packed"):
+        loader = LFMicroBatchLoader(data, mode=mode, micro_batch=2, seq_len=16, seed=1, shuffle=False,
+                                    group_by_length=False)
+        mb = next(loader)
+        units = [s for u in (0, 1) for s in (loader.rows[u] if mode == "packed" else [u])]
+        shifted = int((mb["labels"] != IGNORE_INDEX).sum())
+        assert int(mb["n_tokens"]) == sum(int((data.sample(u)[1] != IGNORE_INDEX).sum()) for u in units)
+        assert int(mb["n_tokens"]) == shifted + sum(u % 2 for u in units)

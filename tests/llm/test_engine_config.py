@@ -515,7 +515,7 @@ def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
         if isinstance(m, MoE):
             m.gate.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
-    loss = causal_lm_loss(model, {"input_ids": ids, "labels": ids}, aux_coeff=0.1, topk=3)
+    loss = causal_lm_loss(model, {"input_ids": ids, "labels": ids}, aux_coeff=0.1, topk=3, cp=None)
     want = 0.0
     for layer in logits:
         probs = torch.softmax(layer, dim=-1)
@@ -579,3 +579,49 @@ def test_only_no_pad_to_seq_lengths_makes_batches_dynamic(capsys, monkeypatch):
     assert "notice" not in capsys.readouterr().err
     assert not parse_args(sft + ["--variable-seq-lengths"], engine=CARD).data.dynamic
     assert "notice: --variable-seq-lengths has no effect here" in capsys.readouterr().err
+
+
+def test_gradient_is_megatrons_mean_of_micro_batch_token_means():
+    """Megatron's default reduction (schedules.forward_step: loss_sum / num_tokens × cp / num_microbatches,
+    then the data-parallel mean): micro-batches with different numbers of label tokens weigh the same, where
+    --calculate-per-token-loss weighs every token the same. Checked on the gradient of a tiny model against
+    both references written here; the logged loss stays the global token mean either way."""
+    from backends.common.trainer import Part, optimize
+    from backends.llm.recipe import CausalLMWithLoss, causal_lm_loss
+    from backends.models import decoder as models
+
+    cfg = models.ModelConfig(family="qwen3", num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                             num_kv_heads=1, head_dim=16, vocab_size=64, qk_norm=True)
+    torch.manual_seed(0)
+    model = CausalLMWithLoss(models.build_model(cfg))
+    ids = torch.randint(0, 64, (2, 3, 10))
+    labels = ids.clone()
+    labels[0, :, :8] = -100                      # micro-batch 0: 6 label tokens, micro-batch 1: 30
+    mbs = [{"input_ids": ids[i], "labels": labels[i], "n_tokens": (labels[i] != -100).sum()} for i in range(2)]
+
+    class KeepGrads(torch.optim.SGD):   # optimize() clears the gradients after its step: keep them to compare
+        def zero_grad(self, set_to_none=True):
+            pass
+
+    def grads(cp):
+        model.zero_grad(set_to_none=True)
+        part = Part(model, KeepGrads(model.parameters(), lr=0.0))
+        res = optimize(part, mbs, lambda m, mb: causal_lm_loss(m, mb, cp=cp), device=torch.device("cpu"))
+        return res.loss, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    def reference(per_token):
+        model.zero_grad(set_to_none=True)
+        sums = [model(mb["input_ids"], mb["labels"])[0] for mb in mbs]
+        counts = [float(mb["n_tokens"]) for mb in mbs]
+        total = sum(sums) / sum(counts) if per_token else sum(s / c for s, c in zip(sums, counts)) / len(mbs)
+        total.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    logged_megatron, megatron = grads(1)
+    logged_per_token, per_token = grads(None)
+    for got, want in ((megatron, reference(False)), (per_token, reference(True))):
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    assert logged_megatron == pytest.approx(logged_per_token)
+    assert max(float((a - b).abs().max()) for a, b in zip(megatron, per_token)) > 1e-4   # the two rules differ here

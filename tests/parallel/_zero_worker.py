@@ -225,6 +225,15 @@ def plan_elements(osd) -> int:
                if item.tensor_data is not None and item.index.fqn.endswith(("exp_avg", "exp_avg_sq")))
 
 
+def param_tol() -> float:
+    """Parameters after Adam steps: each element moves about lr a step, and m / (sqrt(v) + eps) turns the fp32
+    rounding of differently ordered gradient sums into up to that much where v is tiny; 0.2 % of the run's
+    total step length (a few 1e-6 here) still fails a lost weight decay (lr·wd·|p| a step) or bias correction."""
+    from backends.common.optim import lr_at
+
+    return 2e-3 * sum(lr_at(s, lr=LR, min_lr=LR / 10, warmup=2, total=STEPS, style="cosine") for s in range(STEPS))
+
+
 def rel_err(a: list[float], b: list[float]) -> float:
     """Losses (~5.5, fp32 ulp 5e-7) are compared relative to their size."""
     return max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(a, b))
@@ -380,7 +389,8 @@ def main() -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"zero_{world}.json").write_text(json.dumps(res, indent=1))
-    bad = {k: res[k] for k in keys if res[k] > TOL}
+    res["param_tol"] = param_tol()
+    bad = {k: res[k] for k in keys if res[k] > (res["param_tol"] if k.endswith("param_err") else TOL)}
     bad.update({k: res[k] for k in res_loose if res[k] > LOOSE_TOL})
     dist.barrier()
     leave(f"rank {rank}: errors above {TOL}: {bad}" if bad else None)

@@ -7,7 +7,8 @@ at random) and reads exactly the parts of those tensors the region covers:
 
     SliceReader(model_dir)                 lazy safetensors; `read(name, region)` reads only region
     Tensor(reader, name, shape)            a checkpoint tensor as is
-    Transposed(src)  Concat(dim, parts)  Stack(parts)  Permuted(src, dim, perm)  Generated(shape, fill)
+    Transposed(src)  Concat(dim, parts)  Narrowed(src, dim, start, length)  Stack(parts)
+    Permuted(src, dim, perm)  Generated(shape, fill)
 
 A region is one (start, stop) pair per dimension, in the coordinates of the source's full shape.
 """
@@ -128,6 +129,21 @@ class Concat(Source):
         if not pieces:  # an empty region (an uneven shard past the end)
             return self.parts[0].read(tuple((0, 0) if d == self.dim else r for d, r in enumerate(region)))
         return torch.cat(pieces, dim=self.dim)
+
+
+class Narrowed(Source):
+    """`length` entries of the source along `dim` from `start` (a row range of a fused tensor)."""
+
+    def __init__(self, src: Source, dim: int, start: int, length: int):
+        if start < 0 or start + length > src.shape[dim]:
+            raise ValueError(f"rows {start}..{start + length} of dim {dim} are outside shape {src.shape}")
+        self.src, self.dim, self.start = src, dim, start
+        self.shape = tuple(length if d == dim else n for d, n in enumerate(src.shape))
+
+    def read(self, region: Region) -> torch.Tensor:
+        a, b = region[self.dim]
+        return self.src.read(tuple((a + self.start, b + self.start) if d == self.dim else r
+                                   for d, r in enumerate(region)))
 
 
 class Stack(Source):

@@ -207,6 +207,8 @@ class PipelineRunner:
         hidden, aux = output if self.carry_aux else (output, None)
         loss_sum, _ = tp_loss(self.model, hidden, labels)  # a local hidden shard is fine (SP: Shard(1))
         token_scale, aux_scale = self._scale
+        if isinstance(token_scale, list):
+            token_scale = token_scale[len(self._loss_sums)]
         self._loss_sums.append(loss_sum.detach().to(torch.float64))
         loss = loss_sum.float() * token_scale
         if aux is not None:
@@ -249,9 +251,11 @@ class PipelineRunner:
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_micro, loss_fn=self._loss, scale_grads=False)
         self._shape = (n_micro, mb_shape)
 
-    def forward_backward(self, micro_batches: list[dict], token_scale: float, aux_scale: float):
+    def forward_backward(self, micro_batches: list[dict], token_scale: float | list[float], aux_scale: float):
         """-> (summed token loss over the micro-batches, mean aux over them or None), the same on every
-        pp rank. Gradients are left in the parameters' .grad. The micro-batches may differ in width."""
+        pp rank. Gradients are left in the parameters' .grad. The micro-batches may differ in width.
+        `token_scale`: one factor for every micro-batch's summed loss, or one each (Megatron's per-micro-batch
+        mean; the last stage computes the losses in micro-batch order under every schedule)."""
         n = len(micro_batches)
         shapes = [tuple(mb["input_ids"].shape) for mb in micro_batches]
         if self._shape is None:

@@ -145,17 +145,18 @@ class Loader:
 
 @torch.no_grad()
 def materialize(root: nn.Module, decoder: nn.Module, device, *, hf_dir: str | None = None,
-                seed: int = 0) -> SliceReader | None:
+                seed: int = 0, reader=None) -> SliceReader | None:
     """Allocate `root`'s local parameters on `device` (to_empty) and fill every parameter and
-    persistent buffer of `decoder` (inside root): from the HF checkpoint in hf_dir, reading only
-    this rank's regions, or by the layout-invariant seeded init. Returns the reader (its byte
-    counts say what was read)."""
+    persistent buffer of `decoder` (inside root): from the HF checkpoint in hf_dir (or `reader`, any
+    checkpoint seen under HF names), reading only this rank's regions, or by the layout-invariant
+    seeded init. Returns the reader (its byte counts say what was read)."""
     from torch.distributed.tensor import DTensor
 
     stray = _non_persistent_buffers(decoder)
     if stray:  # to_empty would leave them as garbage and nothing here re-creates them
         raise RuntimeError(f"materialize: non-persistent buffers {stray} need their own re-initialisation")
-    reader = SliceReader(hf_dir) if hf_dir else None
+    if reader is None and hf_dir:
+        reader = SliceReader(hf_dir)
     loader = Loader(decoder, reader, seed)
     if reader is not None:
         loader.check_checkpoint()
@@ -177,7 +178,7 @@ def materialize(root: nn.Module, decoder: nn.Module, device, *, hf_dir: str | No
         if reader is not None:
             reader.release()
     if reader is not None:
-        log.info("loaded %s: this rank read %.1f MiB of its slices", hf_dir, reader.bytes_read / 2**20)
+        log.info("loaded %s: this rank read %.1f MiB of its slices", reader.path, reader.bytes_read / 2**20)
     return reader
 
 

@@ -54,6 +54,8 @@ prompts.py (prompt_type templates), verifiers.py, tokens.py (prompt ids).
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -78,4 +80,8 @@ def load(path: str | Path, overrides: list[str] | None, side: Mapping) -> RLConf
     apply_overrides(tree, overrides, yaml_value)
     cfg = parse_mindspeed_rl(tree, side, source=str(path), model_files=origin)
     prompt_type = {**(tree.get("megatron_training") or {}), **(tree.get("actor_config") or {})}.get("prompt_type")
-    return tokenize(cfg, source=str(path), stop=stop_words(prompt_type))
+    cfg = tokenize(cfg, source=str(path), stop=stop_words(prompt_type))
+    if os.environ.get("RANK", "0") == "0":  # every rank reads the file; one of them says so
+        for line in cfg.notices:
+            print(f"backends.rl: warning: {line}", file=sys.stderr)
+    return cfg

@@ -364,19 +364,35 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     if dp_size and all(pos(values[k]) for k in BATCH_NUMBERS):
         problems += [f"{b.field}: {b.message} ({b.hint})" for b in batch_problems(values, dp=dp_size)]
 
-    # ---- MindSpeed-RL's keys this engine does not implement: its default or refused by name
+    # ---- MindSpeed-RL's keys this engine does not implement: its default, no effect (one notice line each), or
+    # refused by name
+    notices: list[str] = []
     for where, body, read, defaults, free in _given(tree, actor, model_files, source, rl_given, gen_given,
                                                      rl_read, gen_read):
         for key, value in body.items():
-            if key == "model" or key in read or key in free or key not in defaults:
+            if key == "model" or key in read or key not in defaults:
                 continue
             if defaults[key] is DERIVED or _same(value, defaults[key]):
                 continue
+            if key in free:
+                notices.append(f"{where(key)}: accepted, no effect on this engine ({_NO_EFFECT_WHY})")
+                continue
             problems.append(f"{where(key)}: MindSpeed-RL's key, but this engine does not implement it "
                             f"(MindSpeed-RL's default is {defaults[key]!r}; leave it out or set that)")
+    if values["rollout_engine"] == "hf":  # read for a vLLM engine only
+        for key in ("gpu_memory_utilization", "enforce_eager"):
+            if key in gen_given and not _same(gen_given[key], GENERATE[key]):
+                notices.append(f"generate_config.{key}: accepted, no effect with the in-repo generator (engine.yaml "
+                               "rollout_engine hf: a vLLM engine's setting)")
     if problems:
         raise problems_error(source, problems)
-    return with_sidecar(values, {**side, "precision": precision}, source)
+    cfg = with_sidecar(values, {**side, "precision": precision}, source)
+    cfg.notices = notices
+    return cfg
+
+
+# what the NO_EFFECT keys are (keys.py)
+_NO_EFFECT_WHY = "the same numbers without it: a kernel, fusion or plumbing setting, or one of a feature that is off"
 
 
 def _dp_size(role: _Role, world: Any) -> int | None:
