@@ -162,7 +162,16 @@ def plan(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES, allow
     _warn(p.warnings)
 
 
-def _render_to(job_file: Path, overrides, out_dir: Optional[Path], allow_unsupported: bool, for_run: bool = False):
+class _Complete(Exception):
+    """The run directory already holds this job trained to its last step (resume: auto would train nothing)."""
+
+    def __init__(self, plan, info):
+        super().__init__(str(info.path))
+        self.plan, self.info = plan, info
+
+
+def _render_to(job_file: Path, overrides, out_dir: Optional[Path], allow_unsupported: bool, for_run: bool = False,
+               unless_complete: bool = False):
     import yaml
 
     from ascendfactory.plan import effective_yaml
@@ -170,6 +179,10 @@ def _render_to(job_file: Path, overrides, out_dir: Optional[Path], allow_unsuppo
 
     p = _plan(job_file, overrides, allow_unsupported, for_run=for_run)
     target = Path(out_dir) if out_dir else Path(p.job.output_dir)
+    if unless_complete:
+        done = _already_complete(p, target)
+        if done is not None:
+            raise _Complete(p, done)
     rendered = render(p, run_dir=target)
     job_yaml = yaml.safe_dump(p.job.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
     extra = {"job.yaml": job_yaml, "exp-config.yaml": effective_yaml(p)}
@@ -205,7 +218,8 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
                                       submit_and_follow_slurm)
 
     try:
-        p, rendered, written = _render_to(job_file, overrides, None, allow_unsupported, for_run=not dry_run)
+        p, rendered, written = _render_to(job_file, overrides, None, allow_unsupported, for_run=not dry_run,
+                                          unless_complete=not dry_run)
         con = _console()
         con.print(f"run directory: {_escape(str(rendered.run_dir))}")
         _warn(rendered.warnings)
@@ -227,20 +241,131 @@ def run(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
                            [Problem("launcher", f"{rendered.run_dir / 'launch.sh'} is ready",
                                     hint="use it as the ModelArts job's boot command: bash launch.sh "
                                          "(AF_WORKDIR or MA_JOB_DIR says where the code is)")])
+    except _Complete as done:
+        _tell_complete(_console(), done.info, done.plan.job.train.steps, job_file)
+        raise typer.Exit(0)
     except JobError as err:
         _fail(err)
-    outcome = run_with_progress(rendered.argv, rendered.env, rendered.run_dir / "metrics.jsonl",
-                                rendered.run_dir / "logs" / f"launcher-node{p.job.resources.node_rank}.log",
-                                p.job.train.steps, console=_console())
-    if outcome.preempted is not None:
-        ev = outcome.preempted
+    from ascendfactory.failure import first_failure, local_error_file
+
+    node, logs = p.job.resources.node_rank, rendered.run_dir / "logs"
+    env = dict(rendered.env)
+    if p.job.launcher == "local":  # torchrun names one per worker; a lone process writes its error here
+        local_error_file(logs, node).unlink(missing_ok=True)
+        env["TORCHELASTIC_ERROR_FILE"] = str(local_error_file(logs, node))
+    launcher_log = logs / f"launcher-node{node}.log"
+    outcome = run_with_progress(rendered.argv, env, rendered.run_dir / "metrics.jsonl", launcher_log,
+                                p.job.train.steps, console=con, node_rank=node)
+    failure = None
+    if outcome.code not in (0, 130):
+        failure = first_failure(logs, outcome.started, launcher_log, node, p.layout.devices_per_node, outcome.code)
+    _summary(con, rendered.run_dir, outcome, failure, job_file)
+    raise typer.Exit(outcome.code)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m {seconds % 60:02d}s"
+    return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+
+
+def _value(value: float, name: str) -> str:
+    from ascendfactory.launch import number_text
+
+    return number_text(value, name)
+
+
+def _here(path: Path) -> str:
+    """A path as the user reads it: relative to the working directory when under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _rows(con, info) -> None:
+    """The run's figures (last, best, mean) and the paths of what it left, those that exist."""
+    from backends.contract.curves import summary_rows
+
+    for row in summary_rows(info.history) if info.history else []:
+        if row["mean"] is not None:
+            shown = f"{_value(row['mean'], row['name'])} (mean)"
+        else:
+            shown = _value(row["last"], row["name"])
+            if row["best"] is not None and row["best"][1] != row["last"]:
+                shown += f" (best {_value(row['best'][1], row['name'])} at step {row['best'][0]})"
+        con.print(f"  {row['name']:<11} {shown}", highlight=False)
+    for name, path in info.files().items():
+        con.print(f"  {name:<11} {_escape(_here(path))}", highlight=False)
+
+
+def _how_to_train_on(step: int, job_file: Path) -> str:
+    return (f"to train on, raise train.steps (resume: auto continues from step {step}), e.g. ascendfactory run "
+            f"{_escape(str(job_file))} train.steps={2 * step}; to start over, use resume: never with a new output_dir")
+
+
+def _already_complete(p, run_dir: Path):
+    """The run read back when resume: auto would find it trained to the job's last step and ended (its export
+    written); None otherwise, or where the total is the engine's to count (train.epochs) or the run is elsewhere."""
+    from ascendfactory.runs import read_run
+
+    steps = p.job.train.steps
+    if p.job.resume != "auto" or not steps or p.job.launcher not in ("local", "torchrun"):
+        return None
+    if not (run_dir / "metrics.jsonl").is_file():
+        return None
+    info = read_run(run_dir)
+    closing = info.history.closing if info.history else None
+    if info.resume is None or info.resume[0] < steps or not closing or closing["event"] != "end":
+        return None
+    return info
+
+
+def _tell_complete(con, info, steps: int | None, job_file: Path) -> None:
+    step = info.resume[0] if info.resume else info.step
+    con.print(f"[green]already complete[/]: {_escape(_here(info.path))} has trained {step} of {steps or step} steps "
+              f"(checkpoint step_{step}); nothing to train")
+    _rows(con, info)
+    con.print(_how_to_train_on(step, job_file), highlight=False)
+
+
+def _summary(con, run_dir: Path, outcome, failure, job_file: Path) -> None:
+    """What `run` says at the end: how the run ended, its figures and the paths it left."""
+    from ascendfactory.runs import read_run
+
+    info = read_run(run_dir)
+    h = info.history
+    step, total = info.step or 0, info.total or "?"
+    closing = h.closing["event"] if h and h.closing else None
+    took = _duration(outcome.wall_s)
+    if outcome.code == 0 and h is not None and h.resumed_complete:
+        _tell_complete(con, info, info.total, job_file)
+        return
+    if closing == "preempted" or outcome.preempted is not None:
+        ev = outcome.preempted or h.closing
         saved = f"checkpoint {_escape(str(ev['checkpoint']))}" if ev.get("checkpoint") else "no checkpoint"
         con.print(f"[yellow]stopped by SIGTERM after step {ev.get('step')}[/]: {saved}; run the same job again "
                   f"with resume: auto to continue")
+    elif outcome.code == 0 and closing == "exit":
+        con.print(f"[yellow]stopped[/] at step {step}/{total} (exit interval) after {took}; run the same job again "
+                  "with resume: auto to continue")
+    elif outcome.code == 0:
+        con.print(f"[green]finished[/] {step}/{total} steps in {took}")
+    elif outcome.code == 130:
+        con.print(f"[yellow]interrupted[/] at step {step}/{total} after {took}")
     else:
-        con.print(("[green]finished[/]" if outcome.code == 0 else f"[red]engine exited with code {outcome.code}[/]")
-                  + f"; logs in {_escape(str(rendered.run_dir / 'logs'))}")
-    raise typer.Exit(outcome.code)
+        who = f"rank {failure.rank}" if failure and failure.rank is not None else "the engine"
+        con.print(f"[red]failed[/] at step {step}/{total} after {took}: {who} (exit code {outcome.code})")
+        if failure is not None:
+            lines = failure.message.strip().splitlines() or ["(no message)"]
+            for line in lines[:12] + (["…"] if len(lines) > 12 else []):
+                con.print(f"  {_escape(line)}", highlight=False)
+            if failure.log is not None:
+                con.print(f"  {'log':<11} {_escape(_here(failure.log))}", highlight=False)
+    _rows(con, info)
 
 
 @app.command()
@@ -280,6 +405,96 @@ def preprocess(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
         con.print(f"{reused} {_escape(str(summary.get('path')))}: {summary.get('samples')} samples, "
                   f"{summary.get('tokens')} tokens" + (f", {summary['truncated']} truncated to seq_len"
                                                        if summary.get("truncated") else ""))
+
+
+@app.command("plot")
+def plot_runs(runs: List[Path] = typer.Argument(..., help="run directories holding metrics.jsonl",
+                                               metavar="RUN...", show_default=False),
+              out: Optional[Path] = typer.Option(None, "-o", "--out", help="the PNG to write (default: "
+                                                 "RUN/training_loss.png for one run, runs.png for several)")) -> None:
+    """Draw runs' curves into one PNG, panel by panel (loss, reward, response length, KL, DPO accuracy and
+    margin, eval loss, throughput: those the runs logged), several runs over each other."""
+    import subprocess
+
+    from ascendfactory.errors import Problem
+    from ascendfactory.runs import read_history
+
+    problems = []
+    for run in runs:
+        h = read_history(run) if run.is_dir() else None
+        if h is None:
+            problems.append(Problem(str(run), "no metrics.jsonl here" if run.is_dir() else "not a directory",
+                                    hint="give run directories (an output_dir)"))
+        elif not h.steps and not h.evaluations:
+            problems.append(Problem(str(run), "its metrics.jsonl holds no step yet"))
+    if problems:
+        _fail(JobError("Nothing to plot", problems))
+    target = out or (runs[0] / "training_loss.png" if len(runs) == 1 else Path("runs.png"))
+    res = subprocess.run([sys.executable, "-m", "backends.common.plot", *map(str, runs), "-o", str(target)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        _console(stderr=True).print(f"[bold red]error:[/] {_escape(res.stderr.strip() or 'plotting failed')}")
+        raise typer.Exit(2)
+    drawn = json.loads(res.stdout.strip().splitlines()[-1])
+    _console().print(f"wrote {_escape(str(target))}: {', '.join(drawn['panels'])}")
+
+
+@app.command("runs")
+def list_runs(root: Path = typer.Argument(Path("runs"), help="where to look for run directories"),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+    """Every run directory under ROOT: job, framework, stage, status, step, last loss / reward and the
+    checkpoint resume: auto would load."""
+    from ascendfactory.runs import find_runs, read_run
+
+    infos = [read_run(path) for path in find_runs(root)]
+    rows = [_run_row(info, root) for info in infos]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    con = _console()
+    if not rows:
+        con.print(f"no run directories under {_escape(str(root))}")
+        return
+    from rich import box
+    from rich.table import Table
+
+    styles = {"running": "cyan", "finished": "green", "failed": "red", "preempted": "yellow",
+              "interrupted": "yellow", "stopped": "yellow"}
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True,
+              title=f"{len(rows)} run{'s' if len(rows) != 1 else ''} under {_escape(str(root))}", title_justify="left")
+    # the run's id is what a user copies: never cut; its job name (when another) under it
+    t.add_column("run\n[dim]job[/]", no_wrap=True)
+    t.add_column("framework\nstage", overflow="fold")
+    t.add_column("status", overflow="fold")
+    t.add_column("step", no_wrap=True, justify="right")
+    t.add_column("loss\nreward", no_wrap=True, justify="right")
+    t.add_column("resume", no_wrap=True)
+    for r in rows:
+        job = r["job"] if r["job"] and r["job"] != Path(r["run"]).name else None
+        status = f"[{styles.get(r['status'], 'default')}]{r['status']}[/]" + \
+            (f"\n[dim]{_escape(r['detail'])}[/]" if r["detail"] else "")
+        step = f"{r['step'] if r['step'] is not None else '-'}/{r['total'] if r['total'] is not None else '?'}"
+        last = "\n".join(_value(r["last"][k], k) if k in r["last"] else "" for k in ("loss", "reward")).rstrip()
+        t.add_row(_escape(r["run"]) + (f"\n[dim]{_escape(job)}[/]" if job else ""),
+                  _escape("\n".join(x for x in (r["framework"], r["stage"]) if x) or "-"), status, step, last or "-",
+                  f"step_{r['resume']}" if r["resume"] is not None else "-")
+    con.print(t)
+
+
+def _run_row(info, root: Path) -> dict:
+    from backends.contract.curves import figures
+
+    try:
+        name = str(info.path.relative_to(root)) if info.path != root else info.path.name
+    except ValueError:
+        name = str(info.path)
+    last = info.history.last if info.history else None
+    shown = {k: v for k, v, _ in figures(last)} if last else {}
+    keep = {k: shown[k] for k in ("loss", "reward") if k in shown}
+    return {"run": name, "path": str(info.path), "job": info.job.get("name"), "framework": info.job.get("framework"),
+            "stage": info.job.get("stage"), "status": info.status, "detail": info.detail, "step": info.step,
+            "total": info.total, "last": keep, "resume": info.resume[0] if info.resume else None,
+            "damaged": [str(p) for p in info.damaged]}
 
 
 def _ask_cancel(job_id: str) -> bool:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from backends.contract.run_files import LOGS
 
 
 def read_metrics(path: Path, offset: int) -> tuple[list[dict], int]:
@@ -28,32 +32,106 @@ def read_metrics(path: Path, offset: int) -> tuple[list[dict], int]:
     return records, offset + consumed
 
 
+# ---------------------------------------------------------------- the launcher's own files (`ascendfactory runs`)
+def pid_file(run_dir: Path, node_rank: int = 0) -> Path:
+    return run_dir / LOGS / f"launcher-node{node_rank}.pid"
+
+
+def exit_file(run_dir: Path, node_rank: int = 0) -> Path:
+    return run_dir / LOGS / f"launcher-node{node_rank}.exit"
+
+
+def mark_started(run_dir: Path, pid: int, node_rank: int = 0) -> None:
+    exit_file(run_dir, node_rank).unlink(missing_ok=True)
+    _write_json(pid_file(run_dir, node_rank), {"pid": pid, "host": socket.gethostname(), "started": time.time()})
+
+
+def mark_ended(run_dir: Path, code: int, node_rank: int = 0) -> None:
+    _write_json(exit_file(run_dir, node_rank), {"code": code, "ended": time.time()})
+    pid_file(run_dir, node_rank).unlink(missing_ok=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
 @dataclass
 class Outcome:
     code: int                       # what `ascendfactory run` exits with
     preempted: dict | None = None   # the engine's "preempted" event (step, checkpoint) after a SIGTERM
+    started: float = 0.0            # time.time() at the launch
+    wall_s: float = 0.0
+
+
+def number_text(value: float, short: str = "") -> str:
+    """A figure to read at a glance: four significant digits, thousands grouped, throughput whole."""
+    return f"{value:,.0f}" if short == "tok/s" or abs(value) >= 1000 else f"{value:#.4g}".rstrip(".")
+
+
+def step_line(record: dict) -> str:
+    """A step record as the one console line `run` prints for it: the figures of what the stage optimises."""
+    from backends.contract.curves import figures
+
+    parts = [f"step {record.get('step')}/{record.get('total_steps', '?')}"]
+    for short, value, band in figures(record):
+        shown = f"{short} {number_text(value, short)}"
+        if band is not None:
+            shown += f" [{band[0]:.3g}, {band[1]:.3g}]"
+        parts.append(shown)
+    return "  ".join(parts)
+
+
+def event_line(record: dict) -> str | None:
+    """The console line of a start or evaluation event (None for the others: the summary tells them)."""
+    event = record.get("event")
+    if event == "start":
+        total, resumed = record.get("total_steps"), record.get("resumed_step") or 0
+        layout = " · ".join(f"{k} {v}" for k, v in (record.get("layout") or {}).items() if v != 1)
+        world = record.get("world", 1)
+        where = f"{world} process{'es' if world != 1 else ''}" + (f" ({layout})" if layout else "")
+        if isinstance(total, int) and resumed >= total > 0:
+            return None  # nothing to train: the summary says so and how to train on
+        return (f"resumed at step {resumed} of {total}" if resumed else f"training {total} steps") + f" on {where}"
+    if event == "validation":
+        shown = step_line(record).partition("  ")[2]
+        if not shown:  # keys of no panel (RL's val-core/<source>/<var>/mean@n): the first few as they are
+            named = [(k, v) for k, v in record.items() if k not in ("event", "step", "total_steps", "elapsed_s")
+                     and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            shown = "  ".join(f"{k} {number_text(v)}" for k, v in named[:4]) or "no figures"
+        return f"evaluation at step {record.get('step')}: {shown}"
+    return None
 
 
 def run_with_progress(argv: list[str], env: dict[str, str], metrics: Path, log_file: Path,
-                      total_steps: int | None, console=None, poll_s: float = 0.5) -> Outcome:
-    """Start the launch, follow metrics.jsonl with a Rich progress bar, forward Ctrl-C and SIGTERM to
-    the workers. A SIGTERM (what Slurm, Kubernetes and ModelArts send before they stop a job) makes the
-    workers checkpoint at the next step boundary and leave; the run then exits 0, as the job stopped
-    cleanly, whatever exit code torchrun's agent gives for having been signalled."""
+                      total_steps: int | None, console=None, poll_s: float = 0.5, node_rank: int = 0) -> Outcome:
+    """Start the launch, print one line per step record of metrics.jsonl above a Rich progress bar, forward Ctrl-C
+    and SIGTERM to the workers. The workers' own output goes to `log_file` (and torchrun's per-rank logs): the
+    console hears rank 0's figures only; `run` tells a failure once, from failure.first_failure. A SIGTERM (what
+    Slurm, Kubernetes and ModelArts send before they stop a job) makes the workers checkpoint at the next step
+    boundary and leave; the run then exits 0, as the job stopped cleanly, whatever exit code torchrun's agent gives
+    for having been signalled. logs/launcher-node<N>.pid names the launch while it runs (`ascendfactory runs`)."""
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    run_dir = metrics.parent
     log_file.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env}
     offset = metrics.stat().st_size if metrics.exists() else 0
+    started, clock = time.time(), time.monotonic()
+    code = None
     with log_file.open("ab") as log:
         proc = subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        mark_started(run_dir, proc.pid, node_rank)
         progress = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                            TimeRemainingColumn(), console=console, transient=False)
-        task = progress.add_task("train", total=total_steps, status="starting…")
+                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                            transient=True, disable=console is not None and not console.is_terminal)
+        task = progress.add_task("train", total=total_steps)
         interrupted = 0
         terminated: list[int] = []
-        preempted = None
+        told, preempted = False, None
 
         def forward_term(signum, _frame):
             if not terminated:
@@ -72,25 +150,34 @@ def run_with_progress(argv: list[str], env: dict[str, str], metrics: Path, log_f
                         interrupted += 1
                         sig = signal.SIGINT if interrupted == 1 else signal.SIGTERM
                         _signal_group(proc, sig)
-                        progress.update(task, status="[yellow]interrupt sent to the workers, waiting…")
+                        progress.console.print("[yellow]interrupt sent to the workers, waiting…[/]")
                         continue
-                    if terminated:
-                        progress.update(task, status="[yellow]SIGTERM: the workers checkpoint and stop…")
+                    if terminated and not told:
+                        progress.console.print("[yellow]SIGTERM: the workers checkpoint and stop…[/]")
+                        told = True
                     records, offset = read_metrics(metrics, offset)
                     for r in records:
                         if r.get("event") == "preempted":
                             preempted = r
+                        line = step_line(r) if "step" in r and "event" not in r else event_line(r)
+                        if line:
+                            progress.console.print(escape(line), highlight=False)
                         if "step" in r and "event" not in r:
-                            status = f"loss {r.get('loss', float('nan')):.4f}  {r.get('tokens_per_s', 0):,.0f} tok/s"
-                            progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps),
-                                            status=status)
+                            progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps))
+                        elif r.get("event") == "start":
+                            progress.update(task, completed=r.get("resumed_step") or 0,
+                                            total=r.get("total_steps", total_steps))
                     if code is not None:
                         break
         finally:
             signal.signal(signal.SIGTERM, previous)
-    if terminated and preempted is not None:
-        return Outcome(0, preempted)
-    return Outcome(130 if interrupted and code in (-signal.SIGINT, -signal.SIGTERM) else code)
+            outcome_code = code if code is not None else 1
+            if terminated and preempted is not None:
+                outcome_code = 0
+            elif interrupted and code in (-signal.SIGINT, -signal.SIGTERM):
+                outcome_code = 130
+            mark_ended(run_dir, outcome_code, node_rank)
+    return Outcome(outcome_code, preempted if terminated else None, started, time.monotonic() - clock)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -177,8 +264,6 @@ def follow_slurm(job_id: str, metrics: Path, total_steps: int | None, console=No
     """Show the job's progress from metrics.jsonl on the shared run directory until it leaves the queue.
     Ctrl-C calls ask_cancel(job_id): True runs scancel (the workers get SIGTERM, checkpoint and stop; we
     keep following until the job ends), False detaches and leaves the job running."""
-    import time
-
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     offset = metrics.stat().st_size if metrics.exists() else 0
@@ -197,7 +282,7 @@ def follow_slurm(job_id: str, metrics: Path, total_steps: int | None, console=No
                     if "step" in r and "event" not in r:
                         last_step = r["step"]
                         progress.update(task, completed=r["step"], total=r.get("total_steps", total_steps),
-                                        status=f"loss {r.get('loss', float('nan')):.4f}")
+                                        status=step_line(r).partition("  ")[2])
                 state, reason, exit_code = slurm_job_state(job_id)
                 if state not in SLURM_RUNNING:
                     records, offset = read_metrics(metrics, offset)  # lines written just before the end

@@ -15,7 +15,7 @@ from ascendfactory.cli import app
 r = CliRunner()
 for args in (["capabilities", "--model", "qwen3-32b"], ["validate", "examples/mindspeed-llm/sft.yaml"],
              ["plan", "examples/mindspeed-llm/sft.yaml"], ["models"], ["render", "examples/verl/qwen3-14b-grpo-vllm.yaml", "-o", sys.argv[1]],
-             ["matrix", "check"]):
+             ["matrix", "check"], ["runs", sys.argv[1]]):
     res = r.invoke(app, args)
     assert res.exit_code == 0, (args, res.output)
 heavy = [m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules]

@@ -21,6 +21,7 @@ own `step` then calls `optimize` once per trained part, and checkpoints hold eve
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -28,6 +29,8 @@ import random
 import signal
 import sys
 import time
+import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -36,6 +39,7 @@ import torch
 
 from backends.common.distributed import Runtime, all_reduce_sum, gather_floats, init_runtime, peak_memory_mib
 from backends.common.metrics import MetricsWriter, read_metrics
+from backends.contract.run_files import PLOT
 
 log = logging.getLogger("backends.trainer")
 
@@ -298,8 +302,9 @@ def optimize(part: Part, micro_batches: list[dict], loss_fn: Callable[[torch.nn.
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, rt: Runtime):
+    def __init__(self, recipe: Recipe, rt: Runtime, quiet_ranks: bool = False):
         self.recipe, self.rt = recipe, rt
+        self.quiet_ranks = quiet_ranks  # ranks other than 0 log errors only once training starts
         self.settings: Settings | None = None
         self.step = 0
         self._signalled: str | None = None
@@ -345,7 +350,7 @@ class Trainer:
             if not s.save_dir:
                 return
             path, skipped = newest_intact(s.save_dir)
-            for bad, problems in skipped:
+            for bad, problems in skipped if self.rt.is_main else ():  # every rank checked; one says so
                 log.warning("checkpoint %s is damaged (%s); %s", bad, "; ".join(problems),
                             f"resuming from the previous complete checkpoint {path}" if path else
                             "no earlier intact checkpoint: starting from step 0")
@@ -401,6 +406,9 @@ class Trainer:
                 log.info("metrics: %s (the loss curve goes next to it)", s.metrics_file)
         self.step = s.start_step
         self._resume()
+        if self.step >= s.total_steps > 0 and not s.eval_only and self.rt.is_main:
+            log.info("already complete: resumed at step %d of %d, nothing to train (the export is written again); "
+                     "to train on, raise the total steps", self.step, s.total_steps)
         self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main)
         layout = _layout_of(self.recipe)
         if layout:
@@ -413,6 +421,11 @@ class Trainer:
         if evaluated:
             self.metrics.event("validation", step=self.step, total_steps=s.total_steps,
                                **{k: round(v, 6) for k, v in evaluated.items()})
+        if self.quiet_ranks and not self.rt.is_main:
+            # one voice from here: rank 0 tells the steps (as Megatron's print_rank_0, transformers'
+            # log_level_replica); the others speak only to fail. AF_LOG_ALL_RANKS=1 keeps every rank talking.
+            logging.getLogger().setLevel(logging.ERROR)
+            warnings.simplefilter("ignore")
         while self.step < s.total_steps and not s.eval_only:
             lr = self._first_lr()
             result = self.recipe.step(self, self.step)
@@ -466,10 +479,10 @@ class Trainer:
         # AF_PLOT=0 skips the curve (matplotlib costs about a CPU-second a run; the test suite sets it)
         if self.rt.is_main and s.metrics_file and Path(s.metrics_file).exists() \
                 and os.environ.get("AF_PLOT", "1") != "0":
-            from backends.common.plot import plot_loss
+            from backends.common.plot import plot_run
 
-            plot_loss(read_metrics(s.metrics_file), Path(s.metrics_file).parent / "training_loss.png",
-                      title=self.recipe.plot_title(s.total_steps))
+            plot_run(read_metrics(s.metrics_file), Path(s.metrics_file).parent / PLOT,
+                     title=self.recipe.plot_title(s.total_steps))
         # per-rank peak memory, as MindSpeed logs it: each rank in its log, all of them in metrics.jsonl;
         # model_state_mib: the parameters and optimizer states this rank holds (what sharding divides)
         held = gather_floats(sum(model_state_mib(p.model, p.optimizer) for p in self.recipe.parts.values()),
@@ -550,9 +563,9 @@ def main(name: str, make_recipe: Callable[[list[str]], Recipe], argv: list[str] 
     try:
         recipe = make_recipe(sys.argv[1:] if argv is None else argv)
         rt = init_runtime(os.environ.get("AF_DEVICE", "auto"))
-        logging.basicConfig(level=logging.INFO, format=f"[rank{rt.rank}] %(asctime)s %(message)s",
-                            stream=sys.stdout)
-        code = Trainer(recipe, rt).run()
+        logging.basicConfig(format=f"[rank{rt.rank}] %(asctime)s %(message)s", stream=sys.stdout)
+        logging.getLogger().setLevel(logging.INFO)  # each rank says what it built; Trainer.run quiets the others
+        code = Trainer(recipe, rt, quiet_ranks=os.environ.get("AF_LOG_ALL_RANKS") != "1").run()
         if shutdown():
             leave_process(code)
         return code
@@ -561,4 +574,26 @@ def main(name: str, make_recipe: Callable[[list[str]], Recipe], argv: list[str] 
             raise
         print(f"{name}: error: {err}", file=sys.stderr)
         print("(set AF_DEBUG=1 for the traceback)", file=sys.stderr)
+        record_failure(f"{name}: error: {err}")
         return 2
+    except Exception as err:
+        record_failure(f"{type(err).__name__}: {err}", traceback.format_exc())
+        raise
+
+
+def record_failure(message: str, callstack: str | None = None) -> None:
+    """This rank's error into the file torchrun names in TORCHELASTIC_ERROR_FILE (`ascendfactory run` names one for
+    a single process too), in torch.distributed.elastic's format: torchrun shows it as the root cause, and `run`
+    shows the first failing rank's once. Beside elastic's timestamp in seconds: the rank and a finer time."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {"message": {"message": message, "extraInfo": {
+        "py_callstack": callstack or message, "timestamp": str(int(now)), "time": now,
+        "rank": int(os.environ.get("RANK", "0"))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+    except OSError:
+        pass  # the error itself is on stderr either way

@@ -422,6 +422,7 @@ class RLRecipe(Recipe):
         kept, scores = Rollouts.cat(parts), torch.cat(scores)
         rows = max(len(kept), 1)
         metrics = {"reward_mean": float(scores.sum()) / max(len(scores), 1),
+                   "reward_min": float(scores.min()), "reward_max": float(scores.max()),  # the batch's band
                    "score_mean": float(kept.extra["score"].sum()) / rows,
                    "response_length_mean": float(kept.response_lens.sum()) / rows,
                    "gen_rounds": float(rounds), "kept_groups": float(groups)}

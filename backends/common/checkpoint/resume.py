@@ -57,6 +57,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from backends.contract.run_files import CHECKPOINT_MARKER, STEP_DIR
+
 try:  # numpy is optional
     import numpy as _np
 except ImportError:  # pragma: no cover
@@ -75,9 +77,9 @@ __all__ = [
     "MARKER",
 ]
 
-MARKER = "complete"
+MARKER = CHECKPOINT_MARKER  # the names a run directory's readers share (backends/contract/run_files.py)
 FORMAT = "ascendfactory-dcp-v1"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = STEP_DIR
 _TMP_RE = re.compile(r"^\.step_(\d+)\.tmp$")
 
 
