@@ -200,7 +200,8 @@ class LFRecipe(Recipe):
                         save_interval=int(cfg.save_steps) if cfg.save_strategy == "steps" else None,
                         exit_interval=cfg.engine.get("exit_interval"), resume=resume,
                         log_interval=max(1, int(cfg.logging_steps)), metrics_file=metrics,
-                        keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora")
+                        keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora",
+                        trackers=cfg.tracker_settings(self.steps_per_epoch))
 
     def _reference(self, par, rt):
         """DPO's reference: none for orpo / simpo, the policy with its adapters off under LoRA, else a

@@ -250,7 +250,7 @@ class LLMRecipe(Recipe):
         self._batches = iter(self.loader)
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=resume_setting(cfg), log_interval=t.log_interval,
-                        metrics_file=cfg.metrics_file, trainable_only=cfg.lora is not None)
+                        metrics_file=cfg.metrics_file, trainable_only=cfg.lora is not None, trackers=cfg.trackers)
 
     def _load(self, model: CausalLMWithLoss, par, rt) -> torch.nn.Module:
         """The data-parallel wrap and the weights: FSDP2 shards the meta model first, so each rank
