@@ -45,7 +45,8 @@ class TrackerSettings:
     interval: int = 1                   # steps between writes (Megatron's --tensorboard-log-interval)
     queue_size: int = 10                # SummaryWriter's max_queue (Megatron's --tensorboard-queue-size)
     options: dict[str, Any] = field(default_factory=dict)  # the name map's facts (batch size, logging steps …)
-    config: dict[str, Any] | None = None  # the run's settings, as the framework hands them to wandb.init
+    # the run's settings, as the framework hands them to wandb.init (a record of the run, not a setting of it)
+    config: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.names not in NAME_MAPS:

@@ -20,7 +20,11 @@ def installed(tracker: str) -> bool:
         return False
 
 
+def not_installed(trackers) -> list[str]:
+    return [name for name in dict.fromkeys(trackers) if not installed(name)]
+
+
 def missing(key: str, trackers) -> list[str]:
     """One line per tracker of `trackers` that is not installed here, naming the key that asks for it."""
     return [f"{key}: {name} is asked for, but the {PACKAGES[name]} package is not installed; {INSTALL}"
-            for name in dict.fromkeys(trackers) if not installed(name)]
+            for name in not_installed(trackers)]
