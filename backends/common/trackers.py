@@ -278,10 +278,13 @@ def _wandb_run(s: TrackerSettings):
     import wandb
 
     kwargs = {k: v for k, v in s.wandb.items() if v not in (None, "")}
+    # wandb's own rules ($WANDB_DIR, $WANDB_MODE), read now: wandb reads them once a process
+    if "dir" not in kwargs and os.environ.get("WANDB_DIR"):
+        kwargs["dir"] = os.environ["WANDB_DIR"]
     if "dir" in kwargs:
         os.makedirs(kwargs["dir"], exist_ok=True)
-    if not os.environ.get("WANDB_MODE"):
-        kwargs["mode"] = "offline"   # `wandb sync <dir>/wandb/offline-run-*` uploads it later
+    # offline unless the user says otherwise: `wandb sync <dir>/wandb/offline-run-*` uploads it later
+    kwargs["mode"] = os.environ.get("WANDB_MODE") or "offline"
     run = wandb.init(config=s.config or None, **kwargs)
     if s.names == "hf":  # WandbCallback.setup: the global step is every metric's x axis
         run.define_metric("train/global_step")

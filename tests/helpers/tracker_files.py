@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 _BLOCK = 32 * 1024
@@ -50,21 +51,28 @@ def _records(data: bytes) -> list[bytes]:
     return out
 
 
-def wandb_run(root: Path) -> dict:
+def wandb_run(root: Path, wait: float = 30.0) -> dict:
     """The one offline run under root: {"project", "name", "history": [row, ...] (each logged row, _step and the
-    logged keys), "dir"}, parsed with wandb's protobuf Record."""
+    logged keys), "dir"}, parsed with wandb's protobuf Record. wandb-core writes the log behind the process that
+    finished the run: read until its exit record is there (at most `wait` seconds)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     runs = sorted(Path(root).rglob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, f"expected one offline W&B run under {root}, found {runs}"
-    out = {"history": [], "dir": runs[0].parent}
-    for raw in _records(runs[0].read_bytes()):
-        record = pb.Record()
-        record.ParseFromString(raw)
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            out.update(project=record.run.project, name=record.run.display_name)
-        elif kind == "history":
-            out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                   for item in record.history.item})
-    return out
+    deadline = time.monotonic() + wait
+    while True:
+        out = {"history": [], "dir": runs[0].parent, "finished": False}
+        for raw in _records(runs[0].read_bytes()):
+            record = pb.Record()
+            record.ParseFromString(raw)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                out.update(project=record.run.project, name=record.run.display_name)
+            elif kind == "history":
+                out["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                       for item in record.history.item})
+            elif kind == "exit":
+                out["finished"] = True
+        if out["finished"] or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
