@@ -48,7 +48,7 @@ class MetricsWriter:
     def track(self, record: dict[str, Any]) -> None:
         """A step record that the log interval leaves out of metrics.jsonl: the trackers only."""
         if self.trackers is not None:
-            self.trackers.log({k: _clean(v) for k, v in record.items()}, written=False)
+            self.trackers.log({k: _clean(v) for k, v in record.items()})
 
     def close(self) -> None:
         if self.trackers is not None:

@@ -105,7 +105,8 @@ def megatron_settings(names: str, *, tensorboard_dir: str | None, tensorboard_lo
 
 
 # ----------------------------------------------------------------------------- the name maps
-# convert(record, written) -> (TensorBoard points [(name, value, x)], W&B rows [(row, step or None)])
+# convert(record) -> (TensorBoard points [(name, value, x)], W&B rows [(row, step or None)]), for every step's
+# record (also those the log interval leaves out of metrics.jsonl) and the validation events
 
 
 def _numbers(record: dict) -> dict[str, float]:
@@ -123,7 +124,7 @@ class _HF:
         self.per_epoch = options.get("steps_per_epoch")
         self.losses: list[float] = []
 
-    def convert(self, record: dict, written: bool):
+    def convert(self, record: dict):
         step = int(record.get("step", 0))
         logs: dict[str, float] = {}
         if "event" not in record:
@@ -161,7 +162,7 @@ class _Megatron:
         self.grad_norm = options.get("grad_norm", "always")   # "always" | "zero" (logged as 0.0) | "never"
         self.last: tuple[float, int] | None = None             # (elapsed_s, step) at the last log point
 
-    def convert(self, record: dict, written: bool):
+    def convert(self, record: dict):
         if "event" in record:
             return [], []
         step = int(record["step"])
@@ -199,7 +200,7 @@ class _VeRL:
 
     RENAME = {"response_length_mean": "response_length/mean"}
 
-    def convert(self, record: dict, written: bool):
+    def convert(self, record: dict):
         step = int(record.get("step", 0))
         data = {}
         actor = any(k.startswith("actor/") for k in record)   # a critic warm-up step trains no actor
@@ -218,7 +219,7 @@ class _MindSpeedRL:
 
     RENAME = {"response_length_mean": "response_length/mean"}
 
-    def convert(self, record: dict, written: bool):
+    def convert(self, record: dict):
         if "event" in record:
             return [], []
         step = int(record["step"])
@@ -253,9 +254,9 @@ class Trackers:
         if settings.wandb is not None and os.environ.get("WANDB_MODE") != "disabled":
             self.run = _wandb_run(settings)
 
-    def log(self, record: dict, written: bool = True) -> None:
-        """A step record (written: it went to metrics.jsonl too) or a validation event."""
-        points, rows = self.names.convert(record, written)
+    def log(self, record: dict) -> None:
+        """A step record or a validation event."""
+        points, rows = self.names.convert(record)
         if self.tb is not None:
             for name, value, x in points:
                 self.tb.add_scalar(name, value, x)

@@ -63,13 +63,13 @@ INTEGRATIONS = ("azure_ml", "comet_ml", "mlflow", "neptune", "tensorboard", "tra
 def _report_to(value) -> str | None:
     """none | all | an integration | a list of them (TrainingArguments.report_to); None reads as none."""
     names = value if isinstance(value, list) else [value]
-    if value is None or value == "none" or value == ["none"] or value == [] or value == "all" or value == ["all"]:
+    if value in (None, "none", ["none"], [], "all", ["all"]):
         return None
     if not all(isinstance(n, str) for n in names):
         return "none, all, an integration name or a list of them"
     bad = [n for n in names if n not in INTEGRATIONS]
     if bad:
-        return f"none, all or transformers integrations ({', '.join(INTEGRATIONS)}); {', '.join(bad)} is none"
+        return f"none, all, a transformers integration ({', '.join(INTEGRATIONS)}) or a list of them"
     unbuilt = [n for n in names if n not in TRACKERS]
     if unbuilt:
         return (f"none, all, tensorboard or wandb here: {', '.join(unbuilt)} is not built in this engine (it writes "
