@@ -50,9 +50,9 @@ class MetricsWriter:
         if self.trackers is not None:
             self.trackers.log({k: _clean(v) for k, v in record.items()})
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         if self.trackers is not None:
-            self.trackers.close()
+            self.trackers.close(exit_code)
             self.trackers = None
 
     def elapsed(self) -> float:

@@ -389,11 +389,14 @@ class Trainer:
         return next(iter(self.recipe.parts.values())).optimizer.param_groups[0]["lr"]
 
     def run(self) -> int:
+        failed = True
         try:
-            return self._run()
+            code = self._run()
+            failed = False
+            return code
         finally:
             if self.metrics is not None:  # the trackers' files are complete whichever way the run ends
-                self.metrics.close()
+                self.metrics.close(exit_code=1 if failed else 0)
 
     def _run(self) -> int:
         self._watch_signals()
