@@ -133,7 +133,8 @@ def test_feature_jobs_render_verl_keys_the_engine_reads(name, tmp_path, monkeypa
         env = render(plan, tmp_path).env
         assert (env["TENSORBOARD_DIR"], env["WANDB_DIR"]) == (f"{tmp_path.resolve()}/tensorboard",
                                                               str(tmp_path.resolve()))
-        assert cfg.trackers.names == "verl" and cfg.trackers.wandb == {"project": "ascendfactory", "name": plan.job.name}
+        assert cfg.trackers.names == "verl"
+        assert cfg.trackers.wandb == {"project": "ascendfactory", "name": plan.job.name}
         assert cfg.trackers.tensorboard_dir == f"tensorboard_log/ascendfactory/{plan.job.name}"  # (no $TENSORBOARD_DIR)
     else:
         assert tree["trainer"]["logger"] == ["console"] and cfg.trackers is None
