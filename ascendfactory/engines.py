@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
 from ascendfactory.spec import ROLE_INHERITS
+from backends.contract import trackers
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ def require_ready(job) -> EngineInfo:
     pending += [Problem("parallel", f"{info.module} in this build does not combine {why}",
                         hint="change one of those settings, or render the job and run it with another build")
                 for why in unbuilt_combinations(info, job)]
+    pending += [Problem("train.report_to", f"{name} is asked for, but the {trackers.PACKAGES[name]} package is not "
+                        "installed here", hint=trackers.INSTALL)
+                for name in trackers.not_installed(job.train.report_to)]
     if pending:
         raise JobError(f"The {job.framework} engine in this build cannot run this job yet", pending)
     return info

@@ -218,6 +218,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         env[SIDECAR_ENV] = str(Path(paths["run_dir"]) / SIDECAR_NAME)
     if device in ("cpu", "auto") and plan.layout.devices_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"  # several CPU ranks on one host would oversubscribe the cores
+    env.update(fw.env(job, paths["run_dir"]))
     env.update(job.env)
     context: dict[str, Any] = {
         "job": job.model_dump(mode="json") | {"lora": job.lora.model_dump() if job.lora else None},

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from backends.contract import layout as L
+from backends.contract.trackers import TRACKERS
 from ascendfactory.frameworks import FRAMEWORKS
 from ascendfactory.frameworks.rl import RL_STAGES, TRAINED_ROLES
 
@@ -221,6 +222,14 @@ class TrainSpec(_Block):
     grad_clip: Optional[float] = Field(1.0, gt=0)
     moe_aux_loss_coeff: float = Field(0.01, ge=0)
     export_hf: bool = Field(True, description="write a Hugging Face export at the end")
+    report_to: list[Literal[TRACKERS]] = Field(
+        default_factory=list, description="experiment trackers, written in the run directory by the framework's own "
+                                          "keys (W&B offline unless WANDB_MODE says otherwise)")
+
+    @field_validator("report_to")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
 
     @model_validator(mode="after")
     def _steps_or_epochs(self):

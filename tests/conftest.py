@@ -11,6 +11,10 @@ if str(ROOT) not in sys.path:
 # no loss-curve PNG from the engines the tests run (about a CPU-second each); the tests that check the plot
 # ask for it with AF_PLOT=1 (tests/llm/test_engine_runs.py, tests/lf/test_lf_engine.py, tests/common/test_trainer.py)
 os.environ["AF_PLOT"] = "0"
+# nothing reaches W&B's servers: a run that asks for W&B (a published VeRL script's trainer.logger) gets wandb's
+# disabled mode, whose runs write nothing; tests/common/test_trackers.py asks for offline runs in its own jobs
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("WANDB_SILENT", "true")
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ def test_flag_table_is_megatrons_declaration(tsv):
     for name, flag in megatron.FLAGS.items():
         d = _declared(tsv, name, "megatron-core")
         if flag.switch:
-            assert d["action"].strip("'") == "store_true", name
+            assert d["action"].strip("'") == ("store_false" if flag.off else "store_true"), name
             continue
         assert {"int": int, "float": float, "str": None, "": None}[d["type"]] is flag.type, name
         assert _literal(d["default"]) == flag.default, name
@@ -127,7 +127,7 @@ def test_engine_parsers_take_the_shared_flags_as_declared():
             built = megatron_args.BUILT.get(name, {})
             action = actions[name]
             assert action.type is flag.type and action.required is built.get("required", False), name
-            assert action.default == built.get("default", False if flag.switch else flag.default), name
+            assert action.default == built.get("default", flag.off if flag.switch else flag.default), name
         dialect = engine.__name__.split(".")[1]
         assert megatron.no_effect(dialect)
         for name, entry in megatron.no_effect(dialect).items():

@@ -46,6 +46,8 @@ def another(kind, value):
     """Another value of a scalar field's type (None: not a scalar this walk changes)."""
     if typing.get_origin(kind) is typing.Literal:
         return next((v for v in typing.get_args(kind) if v != value), None)
+    if typing.get_origin(kind) is list and typing.get_origin(typing.get_args(kind)[0]) is typing.Literal:
+        return [typing.get_args(typing.get_args(kind)[0])[0]] if not value else []   # a list of choices
     if kind is bool:
         return not value
     if kind is int:

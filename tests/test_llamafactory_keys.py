@@ -42,6 +42,7 @@ ENUMS = {
 }
 FEATURE_JOBS = {
     "lora": dict(finetuning="lora", lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}),
+    "trackers": dict(train={"report_to": ["tensorboard", "wandb"]}),
     "packing": dict(data={"packing": True, "neat_packing": True}),
     "freeze": dict(finetuning="freeze", freeze={"trainable_layers": -3, "trainable_modules": ["mlp", "self_attn"],
                                                 "extra_modules": ["embed_tokens"]}),
@@ -162,7 +163,8 @@ def test_feature_jobs_render_llamafactory_keys(name, plan_of, tmp_path, monkeypa
                       "image_max_pixels": 200704},
         "gemma3": {"template": "gemma3"},
         "dpo": {"template": "qwen", "pref_loss": "sigmoid"},
-    }.get(name, {})
+        "trackers": {"report_to": ["tensorboard", "wandb"], "logging_dir": None},  # its default: in output_dir
+    }.get(name, {"report_to": "none"})
     assert {k: tree.get(k) for k in expect} == expect
     if name == "sharegpt":
         entry = json.loads(render(plan_of(**spec), tmp_path).files["dataset_info.json"])[tree["dataset"]]
@@ -170,6 +172,9 @@ def test_feature_jobs_render_llamafactory_keys(name, plan_of, tmp_path, monkeypa
         assert entry["tags"]["user_tag"] == "human" and entry["tags"]["assistant_tag"] == "gpt"
     if name == "pt":
         assert "template" not in tree and tree["packing"] is False
+    if name == "trackers":  # W&B's directory: $WANDB_DIR, set by the launch
+        assert tree["run_name"] == plan_of(**spec).job.name
+        assert render(plan_of(**spec), tmp_path).env["WANDB_DIR"] == str(tmp_path.resolve())
 
 
 def test_explicit_resume_path_is_rendered(plan_of, tmp_path, monkeypatch):

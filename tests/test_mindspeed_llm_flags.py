@@ -52,6 +52,8 @@ FEATURE_JOBS = {
     "template": dict(data={"template": "qwen3"}, resume="never"),
     "template-deepseek": dict(model="deepseek-v3-671b", data={"template": "deepseek"}),
     "hf-dir": dict(model="qwen3-0.6b", model_path="examples/tiny-qwen3", resources={"devices_per_node": 1}),
+    "trackers": dict(train={"report_to": ["tensorboard", "wandb"]}),
+    "wandb-only": dict(train={"report_to": ["wandb"]}),
 }
 
 
@@ -148,6 +150,16 @@ def test_feature_jobs_render_upstream_valid_flags(name, plan_of, parser, depreca
         assert _values(args, "--prompt-type") == ["deepseek3"]
     if name == "epochs-no-fused":
         assert "--train-iters" not in args and "--use-flash-attn" not in args
+    if name in ("trackers", "wandb-only"):  # W&B gets Megatron's scalars only alongside TensorBoard
+        run_dir = str(tmp_path.resolve())
+        assert _values(args, "--tensorboard-dir") == [f"{run_dir}/tensorboard"]
+        assert _values(args, "--wandb-project") == ["ascendfactory"]
+        assert _values(args, "--wandb-save-dir") == [f"{run_dir}/wandb"]
+        assert _values(args, "--wandb-exp-name") == [plan_of(**FEATURE_JOBS[name]).job.name]
+        said = [w for w in plan_of(**FEATURE_JOBS[name]).warnings if "only alongside TensorBoard" in w]
+        assert len(said) == (name == "wandb-only")
+    else:
+        assert "--tensorboard-dir" not in args and "--wandb-project" not in args
 
 
 @pytest.mark.parametrize("argv,why", [

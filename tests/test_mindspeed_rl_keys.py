@@ -50,6 +50,8 @@ FEATURE_JOBS = {
                       rl={"critic": {"parallel": {"tp": 2}}, "reference": {"parallel": {"tp": 2}},
                           "rollout": {"engine": "vllm", "parallel": {"tp": 2}}},
                       resources={"device": "npu", "devices_per_node": 8}, launcher="torchrun"),
+    "trackers": dict(stage="grpo", train={"report_to": ["tensorboard"]}, rl={"rollout": {"engine": "hf", "n": 4}}),
+    "wandb": dict(stage="grpo", train={"report_to": ["wandb"]}, rl={"rollout": {"engine": "hf", "n": 4}}),
 }
 
 
@@ -68,7 +70,8 @@ def tsv_keys() -> dict[str, set]:
 
 def job(name):
     spec = {**TINY, **FEATURE_JOBS[name]}
-    spec["train"] = {"lr": 1e-5, "global_batch": 16, "micro_batch": 1, "steps": 3, "precision": "fp32"}
+    spec["train"] = {"lr": 1e-5, "global_batch": 16, "micro_batch": 1, "steps": 3, "precision": "fp32",
+                     **FEATURE_JOBS[name].get("train", {})}
     spec = {k: v for k, v in spec.items() if v is not None and k != "allow_unsupported"}
     return parse_job(yaml.safe_dump(spec))
 
@@ -107,9 +110,10 @@ def assert_msrl_keys(plan, out: Path) -> tuple[dict, dict]:
     assert tree["megatron_training"]["prompt_type"] in prompt_types
     assert tree["megatron_training"]["stage"] == f"ray_{plan.job.stage}"  # MindSpeed-RL's loss registry
     side = yaml.safe_load(files["engine.yaml"])
-    # rollout_engine: MindSpeed-RL always generates with vLLM; the job may pick the in-repo generator instead
+    # rollout_engine: MindSpeed-RL always generates with vLLM; the job may pick the in-repo generator instead;
+    # tensorboard_dir: where use_tensorboard writes (MindSpeed-RL has no key for it)
     assert set(side) <= {"model_id", "model_family", "kernels", "metrics_file", "precision", "export_hf",
-                         "rollout_engine"}
+                         "rollout_engine", "tensorboard_dir"}
     return tree, files
 
 
@@ -145,7 +149,7 @@ def test_feature_jobs_render_mindspeed_rl_keys(name, tmp_path, monkeypatch):
     if plan.job.stage == "grpo":  # the engine reads what was rendered, with MindSpeed-RL's meanings
         cfg = dialects.load(tmp_path / CONFIG, engine=tmp_path / "engine.yaml")
         assert (cfg.algorithm, cfg.n, cfg.train_batch_size, cfg.micro_batch_size) == ("grpo", 4, 16, 1)
-        assert cfg.verifier == {"grpo": "gsm8k", "grpo-clip-higher-math": "math"}[name]
+        assert cfg.verifier == {"grpo-clip-higher-math": "math"}.get(name, "gsm8k")
         assert (cfg.clip_low, cfg.clip_high) == ((0.2, 0.28) if name == "grpo-clip-higher-math" else (0.2, 0.2))
         assert len(cfg.records) == 100 and all(r["prompt_ids"] for r in cfg.records)  # easy_arithmetic_prompts
         ro = plan.job.rl.rollout  # the rollout engine (engine.yaml) and vLLM's settings (generate_config) read back
@@ -167,6 +171,15 @@ def test_feature_jobs_render_mindspeed_rl_keys(name, tmp_path, monkeypatch):
     if name == "dapo-overlong":
         assert rl["filter_groups_enable"] and rl["overlong_buffer_enable"] and rl["overlong_buffer"] == 4
         assert rl["init_kl_coef"] == 0.0 and rl["clip_ratio_high"] == 0.28
+    if name == "trackers":  # MindSpeed-RL's SummaryWriter() in the run directory (engine.yaml tensorboard_dir)
+        assert rl["use_tensorboard"] is True and "use_wandb" not in rl
+        assert cfg.trackers.names == "mindspeed_rl" and cfg.trackers.wandb is None
+        assert cfg.trackers.tensorboard_dir == str(tmp_path.resolve() / "tensorboard")
+    if name == "wandb":
+        assert (rl["use_wandb"], rl["wandb_project"], rl["wandb_save_dir"]) == (
+            True, "ascendfactory", str(tmp_path.resolve() / "wandb"))
+        assert cfg.trackers.tensorboard_dir is None and cfg.trackers.wandb == {
+            "project": "ascendfactory", "name": plan.job.name, "dir": str(tmp_path.resolve() / "wandb")}
     if name == "ppo-roles":
         assert rl["use_integrated_worker"] is False and rl["adv_estimator"] == "gae"
         assert tree["ref_config"]["tensor_model_parallel_size"] == 2

@@ -48,6 +48,7 @@ FEATURE_JOBS = {
                                                                                              "recompute": "full"},
                              rl={"rollout": {"engine": "hf"}}),
     "math": dict(stage="grpo", rl={"rollout": {"engine": "hf"}, "reward": {"type": "math"}}),
+    "trackers": dict(stage="grpo", train={"report_to": ["tensorboard", "wandb"]}, rl={"rollout": {"engine": "hf"}}),
 }
 
 
@@ -112,6 +113,7 @@ def test_every_init_starter_renders_verl_keys(model_id, stage, tmp_path, monkeyp
 @pytest.mark.parametrize("name", list(FEATURE_JOBS))
 def test_feature_jobs_render_verl_keys_the_engine_reads(name, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
     plan = make_plan(job(name), check_memory=False)
     tree, files = assert_verl_keys(plan, tmp_path)
     cfg = verl_reader.parse_verl(tree, yaml.safe_load(files["engine.yaml"]))
@@ -126,6 +128,16 @@ def test_feature_jobs_render_verl_keys_the_engine_reads(name, tmp_path, monkeypa
         assert cfg.critic_lr == 2e-5 and tree["algorithm"]["adv_estimator"] == "gae"
     if name == "function":
         assert cfg.reward_function == f"{ROOT / 'tests/rl/digit_reward.py'}:digit_share"
+    if name == "trackers":  # VeRL's Tracking; the launch names the run directory ($TENSORBOARD_DIR, $WANDB_DIR)
+        assert tree["trainer"]["logger"] == ["console", "tensorboard", "wandb"]
+        env = render(plan, tmp_path).env
+        assert (env["TENSORBOARD_DIR"], env["WANDB_DIR"]) == (f"{tmp_path.resolve()}/tensorboard",
+                                                              str(tmp_path.resolve()))
+        assert cfg.trackers.names == "verl"
+        assert cfg.trackers.wandb == {"project": "ascendfactory", "name": plan.job.name}
+        assert cfg.trackers.tensorboard_dir == f"tensorboard_log/ascendfactory/{plan.job.name}"  # (no $TENSORBOARD_DIR)
+    else:
+        assert tree["trainer"]["logger"] == ["console"] and cfg.trackers is None
     if name == "epochs-recompute":  # 128 prompts / 4 a batch = 32 steps an epoch
         assert cfg.total_steps is None and cfg.total_epochs == 2 and cfg.gradient_checkpointing
     import pyarrow.parquet as pq

@@ -137,6 +137,11 @@ class Adapter:
     def engine_args(self, config_path: Path) -> list[str]:
         return [str(config_path)]
 
+    def env(self, job, run_dir: str) -> dict[str, str]:
+        """Environment variables the framework reads for where the run's files go (its trackers'), set by the
+        launch; the job's own env block wins."""
+        return {}
+
     def extra_files(self, context: dict[str, Any], job) -> dict[str, str]:
         """Further files the framework's engine file names (name in the run directory → text)."""
         return {}
@@ -159,6 +164,15 @@ class Adapter:
     def starter_data(self, stage: str, default: tuple[str, str]) -> tuple[str, str]:
         """(data path, data.format) an `init` starter job names for `stage` (default: the generic one)."""
         return default
+
+
+def megatron_tracker_warnings(job) -> list[str]:
+    """train.report_to wandb alone: Megatron's training_log writes its scalars to W&B only alongside TensorBoard,
+    so the template renders --tensorboard-dir too."""
+    if job.train.report_to == ["wandb"]:
+        return ["train.report_to [wandb]: Megatron logs its training scalars to W&B only alongside TensorBoard "
+                "(training_log), so --tensorboard-dir is rendered too (the event files go to <run dir>/tensorboard)"]
+    return []
 
 
 def merge_dotted(tree: dict, overrides: dict) -> None:

@@ -107,6 +107,10 @@ class LlamaFactory(Adapter):
     def engine_args(self, config_path):
         return ["train", str(config_path)]
 
+    def env(self, job, run_dir: str) -> dict[str, str]:
+        # WandbCallback's wandb.init names no directory: wandb's own $WANDB_DIR (else the working directory)
+        return {"WANDB_DIR": run_dir} if "wandb" in job.train.report_to else {}
+
     def zero_stage(self, job) -> int:
         return 3 if job.parallel.fsdp else job.parallel.zero
 

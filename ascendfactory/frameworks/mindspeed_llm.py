@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_template
+from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_template, megatron_tracker_warnings
 from backends.contract.lora import FUSED_ALIASES, lora_groups
 from backends.contract.prompts import TEMPLATE_PROMPT_TYPES
 
@@ -93,6 +93,9 @@ class MindSpeedLLM(Adapter):
             out["data.pad_to_multiple_of"] = ("every row is padded to data.seq_len (--pad-to-multiple-of takes "
                                               "effect with data.dynamic_seq_len)")
         return out
+
+    def plan_warnings(self, job):
+        return megatron_tracker_warnings(job)
 
     def plan_problems(self, job, arch: dict[str, Any]):
         out = []

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_template
+from ascendfactory.frameworks.base import Adapter, FeatureUse, flags_from_template, megatron_tracker_warnings
 
 # Qwen2.5-VL's token ids (its tokenizer), for a card without a model directory
 QWEN_VL_TOKENS = {"image_token_id": 151655, "vision_start_token_id": 151652}
@@ -83,6 +83,9 @@ class MindSpeedMM(Adapter):
     def no_effect(self, job):
         why = "its Qwen2.5-VL micro-batches are the samples packed into one row, unpadded (--variable-seq-lengths)"
         return {"data.dynamic_seq_len": why, "data.pad_to_multiple_of": why}
+
+    def plan_warnings(self, job):
+        return megatron_tracker_warnings(job)
 
     def features_used(self, job, distributed):
         p, uses = job.parallel, []

@@ -97,10 +97,14 @@ class MindSpeedRL(RLAdapter):
     def plan_warnings(self, job):
         """MindSpeed-RL's validate_rl_args raises unless the actor trains in bf16 and vLLM generates in
         bfloat16; the template renders bf16 / dtype from train.precision, so only a bf16 job starts there."""
+        out = []
+        if set(job.train.report_to) == {"tensorboard", "wandb"}:
+            out.append("train.report_to: MindSpeed-RL's trainer opens TensorBoard only without W&B, so with use_wandb "
+                       "the rendered use_tensorboard writes nothing; ask for one of them to get it")
         p = job.train.precision
         if p == "bf16":
-            return []
-        return [f"train.precision {p}: MindSpeed-RL itself refuses the rendered {self.config_name} (its "
+            return out
+        return out + [f"train.precision {p}: MindSpeed-RL itself refuses the rendered {self.config_name} (its "
                 "validate_rl_args: 'megatron_config.bf16 should be true and generate_config.dtype should be "
                 f"bfloat16'); backends.rl runs it in {p}, but to run the file on MindSpeed-RL set "
                 "train.precision: bf16"]

@@ -80,6 +80,16 @@ class Verl(RLAdapter):
     def features_used(self, job, distributed):
         return self.role_features(job) + [FeatureUse("train_backend", "the actor trains with FSDP")]
 
+    def env(self, job, run_dir: str) -> dict[str, str]:
+        """VeRL's Tracking: TensorBoard in $TENSORBOARD_DIR (else tensorboard_log/<project>/<experiment> in the
+        working directory), W&B in wandb's own $WANDB_DIR."""
+        out = {}
+        if "tensorboard" in job.train.report_to:
+            out["TENSORBOARD_DIR"] = f"{run_dir}/tensorboard"
+        if "wandb" in job.train.report_to:
+            out["WANDB_DIR"] = run_dir
+        return out
+
     def plan_warnings(self, job):
         """VeRL 0.9.1's V1 trainer ignores algorithm.filter_groups.max_num_gen_batches (trainer_base.py warns
         and refills the batch without bound); backends.rl stops after that many rounds."""

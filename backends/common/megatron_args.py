@@ -49,6 +49,8 @@ def add(parser: argparse.ArgumentParser, flags: Iterable[str]) -> None:
         flag = FLAGS[name]
         if flag.switch:
             kwargs: dict[str, Any] = {"action": "store_true"}
+            if flag.off:  # Megatron's --no-X: store_false into X
+                kwargs = {"action": "store_false", "dest": name[len("--no-"):].replace("-", "_")}
         else:
             kwargs = {"type": flag.type, "default": flag.default,
                       "choices": list(flag.choices) if flag.choices else None}

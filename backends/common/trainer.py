@@ -137,6 +137,7 @@ class Settings:
     keep_last: int | None = None
     trainable_only: bool = False  # LoRA: the frozen base comes back from the model path, not the checkpoint
     eval_only: bool = False       # evaluate before training (Recipe.evaluate at start), then stop: no step, no save
+    trackers: Any = None          # backends.common.trackers.TrackerSettings: TensorBoard / W&B the dialect asks for
 
 
 class Recipe:
@@ -380,6 +381,14 @@ class Trainer:
     # -- the loop
     def _record(self, result: StepResult, lr: float) -> None:
         s, m = self.settings, self.metrics
+        record = self._step_record(result, lr)
+        m.write(record)
+        self.recipe.logged(record)
+        log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f %.0f tok/s", self.step, s.total_steps, result.loss,
+                 lr, result.grad_norm, result.real_tokens / result.seconds)
+
+    def _step_record(self, result: StepResult, lr: float) -> dict:
+        s, m = self.settings, self.metrics
         record = {"step": self.step, "total_steps": s.total_steps, "loss": round(result.loss, 6), "lr": lr,
                   "grad_norm": round(result.grad_norm, 6),
                   "tokens_per_s": round(result.tokens / result.seconds, 1),
@@ -389,15 +398,25 @@ class Trainer:
                   "trained_tokens": result.valid_tokens,
                   "elapsed_s": round(m.elapsed(), 3)}
         record.update({k: round(v, 6) for k, v in result.metrics.items()})
-        m.write(record)
-        self.recipe.logged(record)
-        log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f %.0f tok/s", self.step, s.total_steps, result.loss,
-                 lr, result.grad_norm, result.real_tokens / result.seconds)
+        scaler = next(iter(self.recipe.parts.values())).scaler
+        if scaler is not None:  # fp16: the loss scale after this step (Megatron's loss-scale scalar)
+            record["loss_scale"] = float(scaler.get_scale())
+        return record
 
     def _first_lr(self) -> float:
         return next(iter(self.recipe.parts.values())).optimizer.param_groups[0]["lr"]
 
     def run(self) -> int:
+        failed = True
+        try:
+            code = self._run()
+            failed = False
+            return code
+        finally:
+            if self.metrics is not None:  # the trackers' files are complete whichever way the run ends
+                self.metrics.close(exit_code=1 if failed else 0)
+
+    def _run(self) -> int:
         self._watch_signals()
         s = self.settings = self.recipe.build(self.rt)
         if s.metrics_file is None and s.save_dir:  # run by hand, without engine.yaml: beside the checkpoints
@@ -409,7 +428,7 @@ class Trainer:
         if self.step >= s.total_steps > 0 and not s.eval_only and self.rt.is_main:
             log.info("already complete: resumed at step %d of %d, nothing to train (the export is written again); "
                      "to train on, raise the total steps", self.step, s.total_steps)
-        self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main)
+        self.metrics = MetricsWriter(s.metrics_file, enabled=self.rt.is_main, trackers=s.trackers)
         layout = _layout_of(self.recipe)
         if layout:
             log.info("parallel layout: %s", " · ".join(f"{k} {v}" for k, v in layout.items()))
@@ -440,6 +459,8 @@ class Trainer:
             result.metrics.update(evaluated)
             if self.step % s.log_interval == 0 or self.step == s.total_steps or evaluated:
                 self._record(result, lr)
+            elif self.metrics.tracking:  # the trackers keep their framework's own cadence
+                self.metrics.track(self._step_record(result, lr))
             exiting = bool(s.exit_interval) and self.step % s.exit_interval == 0 and self.step < s.total_steps
             saved = None
             if (s.save_interval and self.step % s.save_interval == 0) or self.step == s.total_steps or exiting:

@@ -37,6 +37,7 @@ class Flag:
     default: Any = None
     choices: tuple[str, ...] | None = None
     switch: bool = False                     # takes no value
+    off: bool = False                        # --no-X: a store_false switch into X (True unless given)
 
 
 _SWITCH = Flag(switch=True)
@@ -88,7 +89,19 @@ RUN = {
     "--num-workers": Flag(int, 2),
     "--distributed-backend": Flag(default="nccl", choices=("nccl", "gloo")),
 }
-FLAGS: dict[str, Flag] = {**PARALLEL, **BATCH, **SEQUENCE, **MODEL, **OPTIMIZER, **PRECISION, **RUN}
+# the experiment trackers (training_log's TensorBoard writer and W&B run; backends.common.trackers)
+TRACKERS = {
+    "--tensorboard-dir": Flag(),
+    "--tensorboard-log-interval": Flag(int, 1),
+    "--tensorboard-queue-size": Flag(int, 1000),
+    "--log-timers-to-tensorboard": _SWITCH,
+    "--log-world-size-to-tensorboard": _SWITCH,
+    "--no-log-loss-scale-to-tensorboard": Flag(switch=True, off=True),
+    "--wandb-project": Flag(default=""),
+    "--wandb-exp-name": Flag(default=""),
+    "--wandb-save-dir": Flag(default=""),
+}
+FLAGS: dict[str, Flag] = {**PARALLEL, **BATCH, **SEQUENCE, **MODEL, **OPTIMIZER, **PRECISION, **RUN, **TRACKERS}
 
 
 # ------------------------------------------------------------------ flags that change nothing computed
@@ -128,7 +141,10 @@ NO_EFFECT: dict[str, NoEffect] = {
     "--no-check-for-nan-in-loss-and-grad": NoEffect(
         "a NaN check that only stops a run (the engine stops on a non-finite loss either way)"),
     "--manual-gc": NoEffect("Python garbage collection timing"),
-    "--log-throughput": NoEffect(_LOG),
+    "--log-throughput": NoEffect(_LOG + " (its TensorBoard / W&B throughput scalar needs Megatron's FLOP count, "
+                                        "which the engines do not compute)"),
+    "--log-validation-ppl-to-tensorboard": NoEffect("a logging switch of the validation loss, and the engines run "
+                                                    "no evaluation"),
     "--no-save-optim": NoEffect(_SAVE),
     "--no-save-rng": NoEffect(_SAVE),
     "--use-mcore-models": NoEffect("the engine's native model stands for Megatron's mcore and legacy models alike"),

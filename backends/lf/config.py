@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from backends.common import engine_file as ef
+from backends.common.trackers import TrackerSettings, default_runs_dir
+from backends.contract import trackers as tracker_packages
+from backends.contract.trackers import TRACKERS
 
 STAGES = ("pt", "sft", "rm", "dpo", "kto")
 FINETUNING = ("full", "freeze", "lora")
@@ -49,6 +53,28 @@ def _choice(values: tuple, why: str = "") -> Callable[[Any], str | None]:
     def check(value):
         return None if value in values else f"one of {', '.join(map(str, values))}{why}"
     return check
+
+
+# transformers' report_to integrations (INTEGRATION_TO_CALLBACK); this engine writes TensorBoard and W&B
+INTEGRATIONS = ("azure_ml", "comet_ml", "mlflow", "neptune", "tensorboard", "trackio", "wandb", "codecarbon",
+                "clearml", "dagshub", "flyte", "dvclive", "swanlab", "kubeflow")
+
+
+def _report_to(value) -> str | None:
+    """none | all | an integration | a list of them (TrainingArguments.report_to); None reads as none."""
+    names = value if isinstance(value, list) else [value]
+    if value in (None, "none", ["none"], [], "all", ["all"]):
+        return None
+    if not all(isinstance(n, str) for n in names):
+        return "none, all, an integration name or a list of them"
+    bad = [n for n in names if n not in INTEGRATIONS]
+    if bad:
+        return f"none, all, a transformers integration ({', '.join(INTEGRATIONS)}) or a list of them"
+    unbuilt = [n for n in names if n not in TRACKERS]
+    if unbuilt:
+        return (f"none, all, tensorboard or wandb here: {', '.join(unbuilt)} is not built in this engine (it writes "
+                "TensorBoard event files and W&B runs)")
+    return None
 
 
 def _only(values: tuple, why: str) -> Callable[[Any], str | None]:
@@ -131,14 +157,13 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "overwrite_output_dir": (False, _kind(bool)),
     "logging_steps": (500, _kind(int, float)),
     "logging_first_step": (False, _ANY),
-    "logging_dir": (None, _ANY),
+    "logging_dir": (None, _kind(str, none=True)),
     "save_strategy": ("steps", _choice(("steps", "no"))),
     "save_steps": (500, _kind(int, float)),
     "save_total_limit": (None, _kind(int, none=True)),
     "save_only_model": (False, _kind(bool)),
-    "report_to": ("none", _only(("none", [], ["none"], None), "this engine logs to trainer_log.jsonl and "
-                                                              "metrics.jsonl in output_dir")),
-    "run_name": (None, _ANY),
+    "report_to": ("none", _report_to),
+    "run_name": (None, _kind(str, none=True)),
     "disable_tqdm": (None, _ANY),
     "resume_from_checkpoint": (None, _kind(str, none=True)),
     # train
@@ -287,7 +312,7 @@ _EFFECTLESS = {
         "full_determinism", "remove_unused_columns", "label_names", "length_column_name", "save_on_each_node",
         "enable_jit_checkpoint", "skip_memory_metrics", "debug"),
     "logging and profiling switches (this engine logs to trainer_log.jsonl and metrics.jsonl)": (
-        "print_param_status", "logging_first_step", "logging_dir", "run_name", "disable_tqdm", "log_on_each_node",
+        "print_param_status", "logging_first_step", "disable_tqdm", "log_on_each_node",
         "include_num_input_tokens_seen", "log_level", "log_level_replica", "project",
         "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "include_effective_tokens_per_second",
         "enable_torch_profiler", "profiler_output_dir", "profiler_wait_steps", "profiler_warmup_steps",
@@ -337,7 +362,39 @@ class LFConfig:
         for key, why in NO_EFFECT.items():
             if key in self.given and not (self.stage == "kto" and key in KTO_CHUNKING):
                 by_reason.setdefault(why, []).append(key)
-        return [f"{', '.join(keys)}: no effect on this engine: {why}" for why, keys in by_reason.items()]
+        out = [f"{', '.join(keys)}: no effect on this engine: {why}" for why, keys in by_reason.items()]
+        if self.args["report_to"] in ("all", ["all"]):
+            out.append(f"report_to: all: this engine writes the installed ones of tensorboard and wandb "
+                       f"({', '.join(self.trackers()) or 'neither is installed'}); transformers would start every "
+                       "installed integration")
+        return out
+
+    def trackers(self) -> list[str]:
+        """report_to as transformers reads it: all is every installed integration (of those built here)."""
+        value = self.args["report_to"]
+        if value in ("all", ["all"]):
+            return [t for t in TRACKERS if tracker_packages.installed(t)]
+        if value in (None, "none", ["none"]):
+            return []
+        return list(dict.fromkeys(value if isinstance(value, list) else [value]))
+
+    def tracker_settings(self, steps_per_epoch: int) -> TrackerSettings | None:
+        """transformers' TensorBoardCallback (logging_dir, else $TENSORBOARD_LOGGING_DIR, else
+        output_dir/runs/<date>_<host>) and WandbCallback (project $WANDB_PROJECT, LLaMA-Factory's default
+        llamafactory; name run_name; wandb's own directory rule)."""
+        chosen = self.trackers()
+        if not chosen:
+            return None
+        tb = None
+        if "tensorboard" in chosen:
+            tb = self.args["logging_dir"] or os.environ.get("TENSORBOARD_LOGGING_DIR") or \
+                default_runs_dir(self.args["output_dir"])
+        wandb = {"project": os.environ.get("WANDB_PROJECT") or "llamafactory", "name": self.args["run_name"]} \
+            if "wandb" in chosen else None
+        return TrackerSettings("hf", tensorboard_dir=tb, wandb=wandb,
+                               options={"logging_steps": max(1, int(self.args["logging_steps"])),
+                                        "steps_per_epoch": steps_per_epoch},
+                               config={k: v for k, v in self.args.items() if isinstance(v, (str, int, float, bool))})
 
     def names(self, key: str) -> list[str]:
         """A comma-separated key (dataset, lora_target, …) as a list."""
@@ -411,6 +468,7 @@ def _check_rules(args: dict[str, Any]) -> list[str]:
         problems.append(f"lora_dropout must be in [0, 1), not {args['lora_dropout']}")
     if args["learning_rate"] <= 0:
         problems.append(f"learning_rate must be positive, not {args['learning_rate']}")
+    problems += tracker_packages.missing("report_to", LFConfig(args).trackers())
     return problems + _eval_rules(args)
 
 

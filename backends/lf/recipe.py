@@ -238,7 +238,8 @@ class LFRecipe(Recipe):
                         save_interval=interval_steps(cfg.save_steps, steps) if cfg.save_strategy == "steps" else None,
                         exit_interval=cfg.engine.get("exit_interval"), resume=resume,
                         log_interval=max(1, interval_steps(cfg.logging_steps, steps)), metrics_file=metrics,
-                        keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora")
+                        keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora",
+                        trackers=cfg.tracker_settings(self.steps_per_epoch))
 
     def _reference(self, par, rt):
         """The dpo / kto reference: none for orpo / simpo, the policy with its adapters off under LoRA, else a

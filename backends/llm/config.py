@@ -24,6 +24,7 @@ from typing import Any
 
 from backends.common import engine_file as ef
 from backends.common import megatron_args
+from backends.common.trackers import megatron_settings
 from backends.contract import megatron
 from backends.contract.lora import MODULE_LINEARS
 from backends.contract.prompts import PROMPT_TYPE_TEMPLATES
@@ -173,6 +174,7 @@ class LLMConfig:
     tokenizer_use_fast: bool = True
     enable_thinking: bool | None = None  # a reasoning template's empty thinking block: trained (True) or not
     moe_fusions: tuple[bool, bool] = (False, False)  # --moe-grouped-gemm, --moe-permute-fusion
+    trackers: Any = None  # backends.common.trackers.TrackerSettings: --tensorboard-dir, --wandb-project …
 
 
 def prompt_template(template: str | None, tokenizer, enable_thinking: bool | None):
@@ -260,6 +262,7 @@ def _parser() -> megatron_args.Parser:
     megatron_args.add(p, megatron.OPTIMIZER)
     megatron_args.add(p, megatron.PRECISION)
     megatron_args.add(p, megatron.RUN)
+    megatron_args.add(p, megatron.TRACKERS)
     # LoRA
     a("--lora-r", type=int, default=16)
     a("--lora-alpha", type=int, default=32)
@@ -711,8 +714,17 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
     refused += architecture_refusals(argv)
     if refused:
         raise ConfigError("this build of backends.llm does not implement:\n" + "\n".join(refused))
+    trackers, problems, tracker_notices = megatron_settings(
+        "megatron", tensorboard_dir=ns.tensorboard_dir, tensorboard_log_interval=ns.tensorboard_log_interval,
+        tensorboard_queue_size=ns.tensorboard_queue_size, log_timers=ns.log_timers_to_tensorboard,
+        log_world_size=ns.log_world_size_to_tensorboard, log_loss_scale=ns.log_loss_scale_to_tensorboard,
+        wandb_project=ns.wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
+        save=ns.save, global_batch=ns.global_batch_size, log_interval=ns.log_interval, clip_grad=ns.clip_grad,
+        precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", config=dict(vars(ns)))
+    if problems:
+        raise ConfigError("\n".join(problems))
     if os.environ.get("RANK", "0") == "0":
-        for line in routing_notices(ns) + data_notices(ns) + attention_notices(ns):
+        for line in routing_notices(ns) + data_notices(ns) + attention_notices(ns) + tracker_notices:
             print(f"python -m backends.llm: {line}", file=sys.stderr)
     side = read_engine_file(engine)
     if ns.enable_hf2mg_convert:  # MindSpeed-LLM converts the HF weights at load time: our native HF load
@@ -809,4 +821,5 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
         tokenizer_use_fast=ns.tokenizer_use_fast,
         enable_thinking=ns.enable_thinking,
         moe_fusions=(ns.moe_grouped_gemm, ns.moe_permute_fusion),
+        trackers=trackers,
     )

@@ -274,7 +274,7 @@ class LLMRecipe(Recipe):
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=resume, log_interval=t.log_interval,
                         metrics_file=cfg.metrics_file, trainable_only=cfg.lora is not None,
-                        start_step=self.megatron.start_step if self.megatron else 0)
+                        start_step=self.megatron.start_step if self.megatron else 0, trackers=cfg.trackers)
 
     def _load(self, model: CausalLMWithLoss, par, rt) -> torch.nn.Module:
         """The data-parallel wrap and the weights: FSDP2 shards the meta model first, so each rank

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 from backends.common import engine_file as ef
 from backends.common import megatron_args
+from backends.common.trackers import megatron_settings
 from backends.contract import megatron
 from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED, CP_ALGO_FLAGS
 
@@ -114,6 +117,7 @@ class MMConfig:
     metrics_file: str | None = None
     export_hf: str | None = None
     init_std: float = 0.02
+    trackers: Any = None                   # backends.common.trackers.TrackerSettings: --tensorboard-dir, --wandb-* …
 
 
 # ------------------------------------------------------------------------------------------ flags
@@ -134,6 +138,7 @@ def _parser() -> megatron_args.Parser:
     megatron_args.add(p, megatron.OPTIMIZER)
     megatron_args.add(p, megatron.PRECISION)
     megatron_args.add(p, megatron.RUN)
+    megatron_args.add(p, megatron.TRACKERS)
     a("--no-load-optim", action="store_true")  # refused when --load resumes an engine checkpoint
     a("--no-load-rng", action="store_true")
     megatron_args.add_no_effect(p, "mm")  # --mm-tool (the profiler settings file) and the other no-effect flags
@@ -431,6 +436,18 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
         raise ConfigError("--bf16 and --fp16 exclude each other")
     if ns.train_iters is None and side.get("train_epochs") is None:
         raise ConfigError(f"give --train-iters, or train_epochs in {source}")
+    trackers, problems, tracker_notices = megatron_settings(
+        "mindspeed_mm", tensorboard_dir=ns.tensorboard_dir, tensorboard_log_interval=ns.tensorboard_log_interval,
+        tensorboard_queue_size=ns.tensorboard_queue_size, log_timers=ns.log_timers_to_tensorboard,
+        log_world_size=ns.log_world_size_to_tensorboard, log_loss_scale=ns.log_loss_scale_to_tensorboard,
+        wandb_project=ns.wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
+        save=ns.save, global_batch=ns.global_batch_size, log_interval=ns.log_interval, clip_grad=ns.clip_grad,
+        precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", config=dict(vars(ns)))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    if os.environ.get("RANK", "0") == "0":
+        for line in tracker_notices:
+            print(f"python -m backends.mm: {line}", file=sys.stderr)
     model_tree, data_tree = _read_json(ns.mm_model, "--mm-model"), _read_json(ns.mm_data, "--mm-data")
     facts: dict[str, tuple[str, Any]] = {}
     _walk(model_tree, MODEL_KEYS, "", facts, f"--mm-model {ns.mm_model}")
@@ -510,4 +527,4 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
         kernel_backend=side.get("kernels.backend", "auto"), kernel_overrides=dict(side.get("kernels.overrides") or {}),
         flash_attention=ns.use_flash_attn,
         metrics_file=side.get("metrics_file"), export_hf=side.get("export_hf"),
-        init_std=float((model_tree.get("text_decoder") or {}).get("init_method_std", 0.02)))
+        init_std=float((model_tree.get("text_decoder") or {}).get("init_method_std", 0.02)), trackers=trackers)

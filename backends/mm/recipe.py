@@ -132,7 +132,7 @@ class MMRecipe(Recipe):
             forward_backward=self._pipeline_step if par.pipeline is not None else None)}
         return Settings(total_steps=total_steps, save_dir=cfg.save, save_interval=t.save_interval,
                         exit_interval=t.exit_interval, resume=self._resume(), log_interval=t.log_interval,
-                        metrics_file=cfg.metrics_file)
+                        metrics_file=cfg.metrics_file, trackers=cfg.trackers)
 
     def _data(self, vl, par):
         """MindSpeed-MM's mllm data (data.json) through the model's processor, this rank's dp share."""

@@ -146,6 +146,7 @@ class RLConfig:
     export_hf: str | None = None               # write the trained actor here as a Hugging Face directory
     kernel_backend: str | None = None
     kernel_overrides: dict = field(default_factory=dict)
+    trackers: Any = None                       # backends.common.trackers.TrackerSettings (trainer.logger, use_*)
     # the batch rules (backends.contract.layout.rl_batches, the planner's own): the dialect's key for each
     # number, and its framework's start-up rules (who, micro_share, world, rollout_dp, ref_dp, ref_micro)
     batch_fields: dict = field(default_factory=dict)
@@ -209,6 +210,8 @@ ENGINE_KEYS: dict[str, ef.Check] = {
     "export_hf": ef.text,
     # the MindSpeed-RL dialect's rollout engine (MindSpeed-RL itself always generates with vLLM)
     "rollout_engine": lambda v: None if v in ("hf", "vllm") else "hf or vllm",
+    # where the MindSpeed-RL dialect's use_tensorboard writes (MindSpeed-RL itself: ./runs/<date>_<host>)
+    "tensorboard_dir": ef.text,
 }
 
 

@@ -105,7 +105,8 @@ class RLRecipe(Recipe):
         self.rollout_stale = True  # the actor's weights reach the rollout engine before the first rollout (a resume
         #                            changes them)
         return Settings(total_steps=c.total_steps, save_dir=c.save_dir, save_interval=c.save_interval,
-                        resume=c.resume, metrics_file=c.metrics_file, eval_only=c.val_only and c.val_before_train)
+                        resume=c.resume, metrics_file=c.metrics_file, eval_only=c.val_only and c.val_before_train,
+                        trackers=c.trackers)
 
     def validates(self) -> bool:
         return self.cfg.val_before_train or self.cfg.test_freq > 0

@@ -4,12 +4,16 @@ the user's file and overrides) read into RLConfig."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from backends.common import engine_file as ef
 from backends.common import omegaconf_yaml
+from backends.common.trackers import TrackerSettings
+from backends.contract import trackers as tracker_packages
+from backends.contract.trackers import TRACKERS
 
 from .config import (AGG_MODES, BATCH_NUMBERS, KL_KINDS, RLConfig, RLConfigError, batch_problems, did_you_mean, flatten,
                      problems_error, read_yaml, with_sidecar)
@@ -31,7 +35,7 @@ def _flat_defaults() -> dict:
 # another value than VeRL's default (reason -> key prefixes; a prefix ending in "." covers its block)
 _NO_EFFECT = {
     "bookkeeping and logging": (
-        "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.log_val_generations",
+        "trainer.log_val_generations",
         "trainer.default_hdfs_dir",
         "trainer.del_local_ckpt_after_load", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
         "actor_rollout_ref.rollout.disable_log_stats", "actor_rollout_ref.rollout.calculate_log_probs"),
@@ -278,6 +282,9 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     if side.get("rollout_engine") is not None:
         problems.append("engine.yaml: rollout_engine is the MindSpeed-RL dialect's; a VeRL file names its rollout "
                         "engine in actor_rollout_ref.rollout.name")
+    if side.get("tensorboard_dir") is not None:
+        problems.append("engine.yaml: tensorboard_dir is the MindSpeed-RL dialect's; VeRL writes TensorBoard to "
+                        "$TENSORBOARD_DIR")
     for key in given:
         if key not in known and not any(k.startswith(key + ".") for k in known):
             problems.append(f"{key}: not a VeRL 0.9.1 ppo_trainer key{did_you_mean(key, known)}")
@@ -498,6 +505,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     values.update(_verl_dynamic_bsz(get, want, flag, pos, is_bool, dynamic, algorithm,
                                     values["max_prompt_length"] + max_resp))
     values.update(_verl_validation(get, want, flag, notices, pos, is_num, is_int, is_bool, is_str))
+    values["trackers"] = _verl_trackers(get, want, flag, notices, is_str, given)
     values["overlong_log"] = bool(ob_log)
     values["truncation"] = get("data.truncation")
     values["rollout_dump_dir"] = want("trainer.rollout_data_dir", opt_str, "a directory or null")
@@ -587,6 +595,48 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     cfg = with_sidecar(values, side, source)
     cfg.notices = notices
     return cfg
+
+
+# VeRL 0.9.1's Tracking.supported_backend ("tracking": its deprecated name of wandb); console: the progress lines
+VERL_LOGGERS = ("wandb", "mlflow", "swanlab", "vemlp_wandb", "tensorboard", "console", "clearml", "trackio", "file",
+                "rl_insight")
+BUILT_LOGGERS = ("console", "tensorboard", "wandb")
+
+
+def _verl_trackers(get: Callable, want: Callable, flag: Callable, notices: list[str], is_str: Callable,
+                   given: Mapping) -> TrackerSettings | None:
+    """trainer.logger (a name or a list, VeRL's default [console, wandb]) through VeRL's Tracking: TensorBoard in
+    $TENSORBOARD_DIR, else tensorboard_log/<project_name>/<experiment_name>; W&B with project_name and
+    experiment_name as project and run name (wandb's own directory rule, $WANDB_DIR)."""
+    key = "trainer.logger"
+    value = get(key)
+    names = [value] if isinstance(value, str) else value
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        flag(key, f"must be a logger name or a list of them, got {value!r}")
+        return None
+    chosen = []
+    for name in names:
+        if name == "tracking":
+            notices.append(f"{key}: tracking: read as wandb (VeRL's deprecated name of it)")
+            name = "wandb"
+        if name not in VERL_LOGGERS:
+            flag(key, f"{name} is not a VeRL logger ({', '.join(VERL_LOGGERS)})")
+        elif name not in BUILT_LOGGERS:
+            flag(key, f"{name} is not built in this engine (it writes {', '.join(BUILT_LOGGERS)}); remove it")
+        elif name not in chosen:
+            chosen.append(name)
+    project = want("trainer.project_name", is_str, "a string")
+    experiment = want("trainer.experiment_name", is_str, "a string")
+    trackers = [t for t in chosen if t in TRACKERS]
+    for line in tracker_packages.missing(key, trackers):
+        flag(key, line.split(": ", 1)[1])
+    if not trackers:
+        return None
+    tb = (os.environ.get("TENSORBOARD_DIR") or f"tensorboard_log/{project}/{experiment}") \
+        if "tensorboard" in trackers else None
+    wandb = {"project": project, "name": experiment} if "wandb" in trackers else None
+    config = {k: v for k, v in given.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    return TrackerSettings("verl", tensorboard_dir=tb, wandb=wandb, config=config)
 
 
 def _rollout_tp(want: Callable, flag: Callable, pos: Callable, world: Any, engine: Any) -> int:

@@ -54,7 +54,8 @@ JOBS = {
                                                      "recompute": "full", "pp_layers": [12, 16]},
                     vision={"freeze_projector": False, "image_max_pixels": 401408}),
     "3b-pt-selective": dict(model="qwen2.5-vl-3b", stage="pt", parallel={"recompute": "selective"},
-                            vision={"freeze_language_model": True, "freeze_projector": False}),
+                            vision={"freeze_language_model": True, "freeze_projector": False},
+                            train={"report_to": ["tensorboard", "wandb"]}),
 }
 
 
@@ -97,6 +98,12 @@ def test_rendered_files_are_mindspeed_mms(name, job_text, upstream, tmp_path, mo
     p = plan.job.parallel
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sp, cfg.parallel.distributed_optimizer,
             cfg.parallel.recompute) == (p.tp, p.pp, p.sp, p.distributed_optimizer, p.recompute)
+    # train.report_to: Megatron's tracker flags, read back with MindSpeed-MM's scalar names
+    assert (cfg.trackers is not None) == (name == "3b-pt-selective")
+    if cfg.trackers is not None:
+        assert cfg.trackers.names == "mindspeed_mm"
+        assert cfg.trackers.tensorboard_dir == f"{tmp_path.resolve()}/tensorboard"
+        assert cfg.trackers.wandb["dir"] == f"{tmp_path.resolve()}/wandb"
     if name == "7b-sptd":
         assert model["text_decoder"]["pipeline_num_layers"] == [12, 16]
         assert model["image_encoder"]["vision_encoder"]["pipeline_num_layers"] == [32, 0]  # vision on stage 0

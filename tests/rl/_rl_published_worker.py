@@ -6,6 +6,7 @@ run (VeRL validates after the last step, so the copy was last loaded from the tr
 "share": the part of the copy's parameters a rank holds}."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class SyncChecked(RLRecipe):
 
 
 def published(case: dict, metrics_file: Path):
+    # what the frameworks write in the working directory (MindSpeed-RL's use_tensorboard: runs/<date>_<host>) goes to
+    # the output folder (every path of a case is absolute)
+    os.chdir(metrics_file.parent)
     cfg = from_argv(case["argv"])
     cfg.metrics_file = str(metrics_file)
     return cfg

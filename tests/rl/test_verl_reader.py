@@ -282,22 +282,22 @@ def test_an_old_name_script_reads_to_the_same_config_as_the_new_name_one(tmp_pat
 
 
 def test_no_effect_keys_are_accepted_with_one_notice_each(tmp_path, capsys, monkeypatch):
-    cfg = parse(GRPO, trainer__logger=["console"], trainer__project_name="p",
+    cfg = parse(GRPO, trainer__log_val_generations=5, trainer__default_hdfs_dir="hdfs://x",
                 actor_rollout_ref__actor__fsdp_config__param_offload=True)
     assert sorted(n.split(":")[0] for n in cfg.notices) == [
-        "actor_rollout_ref.actor.fsdp_config.param_offload", "trainer.logger", "trainer.project_name"]
+        "actor_rollout_ref.actor.fsdp_config.param_offload", "trainer.default_hdfs_dir", "trainer.log_val_generations"]
     assert "no effect on this engine (offloading" in " ".join(cfg.notices)
     # at VeRL's default: nothing to say
-    assert parse(GRPO, trainer__logger=["console", "wandb"]).notices == []
+    assert parse(GRPO, trainer__log_val_generations=0).notices == []
     # only rank 0 prints them
     path = tmp_path / "f.yaml"
-    path.write_text(json.dumps(with_keys(GRPO, **{"trainer.project_name": "p"})))
+    path.write_text(json.dumps(with_keys(GRPO, **{"trainer.log_val_generations": 5})))
     monkeypatch.setenv("RANK", "1")
     dialects.load(path)
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     dialects.load(path)
-    assert capsys.readouterr().err.count("trainer.project_name: accepted") == 1
+    assert capsys.readouterr().err.count("trainer.log_val_generations: accepted") == 1
 
 
 # ---------------------------------------------------------------------- DAPO's dynamic sampling keys

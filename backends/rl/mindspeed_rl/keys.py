@@ -148,7 +148,6 @@ NO_EFFECT: dict[str, set[str]] = {
     },
     "rl": {
         "runtime_env_path", "hccl_buffersize", "beta", "verifier_parallel", "verifier_timeout",
-        "use_tensorboard", "use_wandb", "wandb_project", "wandb_exp_name", "wandb_save_dir", "use_swanlab",
         "swanlab_mode", "swanlab_project", "swanlab_exp_name", "swanlab_save_dir", "blocking", "guarantee_order",
         "num_cpus_for_local_task", "num_cpus_for_placement_group", "ref_forward_micro_batch_size",
         "actor_forward_micro_batch_size", "vit_forward_micro_batch_size", "actor_rollout_dispatch_size",

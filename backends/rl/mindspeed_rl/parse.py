@@ -7,6 +7,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from backends.common.trackers import TrackerSettings, default_runs_dir
+from backends.contract import trackers as tracker_packages
+
 from ..config import (BATCH_NUMBERS, KL_KINDS, RLConfig, batch_problems, did_you_mean, problems_error,
                       with_sidecar)
 from .files import compose
@@ -346,6 +349,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
         if integrated is False and "ref_config" in tree else None,
         save_dir=actor.get("save"), save_interval=save_interval if pos(save_interval) else None,
     )
+    values["trackers"], tracker_notices = _trackers(rl, problems, side)
     for key, check, what in (("epochs", pos, "a positive integer"), ("entropy_coeff", _is_num, "a number"),
                              ("gamma", _is_num, "a number"), ("lam", _is_num, "a number")):
         want(rl(key), f"rl_config.{key}", check, what)
@@ -366,7 +370,7 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
 
     # ---- MindSpeed-RL's keys this engine does not implement: its default, no effect (one notice line each), or
     # refused by name
-    notices: list[str] = []
+    notices: list[str] = tracker_notices
     for where, body, read, defaults, free in _given(tree, actor, model_files, source, rl_given, gen_given,
                                                      rl_read, gen_read):
         for key, value in body.items():
@@ -389,6 +393,46 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
     cfg = with_sidecar(values, {**side, "precision": precision}, source)
     cfg.notices = notices
     return cfg
+
+
+def _trackers(rl: Callable, problems: list[str], side: Mapping) -> tuple[TrackerSettings | None, list[str]]:
+    """rl_config's loggers as MindSpeed-RL's trainers open them (trainer/base.py, utils/loggers.py WandbLogger):
+    use_wandb with wandb_project starts a W&B run (name wandb_exp_name, dir wandb_save_dir, else ./wandb);
+    use_tensorboard opens SummaryWriter() (./runs/<date>_<host>; engine.yaml's tensorboard_dir where
+    ascendfactory renders the run) only without use_wandb. SwanLab is not built."""
+    notices = []
+    flags = {key: rl(key) for key in ("use_tensorboard", "use_wandb", "use_swanlab")}
+    names = {key: rl(key) for key in ("wandb_project", "wandb_exp_name", "wandb_save_dir")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            problems.append(f"rl_config.{key}: must be true or false, got {value!r}")
+    for key, value in names.items():
+        if not isinstance(value, str):
+            problems.append(f"rl_config.{key}: must be a string, got {value!r}")
+    if flags["use_swanlab"] is True:
+        problems.append("rl_config.use_swanlab: SwanLab is not built in this engine (it writes TensorBoard and W&B: "
+                        "use_tensorboard, use_wandb); set it to false")
+    use_tb, use_wandb = flags["use_tensorboard"] is True, flags["use_wandb"] is True
+    project = names["wandb_project"] if use_wandb and isinstance(names["wandb_project"], str) else ""
+    if use_wandb and not project:
+        notices.append("rl_config.use_wandb: true without wandb_project: MindSpeed-RL starts no W&B run (and no "
+                       "TensorBoard either, which it opens only without use_wandb)")
+    if use_tb and use_wandb:
+        notices.append("rl_config.use_tensorboard: accepted, no effect with use_wandb (MindSpeed-RL's trainer opens "
+                       "TensorBoard only without W&B)")
+    if not use_wandb and any(names.values()):
+        notices.append("rl_config.wandb_project / wandb_exp_name / wandb_save_dir: accepted, no effect without "
+                       "use_wandb")
+    if project and not names["wandb_exp_name"]:
+        problems.append(f"rl_config.wandb_exp_name: must be set with use_wandb and wandb_project {project!r} "
+                        "(MindSpeed-RL raises 'Please specify the wandb experiment name!')")
+    tb = (side.get("tensorboard_dir") or default_runs_dir(".")) if use_tb and not use_wandb else None
+    wandb = {"project": project, "name": names["wandb_exp_name"], "dir": names["wandb_save_dir"] or "./wandb"} \
+        if project else None
+    problems += tracker_packages.missing("rl_config.use_tensorboard", ["tensorboard"] if tb else [])
+    problems += tracker_packages.missing("rl_config.use_wandb", ["wandb"] if wandb else [])
+    settings = TrackerSettings("mindspeed_rl", tensorboard_dir=tb, wandb=wandb)
+    return (settings if settings.on else None), notices
 
 
 # what the NO_EFFECT keys are (keys.py)
