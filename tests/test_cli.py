@@ -266,3 +266,26 @@ def test_validate_reports_every_problem_in_one_pass_and_run_writes_nothing(tmp_p
     path.write_text(yaml.safe_dump(job))
     out = invoke("validate", path).output
     assert out.count("parallel.tp") == 1 and "missing.json" in out and "finetuning" in out
+
+
+def test_models_and_capabilities_read_at_80_columns():
+    """In a real 80-column terminal: no line is wider, every model id and feature key is printed whole (the
+    things a user copies), the rest wraps."""
+    import subprocess
+    import sys
+
+    from ascendfactory import catalog
+
+    env = {**__import__("os").environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
+
+    def show(*args):
+        out = subprocess.run([sys.executable, "-m", "ascendfactory", *args], capture_output=True, text=True, env=env,
+                             cwd=ROOT, check=True).stdout
+        assert max(len(line) for line in out.splitlines()) <= 80, out
+        return out
+
+    models = show("models")
+    assert all(f" {model_id} " in models for model_id in catalog.models()), models
+    caps = show("capabilities", "--model", "qwen3-32b")
+    keys = {key for fw in catalog.FRAMEWORKS if "qwen3-32b" in catalog.table(fw).rows for key in catalog.table(fw).features}
+    assert keys and all(f"({key})" in caps for key in keys), caps
