@@ -460,8 +460,10 @@ def list_runs(root: Path = typer.Argument(Path("runs"), help="where to look for 
 
     styles = {"running": "cyan", "finished": "green", "failed": "red", "preempted": "yellow",
               "interrupted": "yellow", "stopped": "yellow"}
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True,
-              title=f"{len(rows)} run{'s' if len(rows) != 1 else ''} under {_escape(str(root))}", title_justify="left")
+    # the heading wraps at the terminal's width (a long path folds), the table below keeps its ids whole
+    con.print(f"{len(rows)} run{'s' if len(rows) != 1 else ''} under {_escape(str(root))}", soft_wrap=False,
+              overflow="fold")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
     # the run's id is what a user copies: never cut; its job name (when another) under it
     t.add_column("run\n[dim]job[/]", no_wrap=True)
     t.add_column("framework\nstage", overflow="fold")

@@ -386,10 +386,10 @@ def main() -> None:
     loose = torch.tensor(list(res_loose.values()), dtype=torch.float64)
     dist.all_reduce(loose, op=dist.ReduceOp.MAX)
     res.update(dict(zip(res_loose, loose.tolist())))
+    res["param_tol"] = param_tol()
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"zero_{world}.json").write_text(json.dumps(res, indent=1))
-    res["param_tol"] = param_tol()
     bad = {k: res[k] for k in keys if res[k] > (res["param_tol"] if k.endswith("param_err") else TOL)}
     bad.update({k: res[k] for k in res_loose if res[k] > LOOSE_TOL})
     dist.barrier()
