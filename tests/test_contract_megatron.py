@@ -83,7 +83,9 @@ def test_every_flag_is_read_or_noticed(engine):
     import re
 
     config = importlib.import_module(f"backends.{engine}.config")
-    src = "".join(p.read_text() for p in (ROOT / "backends" / engine).glob("*.py"))
+    # the engine's modules, and the shared reader of its tracker flags (trackers.megatron_flag_settings)
+    src = "".join(p.read_text() for p in [*(ROOT / "backends" / engine).glob("*.py"),
+                                          ROOT / "backends" / "common" / "trackers.py"])
     excused = set(megatron.no_effect(engine)) | set(ONE_CHOICE.get(engine, {}))
     excused |= {flag for flags in getattr(config, "ARCHITECTURE_SWITCHES", {}) for flag in flags}
     unread = [a.option_strings[0] for a in config._parser()._actions if a.option_strings and a.dest != "help"

@@ -63,6 +63,17 @@ def default_runs_dir(base: str) -> str:
     return os.path.join(base, "runs", datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname())
 
 
+def megatron_flag_settings(names: str, ns) -> tuple[TrackerSettings | None, list[str], list[str]]:
+    """megatron_settings of a parsed Megatron command line (backends.llm's and backends.mm's Namespace)."""
+    return megatron_settings(
+        names, tensorboard_dir=ns.tensorboard_dir, tensorboard_log_interval=ns.tensorboard_log_interval,
+        tensorboard_queue_size=ns.tensorboard_queue_size, log_timers=ns.log_timers_to_tensorboard,
+        log_world_size=ns.log_world_size_to_tensorboard, log_loss_scale=ns.log_loss_scale_to_tensorboard,
+        wandb_project=ns.wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
+        save=ns.save, global_batch=ns.global_batch_size, log_interval=ns.log_interval, clip_grad=ns.clip_grad,
+        precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", config=dict(vars(ns)))
+
+
 def megatron_settings(names: str, *, tensorboard_dir: str | None, tensorboard_log_interval: int,
                       tensorboard_queue_size: int, log_timers: bool, log_world_size: bool, log_loss_scale: bool,
                       wandb_project: str, wandb_exp_name: str, wandb_save_dir: str, save: str | None,

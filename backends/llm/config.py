@@ -24,7 +24,7 @@ from typing import Any
 
 from backends.common import engine_file as ef
 from backends.common import megatron_args
-from backends.common.trackers import megatron_settings
+from backends.common.trackers import megatron_flag_settings
 from backends.contract import megatron
 from backends.contract.lora import MODULE_LINEARS
 from backends.contract.prompts import PROMPT_TYPE_TEMPLATES
@@ -714,13 +714,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
     refused += architecture_refusals(argv)
     if refused:
         raise ConfigError("this build of backends.llm does not implement:\n" + "\n".join(refused))
-    trackers, problems, tracker_notices = megatron_settings(
-        "megatron", tensorboard_dir=ns.tensorboard_dir, tensorboard_log_interval=ns.tensorboard_log_interval,
-        tensorboard_queue_size=ns.tensorboard_queue_size, log_timers=ns.log_timers_to_tensorboard,
-        log_world_size=ns.log_world_size_to_tensorboard, log_loss_scale=ns.log_loss_scale_to_tensorboard,
-        wandb_project=ns.wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
-        save=ns.save, global_batch=ns.global_batch_size, log_interval=ns.log_interval, clip_grad=ns.clip_grad,
-        precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", config=dict(vars(ns)))
+    trackers, problems, tracker_notices = megatron_flag_settings("megatron", ns)
     if problems:
         raise ConfigError("\n".join(problems))
     if os.environ.get("RANK", "0") == "0":

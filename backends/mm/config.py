@@ -21,7 +21,7 @@ from typing import Any
 
 from backends.common import engine_file as ef
 from backends.common import megatron_args
-from backends.common.trackers import megatron_settings
+from backends.common.trackers import megatron_flag_settings
 from backends.contract import megatron
 from backends.contract.megatron import CP_ALGO_DEFAULT_MINDSPEED, CP_ALGO_FLAGS
 
@@ -436,13 +436,7 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
         raise ConfigError("--bf16 and --fp16 exclude each other")
     if ns.train_iters is None and side.get("train_epochs") is None:
         raise ConfigError(f"give --train-iters, or train_epochs in {source}")
-    trackers, problems, tracker_notices = megatron_settings(
-        "mindspeed_mm", tensorboard_dir=ns.tensorboard_dir, tensorboard_log_interval=ns.tensorboard_log_interval,
-        tensorboard_queue_size=ns.tensorboard_queue_size, log_timers=ns.log_timers_to_tensorboard,
-        log_world_size=ns.log_world_size_to_tensorboard, log_loss_scale=ns.log_loss_scale_to_tensorboard,
-        wandb_project=ns.wandb_project, wandb_exp_name=ns.wandb_exp_name, wandb_save_dir=ns.wandb_save_dir,
-        save=ns.save, global_batch=ns.global_batch_size, log_interval=ns.log_interval, clip_grad=ns.clip_grad,
-        precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", config=dict(vars(ns)))
+    trackers, problems, tracker_notices = megatron_flag_settings("mindspeed_mm", ns)
     if problems:
         raise ConfigError("\n".join(problems))
     if os.environ.get("RANK", "0") == "0":
