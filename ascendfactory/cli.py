@@ -64,17 +64,11 @@ def _plan(job_file: Path, overrides, allow_unsupported: bool = False, for_run: b
 def _engine_warnings(job) -> list[str]:
     """validate: what `run` would refuse because this build's engine lacks it (the job itself is valid for
     its framework, and render writes it)."""
-    from ascendfactory.engines import require_ready
-    from ascendfactory.inputs import REMOTE_FS_LAUNCHERS
+    from ascendfactory.plan import engine_unready
 
-    if job.launcher in REMOTE_FS_LAUNCHERS:
-        return []
-    try:
-        require_ready(job)
-    except JobError as err:
-        return [f"`run` refuses this job: {err.title[0].lower()}{err.title[1:]}: {p.where}: {p.message}"
-                for p in err.problems]
-    return []
+    err = engine_unready(job)
+    return [] if err is None else [f"`run` refuses this job: {err.title[0].lower()}{err.title[1:]}: {p.where}: "
+                                   f"{p.message}" for p in err.problems]
 
 
 def _warn(warnings: list[str]) -> None:

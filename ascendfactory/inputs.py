@@ -13,6 +13,8 @@ from typing import Iterator
 
 from ascendfactory.errors import Problem
 
+# launchers whose processes read the job's paths on another file system (the pods' volumes, ModelArts'
+# storage); local and torchrun run here, and Slurm runs from this machine's shared file system
 REMOTE_FS_LAUNCHERS = ("k8s", "modelarts")
 # records are read for their image names only up to this much data: a bigger file is the engine's to check
 MAX_SCANNED_BYTES = 64 << 20

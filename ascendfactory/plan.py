@@ -11,6 +11,7 @@ from typing import Any
 from ascendfactory import catalog, field_effects
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
+from ascendfactory.inputs import REMOTE_FS_LAUNCHERS  # read on the cluster's file system: not checked here
 from backends.contract.layout import Layout, rl_batches
 from backends.contract.layout import solve as solve_layout
 from ascendfactory.matrix import CapabilityReport
@@ -50,9 +51,6 @@ class Plan:
         return out
 
 
-# launchers whose processes read the job's paths on another file system (the pods' volumes, ModelArts'
-# storage); local and torchrun run here, and Slurm runs from this machine's shared file system
-from ascendfactory.inputs import REMOTE_FS_LAUNCHERS  # noqa: E402
 
 
 def _remote_path_problems(job: JobSpec, field: str, value: str) -> tuple[list[Problem], list[str]] | None:
@@ -268,7 +266,6 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
     """Capability check, model, layout rules, memory estimate, with `check_inputs` the files the engine
     opens, and with `check_engine` that this build's engine runs the job where it runs here (what `run`
     checks before it writes anything): every problem in one JobError, titled by the check when one failed."""
-    from ascendfactory.engines import require_ready
     from ascendfactory.inputs import input_problems
     from ascendfactory.matrix import check
     from ascendfactory.memory import estimate
@@ -293,11 +290,9 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
           f"({n} problem{'s' if n != 1 else ''})"] = layout_problems
     if check_inputs:
         found["Inputs are missing"] = input_problems(job)
-    if check_engine and job.launcher not in REMOTE_FS_LAUNCHERS:   # there the engine is the image's
-        try:
-            require_ready(job)
-        except JobError as err:
-            found[err.title] = err.problems
+    unready = engine_unready(job) if check_engine else None
+    if unready is not None:
+        found[unready.title] = unready.problems
     mem = None
     if not layout_problems:
         if job.stage in RL_STAGES:
@@ -315,6 +310,20 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
     return Plan(job=job, model_id=job.model, card=card, family=family, arch=arch, arch_source=source,
                 layout=layout, memory=mem, capability=capability,
                 warnings=capability.warnings + warnings, roles=roles)
+
+
+def engine_unready(job: JobSpec) -> JobError | None:
+    """What this build's engine cannot run of the job (engines.require_ready), where it runs the job: None when
+    it runs every setting, or on a cluster launcher whose image brings its own engine."""
+    from ascendfactory.engines import require_ready
+
+    if job.launcher in REMOTE_FS_LAUNCHERS:
+        return None
+    try:
+        require_ready(job)
+    except JobError as err:
+        return err
+    return None
 
 
 def _title(failed: dict[str, list[Problem]]) -> str:
