@@ -61,6 +61,12 @@ class Loss:
     micro_mean: torch.Tensor | None = None
 
 
+def micro_batch_tokens(mb: dict) -> float:
+    """The micro-batch's loss terms on all its context-parallel ranks (at least 1: a micro-batch with none
+    adds nothing, where Megatron's 0 / 0 would make the step NaN): what Loss.micro_mean divides by."""
+    return max(float(int(mb.get("mb_tokens", mb["n_tokens"]))), 1.0)
+
+
 @dataclass(frozen=True)
 class Scales:
     """How one micro-batch's Loss enters the backward pass and the logged step loss (the loss contract in one

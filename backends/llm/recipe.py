@@ -15,7 +15,7 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Recipe, Settings, seed_everything
+from backends.common.trainer import Loss, Recipe, Settings, micro_batch_tokens, seed_everything
 from backends.llm import parallelize
 from backends.llm.config import ConfigError, LLMConfig, lora_targets, parse_args, prompt_template
 
@@ -64,12 +64,6 @@ def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0, to
         return Loss(loss_sum, micro_mean=micro_mean)
     aux = aux / topk
     return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()}, micro_mean=micro_mean)
-
-
-def micro_batch_tokens(mb: dict) -> float:
-    """The micro-batch's loss terms on all its context-parallel ranks (at least 1: a micro-batch with none
-    adds nothing, where Megatron's 0 / 0 would make the step NaN)."""
-    return max(float(int(mb.get("mb_tokens", mb["n_tokens"]))), 1.0)
 
 
 def job_fields(cfg: LLMConfig) -> dict[str, object]:

@@ -97,6 +97,7 @@ class TrainArgs:
     log_interval: int
     save_interval: int | None
     exit_interval: int | None = None
+    per_token_loss: bool = False   # --calculate-per-token-loss: the global token mean, not each micro-batch's
 
 
 @dataclass
@@ -141,6 +142,8 @@ def _parser() -> megatron_args.Parser:
     megatron_args.add(p, megatron.TRACKERS)
     a("--no-load-optim", action="store_true")  # refused when --load resumes an engine checkpoint
     a("--no-load-rng", action="store_true")
+    a("--calculate-per-token-loss", action="store_true")
+    a("--calculate-per-sample-loss", action="store_true")  # refused: see parse_args
     megatron_args.add_no_effect(p, "mm")  # --mm-tool (the profiler settings file) and the other no-effect flags
     return p
 
@@ -434,6 +437,10 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
                           "parallel; set it to 1")
     if ns.bf16 and ns.fp16:
         raise ConfigError("--bf16 and --fp16 exclude each other")
+    if ns.calculate_per_sample_loss:
+        raise ConfigError("--calculate-per-sample-loss: MindSpeed-MM's per-sample mean (each sample's token mean, "
+                          "averaged over the micro-batch) is not built; drop it for the micro-batch token mean, or "
+                          "give --calculate-per-token-loss")
     if ns.train_iters is None and side.get("train_epochs") is None:
         raise ConfigError(f"give --train-iters, or train_epochs in {source}")
     trackers, problems, tracker_notices = megatron_flag_settings("mindspeed_mm", ns)
@@ -514,7 +521,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> M
             warmup=ns.lr_warmup_iters, warmup_fraction=ns.lr_warmup_fraction, weight_decay=ns.weight_decay,
             betas=(ns.adam_beta1, ns.adam_beta2), eps=ns.adam_eps, grad_clip=ns.clip_grad,
             precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32", seed=ns.seed,
-            log_interval=ns.log_interval, save_interval=ns.save_interval, exit_interval=ns.exit_interval),
+            log_interval=ns.log_interval, save_interval=ns.save_interval, exit_interval=ns.exit_interval,
+            per_token_loss=ns.calculate_per_token_loss),
         model_id=side.get("model_id"), load_hf=load_hf, save=ns.save, load=ns.load or None,
         partial_load=tuple(flag for flag, on in (("--no-load-optim", ns.no_load_optim),
                                                  ("--no-load-rng", ns.no_load_rng)) if on),

@@ -14,7 +14,7 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Recipe, Settings, seed_everything
+from backends.common.trainer import Loss, Recipe, Settings, micro_batch_tokens, seed_everything
 from backends.mm import parallelize
 from backends.mm.config import ConfigError, MMConfig, parse_args
 
@@ -165,11 +165,22 @@ class MMRecipe(Recipe):
         return out
 
     def _pipeline_step(self, micro_batches, scales):
-        loss_sum, _ = self.par.pipeline.forward_backward(micro_batches, scales.token, scales.extra)
-        return loss_sum, {}, 1.0
+        pipeline = self.par.pipeline
+        if self.cfg.train.per_token_loss:
+            return pipeline.forward_backward(micro_batches, scales.token, scales.extra)[0], {}, 1.0
+        tokens = torch.tensor([micro_batch_tokens(mb) for mb in micro_batches], dtype=torch.float64)
+        pipeline.forward_backward(micro_batches, [scales.extra / t for t in tokens.tolist()], scales.extra)
+        means = pipeline.micro_loss_sums.cpu() / tokens   # logged as loss() logs them: see there
+        return means.sum() * scales.denom / (len(micro_batches) * self.par.grad_world), {}, 1.0
 
     def loss(self, model, mb: dict) -> Loss:
-        return Loss(model(mb["input_ids"], mb["labels"], mb["cu_seqlens"], mb["pixel_values"], mb["image_grid_thw"]))
+        """MindSpeed-MM's reduction (pretrain_vlm.loss_func): each micro-batch's token mean, averaged over the
+        micro-batches and data-parallel replicas, and logged so (Megatron's training_log averages loss_dict
+        over them); --calculate-per-token-loss the global batch's token mean."""
+        loss_sum = model(mb["input_ids"], mb["labels"], mb["cu_seqlens"], mb["pixel_values"], mb["image_grid_thw"])
+        if self.cfg.train.per_token_loss:
+            return Loss(loss_sum)
+        return Loss(mean=loss_sum / micro_batch_tokens(mb) / (self.accum * self.par.grad_world))
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict()}

@@ -189,6 +189,9 @@ def test_data_json_and_flag_refusals(upstream, tmp_path):
         _parse_with(tmp_path, extra=["--context-parallel-size", "2"])
     with pytest.raises(ConfigError, match="unsupported MindSpeed-MM flag.*--num-layerz"):
         _parse_with(tmp_path, extra=["--num-layerz", "3"])
+    with pytest.raises(ConfigError, match="--calculate-per-sample-loss: MindSpeed-MM's per-sample mean"):
+        _parse_with(tmp_path, extra=["--calculate-per-sample-loss"])
+    assert _parse_with(tmp_path, extra=["--calculate-per-token-loss"]).train.per_token_loss
 
 
 def test_orchestrator_refuses_what_the_engine_does_not_build(job_text):

@@ -213,3 +213,50 @@ def test_bundled_tiny_model_matches(tmp_path):
         want = hf(input_ids=ids, pixel_values=pv, image_grid_thw=grid,
                   mm_token_type_ids=(ids == c.image_token_id).int()).logits
         assert (ours(ids, pixel_values=pv, image_grid_thw=grid) - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_step_gradient_is_mindspeed_mm_reduction(pair, per_token):
+    """MindSpeed-MM's reduction (pretrain_vlm.loss_func over VLMModel.compute_language_model_loss): the step's
+    gradient is the mean over micro-batches of each micro-batch's token-mean CE (transformers' own loss of that
+    micro-batch), or with --calculate-per-token-loss the token mean of all of them, and the step's logged loss
+    is that mean. Two text micro-batches with
+    3 and 17 answer tokens tell the two apart; the engine's loss and the trainer's scales give the gradient."""
+    from types import SimpleNamespace
+
+    from backends.common.trainer import Part, optimize
+    from backends.mm.data import Sample, collate
+    from backends.mm.recipe import MMRecipe, VLWithLoss
+
+    hf, out, _ = pair
+    from backends.models.qwen2_5_vl import from_pretrained
+
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for length, answer in ((12, 3), (24, 17)):
+        ids = torch.randint(0, 56, (length,), generator=gen).tolist()
+        rows.append(Sample(ids, [-100] * (length - answer) + ids[length - answer:], None, None))
+    micro_batches = [collate([r]) for r in rows]
+    model = VLWithLoss(from_pretrained(out).float())
+    part = Part(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    before = model.vl.model.layers[0].mlp.down_proj.weight.detach().clone()
+    recipe = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(per_token_loss=per_token)), accum=2,
+                             par=SimpleNamespace(grad_world=1))
+    result = optimize(part, micro_batches, lambda m, mb: MMRecipe.loss(recipe, m, mb), device=torch.device("cpu"))
+    ours = before - model.vl.model.layers[0].mlp.down_proj.weight.detach()   # SGD, lr 1: the gradient
+
+    hf.zero_grad()
+    losses, counts = [], []
+    for r in rows:
+        labels = torch.tensor([r.labels])
+        out_hf = hf(input_ids=torch.tensor([r.input_ids]), labels=labels)
+        losses.append(out_hf.loss)
+        counts.append(int((labels[0, 1:] != -100).sum()))
+    if per_token:
+        total = sum(l * c for l, c in zip(losses, counts)) / sum(counts)
+    else:
+        total = sum(losses) / len(losses)
+    total.backward()
+    assert result.loss == pytest.approx(total.detach().item(), rel=1e-5)  # logged as MindSpeed-MM logs it
+    ref = hf.model.language_model.layers[0].mlp.down_proj.weight.grad
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)

@@ -287,14 +287,15 @@ class PipelineRunner:
             # the micro-batches as they are (step() would concatenate and split them: one width only)
             self.schedule._step_microbatches(args, kwargs, [mb["labels"] for mb in micro_batches],
                                              return_outputs=False)
-        # the last stage knows the loss; the pp group sums it so every rank reports the same value
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # the last stage knows the losses; the pp group sums them so every rank reports the same values
+        stats = torch.zeros(n + 1, dtype=torch.float64, device=self.device)
         if self.plan.last_rank:
-            stats[0] = torch.stack(self._loss_sums).sum()
+            stats[:n] = torch.stack(self._loss_sums)
             if self._auxes:
-                stats[1] = torch.stack(self._auxes).sum()
+                stats[n] = torch.stack(self._auxes).sum()
         dist.all_reduce(stats, group=self.pp_group)
-        return stats[0], (float(stats[1]) / n if self.carry_aux else None)
+        self.micro_loss_sums = stats[:n]  # each micro-batch's summed loss, for a recipe that logs their means
+        return stats[:n].sum(), (float(stats[n]) / n if self.carry_aux else None)
 
     def _log_new_widths(self, shapes: list[tuple[int, int]]) -> None:
         """Once per width not seen before (bounded: widths are multiples of the padding multiple up to the
