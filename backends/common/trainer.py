@@ -59,12 +59,21 @@ class Loss:
     # summed share / the micro-batch's loss terms on all its context-parallel ranks × their number); the
     # gradient averages it over micro-batches and data-parallel replicas. `sum` is then the logged loss only.
     micro_mean: torch.Tensor | None = None
+    log_micro_mean: bool = False            # log micro_mean's mean over micro-batches and replicas (MindSpeed's SFT
+    #                                         and MindSpeed-MM's loss_func) instead of the global token mean
 
 
 def micro_batch_tokens(mb: dict) -> float:
     """The micro-batch's loss terms on all its context-parallel ranks (at least 1: a micro-batch with none
     adds nothing, where Megatron's 0 / 0 would make the step NaN): what Loss.micro_mean divides by."""
     return max(float(int(mb.get("mb_tokens", mb["n_tokens"]))), 1.0)
+
+
+def logged_micro_means(micro_loss_sums: torch.Tensor, micro_batches: list[dict], scales: "Scales", cp: int = 1):
+    """A pipeline step's logged loss (summed-token units, as Scales.terms logs a Loss with log_micro_mean) from
+    the last stage's per-micro-batch summed losses on this context-parallel rank."""
+    tokens = torch.tensor([micro_batch_tokens(mb) for mb in micro_batches], dtype=torch.float64)
+    return (micro_loss_sums.cpu() * cp / tokens).sum() * (scales.extra / scales.mean * scales.denom)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,8 @@ class Scales:
                 backward = out.sum.float() * self.token
         if out.micro_mean is not None:   # averaged over micro-batches here, over replicas by the gradient sync
             backward = backward + out.micro_mean.float() * self.extra
+            if out.log_micro_mean:   # extra / mean: 1 / (micro-batches x replicas), the loss scale cancelling
+                logged = out.micro_mean.detach().to(torch.float64) * (self.extra / self.mean * self.denom)
         if out.mean is not None:
             backward = backward + out.mean.float() * self.mean
             logged = logged + out.mean.detach().to(torch.float64) * self.denom

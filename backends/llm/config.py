@@ -130,6 +130,8 @@ class TrainArgs:
     decay_steps: int | None = None        # --lr-decay-iters
     per_token_loss: bool = False          # --calculate-per-token-loss: the global token mean, not Megatron's
     #                                       default mean of per-micro-batch token means
+    log_micro_means: bool = False         # --stage sft (posttrain_gpt.py's SFTTrainer.loss_func) without it: the
+    #                                       logged loss is that mean too (pretrain_gpt.py logs the token mean)
 
 
 @dataclass
@@ -797,7 +799,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             seed=ns.seed, log_interval=ns.log_interval, save_interval=ns.save_interval,
             moe_aux_loss_coeff=ns.moe_aux_loss_coeff, exit_interval=ns.exit_interval,
             warmup_fraction=ns.lr_warmup_fraction, decay_steps=ns.lr_decay_iters,
-            per_token_loss=ns.calculate_per_token_loss),
+            per_token_loss=ns.calculate_per_token_loss,
+            log_micro_means=ns.stage == "sft" and not ns.calculate_per_token_loss),
         lora=lora,
         kernel_backend=side.kernel_backend,
         kernel_overrides=side.kernel_overrides,

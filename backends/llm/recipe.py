@@ -15,7 +15,7 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Recipe, Settings, micro_batch_tokens, seed_everything
+from backends.common.trainer import Loss, Recipe, Settings, logged_micro_means, micro_batch_tokens, seed_everything
 from backends.llm import parallelize
 from backends.llm.config import ConfigError, LLMConfig, lora_targets, parse_args, prompt_template
 
@@ -49,21 +49,23 @@ class CausalLMWithLoss(torch.nn.Module):
 
 
 def causal_lm_loss(model: CausalLMWithLoss, mb: dict, aux_coeff: float = 0.0, topk: int = 1,
-                   cp: int | None = 1) -> Loss:
+                   cp: int | None = 1, log_means: bool = False) -> Loss:
     """The summed next-token loss of a micro-batch, reduced as Megatron reduces it: without
     --calculate-per-token-loss (`cp` the context-parallel size) each micro-batch's token mean, averaged over
     micro-batches and replicas (schedules.forward_step: loss / num_tokens × cp / num_microbatches); with it
     (`cp` None) the token mean of the global batch. Plus Megatron's MoE load-balancing loss (× its
-    coefficient) when asked. The model's aux loss is transformers' (Mixtral) E·Σ f_i·P_i, f_i the share of
+    coefficient) when asked. `log_means`: log the mean of the micro-batch means (MindSpeed-LLM's SFT trainer). The model's aux loss is transformers' (Mixtral) E·Σ f_i·P_i, f_i the share of
     tokens routed to expert i; Megatron's switch_load_balancing_loss_func takes f_i as a share of the top-k
     assignments: 1/topk."""
     loss_sum, _, aux = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), mb.get("cu_seqlens"),
                              mb.get("aux_mask"))
     micro_mean = None if cp is None else loss_sum * (cp / micro_batch_tokens(mb))
+    log = micro_mean is not None and log_means
     if aux is None or not aux_coeff:
-        return Loss(loss_sum, micro_mean=micro_mean)
+        return Loss(loss_sum, micro_mean=micro_mean, log_micro_mean=log)
     aux = aux / topk
-    return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()}, micro_mean=micro_mean)
+    return Loss(loss_sum, extra=aux * aux_coeff, metrics={"aux_loss": aux.detach()}, micro_mean=micro_mean,
+                log_micro_mean=log)
 
 
 def job_fields(cfg: LLMConfig) -> dict[str, object]:
@@ -298,7 +300,8 @@ class LLMRecipe(Recipe):
                 for _ in range(self.accum)]
 
     def loss(self, model, mb: dict) -> Loss:
-        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff, self._topk(), self._micro_mean_cp())
+        return causal_lm_loss(model, mb, self.cfg.train.moe_aux_loss_coeff, self._topk(), self._micro_mean_cp(),
+                              self.cfg.train.log_micro_means)
 
     def _micro_mean_cp(self) -> int | None:
         """Megatron's per-micro-batch reduction (the context-parallel size), or None for
@@ -310,6 +313,8 @@ class LLMRecipe(Recipe):
         cp = self._micro_mean_cp()
         token = scales.token if cp is None else [scales.extra * cp / micro_batch_tokens(mb) for mb in micro_batches]
         loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, token, scales.extra * coeff / topk)
+        if cp is not None and self.cfg.train.log_micro_means:
+            loss_sum = logged_micro_means(self.par.pipeline.micro_loss_sums, micro_batches, scales, cp)
         return loss_sum, ({"aux_loss": aux / topk} if aux is not None and coeff else {}), 1.0  # this rank's mean
 
     def _topk(self) -> int:

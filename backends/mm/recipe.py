@@ -14,7 +14,7 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Recipe, Settings, micro_batch_tokens, seed_everything
+from backends.common.trainer import Loss, Recipe, Settings, logged_micro_means, micro_batch_tokens, seed_everything
 from backends.mm import parallelize
 from backends.mm.config import ConfigError, MMConfig, parse_args
 
@@ -168,10 +168,9 @@ class MMRecipe(Recipe):
         pipeline = self.par.pipeline
         if self.cfg.train.per_token_loss:
             return pipeline.forward_backward(micro_batches, scales.token, scales.extra)[0], {}, 1.0
-        tokens = torch.tensor([micro_batch_tokens(mb) for mb in micro_batches], dtype=torch.float64)
-        pipeline.forward_backward(micro_batches, [scales.extra / t for t in tokens.tolist()], scales.extra)
-        means = pipeline.micro_loss_sums.cpu() / tokens   # logged as loss() logs them: see there
-        return means.sum() * scales.denom / (len(micro_batches) * self.par.grad_world), {}, 1.0
+        pipeline.forward_backward(micro_batches, [scales.extra / micro_batch_tokens(mb) for mb in micro_batches],
+                                  scales.extra)
+        return logged_micro_means(pipeline.micro_loss_sums, micro_batches, scales), {}, 1.0
 
     def loss(self, model, mb: dict) -> Loss:
         """MindSpeed-MM's reduction (pretrain_vlm.loss_func): each micro-batch's token mean, averaged over the
@@ -180,7 +179,7 @@ class MMRecipe(Recipe):
         loss_sum = model(mb["input_ids"], mb["labels"], mb["cu_seqlens"], mb["pixel_values"], mb["image_grid_thw"])
         if self.cfg.train.per_token_loss:
             return Loss(loss_sum)
-        return Loss(mean=loss_sum / micro_batch_tokens(mb) / (self.accum * self.par.grad_world))
+        return Loss(loss_sum, micro_mean=loss_sum / micro_batch_tokens(mb), log_micro_mean=True)
 
     def state_dict(self) -> dict:
         return {"loader": self.loader.state_dict()}

@@ -585,7 +585,8 @@ def test_gradient_is_megatrons_mean_of_micro_batch_token_means():
     """Megatron's default reduction (schedules.forward_step: loss_sum / num_tokens × cp / num_microbatches,
     then the data-parallel mean): micro-batches with different numbers of label tokens weigh the same, where
     --calculate-per-token-loss weighs every token the same. Checked on the gradient of a tiny model against
-    both references written here; the logged loss stays the global token mean either way."""
+    both references written here. The logged loss is the global token mean (pretrain_gpt.py's reporting) or,
+    for --stage sft (posttrain_gpt.py's SFTTrainer.loss_func), the mean of the micro-batch means."""
     from backends.common.trainer import Part, optimize
     from backends.llm.recipe import CausalLMWithLoss, causal_lm_loss
     from backends.models import decoder as models
@@ -603,10 +604,11 @@ def test_gradient_is_megatrons_mean_of_micro_batch_token_means():
         def zero_grad(self, set_to_none=True):
             pass
 
-    def grads(cp):
+    def grads(cp, log_means=False):
         model.zero_grad(set_to_none=True)
         part = Part(model, KeepGrads(model.parameters(), lr=0.0))
-        res = optimize(part, mbs, lambda m, mb: causal_lm_loss(m, mb, cp=cp), device=torch.device("cpu"))
+        res = optimize(part, mbs, lambda m, mb: causal_lm_loss(m, mb, cp=cp, log_means=log_means),
+                       device=torch.device("cpu"))
         return res.loss, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     def reference(per_token):
@@ -624,4 +626,9 @@ def test_gradient_is_megatrons_mean_of_micro_batch_token_means():
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
     assert logged_megatron == pytest.approx(logged_per_token)
+    logged_sft, sft = grads(1, log_means=True)
+    with torch.no_grad():
+        means = [float(model(mb["input_ids"], mb["labels"])[0]) / float(mb["n_tokens"]) for mb in mbs]
+    assert logged_sft == pytest.approx(sum(means) / 2) and logged_sft != pytest.approx(logged_megatron)
+    assert all(torch.equal(a, b) for a, b in zip(sft, megatron))   # the logging only
     assert max(float((a - b).abs().max()) for a, b in zip(megatron, per_token)) > 1e-4   # the two rules differ here

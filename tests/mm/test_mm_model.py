@@ -240,8 +240,7 @@ def test_step_gradient_is_mindspeed_mm_reduction(pair, per_token):
     model = VLWithLoss(from_pretrained(out).float())
     part = Part(model, torch.optim.SGD(model.parameters(), lr=1.0))
     before = model.vl.model.layers[0].mlp.down_proj.weight.detach().clone()
-    recipe = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(per_token_loss=per_token)), accum=2,
-                             par=SimpleNamespace(grad_world=1))
+    recipe = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(per_token_loss=per_token)))
     result = optimize(part, micro_batches, lambda m, mb: MMRecipe.loss(recipe, m, mb), device=torch.device("cpu"))
     ours = before - model.vl.model.layers[0].mlp.down_proj.weight.detach()   # SGD, lr 1: the gradient
 
