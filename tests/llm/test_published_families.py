@@ -236,9 +236,10 @@ def prepared(engine_runs, tmp_path_factory) -> dict[str, Prepared]:
 
 
 def first_batch_loss(script: Script, argv: list[str], model_dir: Path) -> float:
-    """The first step's loss as the engine logs it (the token mean over the global batch), by transformers under
-    bf16 autocast on the micro-batches the script's data gives each data-parallel rank; a packed micro-batch's
-    documents one by one, at their positions."""
+    """The first step's loss as MindSpeed-LLM logs it (pretrain_gpt.py: the token mean over the global batch;
+    posttrain_gpt.py --stage sft: the mean of the micro-batches' token means), by transformers under bf16 autocast
+    on the micro-batches the script's data gives each data-parallel rank; a packed micro-batch's documents one by
+    one, at their positions."""
     import transformers
 
     from backends.llm.config import parse_args
@@ -248,12 +249,13 @@ def first_batch_loss(script: Script, argv: list[str], model_dir: Path) -> float:
     dp = script.expected_layout["dp"]
     micro, global_ = script.batch
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    total, count = 0.0, 0
+    micro_sums = []   # (summed loss, label tokens) of each micro-batch
     for rank in range(dp):
         _, loader = _build_data(cfg, SimpleNamespace(is_main=True),
                                 SimpleNamespace(dp_rank=rank, layout=SimpleNamespace(dp=dp)))
         for _ in range(global_ // (micro * dp)):
             mb = next(loader)
+            total, count = 0.0, 0
             ids, labels, pos = mb["input_ids"], mb["labels"], mb["position_ids"]
             if "cu_seqlens" in mb:
                 cu = mb["cu_seqlens"].tolist()
@@ -269,7 +271,10 @@ def first_batch_loss(script: Script, argv: list[str], model_dir: Path) -> float:
                     logits = model(ids[row, cols][None], position_ids=pos[row, cols][None]).logits[0]
                 total += torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum").item()
                 count += int((target != -100).sum())
-    return total / count
+            micro_sums.append((total, count))
+    if "--stage" in argv and argv[argv.index("--stage") + 1] == "sft" and "--calculate-per-token-loss" not in argv:
+        return sum(t / c for t, c in micro_sums) / len(micro_sums)
+    return sum(t for t, _ in micro_sums) / sum(c for _, c in micro_sums)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.name)
