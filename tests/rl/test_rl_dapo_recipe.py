@@ -85,7 +85,7 @@ def test_groups_are_kept_by_numpy_s_std_and_no_filter_is_one_round():
 
 def test_the_loader_runs_out_as_the_recipe_s():
     """1 epoch of 24 rows is 4 batches of 6: two steps of two rounds use them up; the recipe's loop ends there
-    (should_stop), and a step that would need a fifth batch is refused by name."""
+    (should_stop), and a step that would need a fifth batch is refused by name. An epoch is whole batches."""
     recipe = _recipe()
     recipe._collect(0)
     recipe.steps_done = 1
@@ -95,6 +95,12 @@ def test_the_loader_runs_out_as_the_recipe_s():
     assert "data loader is exhausted" in recipe.should_stop()
     with pytest.raises(ValueError, match="the data loader ran out .* VeRL's DAPO recipe ends its training loop"):
         recipe._collect(2)
+    # 26 rows, 2 epochs: each epoch's last 2 rows are dropped (drop_last); step 3 opens epoch 2 at row 0
+    recipe = _recipe(total_epochs=2)
+    recipe.cfg.records += [dict(recipe.cfg.records[1]), dict(recipe.cfg.records[1])]
+    for step in range(3):
+        recipe._collect(step)
+    assert recipe.rolled_out[4] == list(range(6))
 
 
 def test_the_filter_metric_is_a_reward_info():

@@ -267,6 +267,26 @@ def test_old_keys_and_no_effect_keys_are_read_with_one_notice_each(tmp_path):
     assert any(line.startswith("hydra.searchpath: Hydra's own settings") for line in dapo.notices), dapo.notices
     assert (dapo.algorithm, dapo.truncation, dapo.overlong_buffer, dapo.overlong_max_length, dapo.dynamic_bsz,
             dapo.clip_high, dapo.val_do_sample) == ("dapo", "left", 2, 8, True, 0.28, True)
+    # the recipe's config: its own rounds (dapo_rounds.py), not main_ppo's reading of gen_batch_size
+    assert (dapo.gen_batch_size, dapo.filter_metric, dapo.max_gen_rounds) == (12, "acc", 10)
+    assert not any(line.startswith(("data.gen_batch_size", "algorithm.filter_groups")) for line in dapo.notices)
+    v09 = from_argv(verl_argv("ppo_qwen3_v09", tmp_path, tmp_path / "home"))  # the critic by its token budget alone
+    assert (v09.critic_dynamic_bsz, v09.critic_micro_batch_size, v09.gen_batch_size) == (True, None, None)
+
+
+@pytest.mark.parametrize("override,words", [
+    ("data.gen_batch_size=null", "data.gen_batch_size: must be a positive integer for VeRL's DAPO recipe"),
+    ("algorithm.filter_groups.enable=False", "data.gen_batch_size: 12 differs from data.train_batch_size 4 without "
+     "algorithm.filter_groups: the DAPO recipe then trains each step on the whole generation batch"),
+    ("algorithm.use_kl_in_reward=True algorithm.filter_groups.metric=seq_final_reward",
+     "algorithm.filter_groups.metric: seq_final_reward with algorithm.use_kl_in_reward"),
+])
+def test_what_the_dapo_recipe_s_rounds_do_not_build_is_refused(tmp_path, override, words):
+    from backends.rl.config import RLConfigError
+    from backends.rl.dialects import from_argv
+
+    with pytest.raises(RLConfigError, match=re.escape(words)):
+        from_argv(verl_argv("dapo", tmp_path, tmp_path / "home") + override.split())
 
 
 @pytest.mark.parametrize("override,words", [
