@@ -27,17 +27,13 @@ class CausalLMWithLoss(torch.nn.Module):
     head) is unsharded for exactly this forward, so the chunked loss can read the head weight."""
 
     def __init__(self, decoder: torch.nn.Module):
-        from backends.models.decoder.moe import MoE
-
         super().__init__()
         self.decoder = decoder
-        # found once, not on every forward
-        self._moe_blocks = [m for m in decoder.modules() if isinstance(m, MoE)]
 
     def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None, aux_mask=None):
-        for block in self._moe_blocks:  # CP padding of this micro-batch stays out of the aux loss
-            block.aux_token_mask = aux_mask
-        hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True)
+        # aux_mask: CP padding of this micro-batch stays out of the MoE aux loss
+        hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True,
+                              aux_mask=aux_mask)
         if getattr(self.decoder, "tp_info", None) is not None:  # vocab-parallel: no full-vocab logits
             from backends.common.parallel.tensor_parallel import tp_loss
 
