@@ -108,7 +108,7 @@ def check(case: dict, lay: dict, mesh, tmp: str) -> dict:
     reference = one_process(case, seed)
     worst, share = 0.0, 0
     names = []
-    for name, t in [*decoder.named_parameters(), *loading._persistent_buffers(decoder)]:
+    for name, t in [*decoder.named_parameters(), *loading.persistent_buffers(decoder)]:
         names.append(name)
         region = loading.local_region(t)
         local = t.to_local() if isinstance(t, DTensor) else t
