@@ -225,7 +225,7 @@ class MegatronView:
         total = max([*counts, *(n + 1 for n in per_layer)], default=0)
         layers = []
         for i in range(total):
-            keys = set(stacked) | per_layer.get(i, set())
+            keys = {rest for rest in stacked if i in store.covered[f"decoder.layers.{rest}"]} | per_layer.get(i, set())
 
             def shards(rest, i=i):
                 key = f"decoder.layers.{i}.{rest}"
