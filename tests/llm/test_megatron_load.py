@@ -40,7 +40,8 @@ def _naming(model_dir: Path) -> Naming:
 
 @pytest.mark.parametrize("model,kind,layout", [("dense", "legacy", (2, 2, 1)), ("moe", "legacy", (2, 2, 1)),
                                                ("moe", "torch_dist", None), ("mla-lite", "legacy", (2, 2, 2)),
-                                               ("mla-v3", "legacy", (2, 2, 1)), ("mla-v3", "legacy-mm-split", (2, 2, 1))])
+                                               ("mla-v3", "legacy", (2, 2, 1)), ("mla-v3", "legacy-mm-split", (2, 2, 1)),
+                                               ("mla-v3", "torch_dist", None)])
 def test_checkpoints_the_upstream_tools_wrote_read_back_to_their_hf_weights(model, kind, layout):
     hf, cfg = hf_weights(UPSTREAM / model / "hf")
     ckpt = open_checkpoint(UPSTREAM / model / kind)
