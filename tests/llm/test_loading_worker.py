@@ -77,7 +77,6 @@ def build(case: dict, lay: dict, mesh, seed: int):
 def one_process(case: dict, seed: int):
     """The whole model on this rank alone: the old whole-checkpoint load, or the seeded init unsharded."""
     from backends.models import decoder as models
-    from backends.models.decoder import loading
 
     if case["model_dir"] and not case["lora"]:
         return models.from_pretrained(case["model_dir"])
