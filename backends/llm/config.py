@@ -655,18 +655,19 @@ def flags_model(ns: argparse.Namespace) -> FlagsModel:
     wrong = [f"{flag}: give it (Megatron builds the model from the flags)" for flag, value in (
         ("--num-layers", ns.num_layers), ("--hidden-size", ns.hidden_size),
         ("--num-attention-heads", ns.num_attention_heads)) if value is None]
-    if ns.multi_latent_attention:
-        wrong.append("--multi-latent-attention: reading Megatron checkpoints of MLA models is not built; convert it to "
-                     "Hugging Face format (MindSpeed-LLM's convert_ckpt_v2.py --save-model-type hf) and load that with "
-                     "--enable-hf2mg-convert")
     # (omitted --swiglu / --disable-bias-linear are refused for every load: architecture_refusals)
-    wrong += [f"{flag}: shared experts and dense leading layers (DeepSeek's) are not read from Megatron checkpoints; "
-              f"convert it to Hugging Face format and load that with --enable-hf2mg-convert"
-              for flag, value in (("--n-shared-experts", ns.n_shared_experts),
-                                  ("--first-k-dense-replace", ns.first_k_dense_replace)) if value]
+    if ns.multi_latent_attention:
+        wrong += _mla_flag_problems(ns)
+    else:
+        wrong += [f"{flag}: shared experts and dense leading layers are DeepSeek's; give --multi-latent-attention "
+                  f"and the rest of its flags, or load a model whose config.json has them"
+                  for flag, value in (("--n-shared-experts", ns.n_shared_experts),
+                                      ("--first-k-dense-replace", ns.first_k_dense_replace)) if value]
     if wrong:
         raise ConfigError(f"--load {ns.load} (a Megatron checkpoint, the model from the flags): " + "; ".join(wrong))
-    if ns.num_experts:
+    if ns.multi_latent_attention:
+        family = "deepseek_v2"
+    elif ns.num_experts:
         family = "qwen3_moe" if ns.qk_layernorm else "mixtral"
     elif ns.qk_layernorm:
         family = "qwen3"
@@ -674,11 +675,10 @@ def flags_model(ns: argparse.Namespace) -> FlagsModel:
         family = "glm"
     else:
         family = "qwen2" if ns.add_qkv_bias else "llama"
-    model_type = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3", "glm": "glm", "qwen2": "qwen2",
-                  "llama": "llama"}[family]
-    if ns.model_type_hf and model_type not in MODEL_TYPE_HF[ns.model_type_hf]:
+    if ns.model_type_hf and family not in MODEL_TYPE_HF[ns.model_type_hf]:
         raise ConfigError(f"--model-type-hf {ns.model_type_hf}: the architecture flags describe a {family} model "
-                          f"(--qk-layernorm, --add-qkv-bias, --num-experts, --use-glm-rope set the family)")
+                          f"(--multi-latent-attention, --qk-layernorm, --add-qkv-bias, --num-experts, --use-glm-rope "
+                          f"set the family)")
     heads, hidden = ns.num_attention_heads, ns.hidden_size
     ffn = ns.ffn_hidden_size or int(4 * hidden * 2 / 3 / 64) * 64   # Megatron's default with --swiglu
     vocab = ns.padded_vocab_size
@@ -706,7 +706,40 @@ def flags_model(ns: argparse.Namespace) -> FlagsModel:
     if ns.num_experts:
         arch["moe"] = {"num_experts": ns.num_experts, "experts_per_token": ns.moe_router_topk or 2,
                        "moe_ffn_hidden_size": ns.moe_ffn_hidden_size or ffn}
+    if ns.multi_latent_attention:
+        _mla_arch(ns, arch)
     return FlagsModel(family, arch, multiple)
+
+
+_MLA_SIZES = (("--kv-lora-rank", "kv_lora_rank"), ("--qk-head-dim", "qk_head_dim"),
+              ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim"), ("--v-head-dim", "v_head_dim"))
+
+
+def _mla_flag_problems(ns: argparse.Namespace) -> list[str]:
+    """What keeps these MLA flags from describing a DeepSeek model (transformers' DeepseekV2)."""
+    out = [f"{flag}: give it (MindSpeed-LLM's default is none; DeepSeek's config.json has the size)"
+           for flag, name in _MLA_SIZES if getattr(ns, name) is None]
+    if not ns.qk_layernorm:
+        out.append("--multi-latent-attention without --qk-layernorm: MindSpeed-LLM builds it without the q / kv latent "
+                   "norms DeepSeek's attention has; add --qk-layernorm")
+    if not ns.num_experts:
+        out.append("--multi-latent-attention without --num-experts: the DeepSeek models are mixtures of experts; give "
+                   "the MoE flags")
+    return out
+
+
+def _mla_arch(ns: argparse.Namespace, arch: dict[str, Any]) -> None:
+    """DeepSeek-V2's attention and MoE from the MLA flags (softmax routing: Megatron's top-k, renormalised unless
+    --moe-router-pre-softmax; the routing facts of model_facts are set on it afterwards)."""
+    arch.update(num_kv_heads=arch["num_attention_heads"], head_dim=ns.qk_head_dim + ns.qk_pos_emb_head_dim,
+                qk_norm=False,
+                mla={"q_lora_rank": ns.q_lora_rank, "kv_lora_rank": ns.kv_lora_rank,
+                     "qk_nope_head_dim": ns.qk_head_dim, "qk_rope_head_dim": ns.qk_pos_emb_head_dim,
+                     "v_head_dim": ns.v_head_dim})
+    grouped = (ns.moe_router_num_groups or 1) > 1
+    arch["moe"].update(shared_experts=ns.n_shared_experts or 0, first_k_dense=ns.first_k_dense_replace or 0,
+                       moe_layer_freq=int(ns.moe_layer_freq or 1), norm_topk_prob=True,
+                       topk_method="group_limited_greedy" if grouped else "greedy")
 
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
