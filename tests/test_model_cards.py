@@ -136,8 +136,12 @@ def test_card_schema(model_id):
         assert vision["out_hidden_size"] == arch["hidden_size"]
 
 
-# published sizes that are a name's label only, with what the count adds to it (EXACT holds their totals)
-LABEL_ONLY = {"deepseek-r1-distill-qwen-1.5b": "the untied 151936 x 1536 output head"}
+# a published size that is the name's label only says so (params_label_only); EXACT holds their totals
+LABEL_ONLY = [m for m in WITH_ARCH if CARDS[m].get("params_label_only")]
+
+
+def test_label_only_sizes_are_the_two_second_seed_cards_and_their_totals_are_held():
+    assert LABEL_ONLY == ["chatglm3-6b", "deepseek-r1-distill-qwen-1.5b"] and set(LABEL_ONLY) <= set(EXACT)
 
 
 @pytest.mark.parametrize("model_id", [m for m in WITH_ARCH if m not in LABEL_ONLY])
