@@ -69,6 +69,13 @@ def test_a_card_without_config_values_says_so(model_id):
     assert isinstance(card["family"], str) and card["seed2"] is not None
 
 
+def test_seed2_copy_is_verbatim():
+    original = ROOT.parent / "shared" / "seeds" / "001_fd22b9b60aa4ca09.txt"
+    if not original.exists():
+        pytest.skip("shared/seeds not present next to this checkout")
+    assert SEED2_TEXT.encode("utf-8") == original.read_bytes()
+
+
 def _seed_rows() -> dict[str, tuple[str, str, list[str]]]:
     """'<first cell> <second cell>' → (table kind, cluster, backends) for the seed's dense and MoE tables."""
     rows, kind = {}, None
