@@ -19,7 +19,7 @@ from backends.models.decoder.config import ConfigError, ModelConfig  # noqa: E40
 
 CARDS = yaml.safe_load((Path(__file__).resolve().parents[2] / "capability_matrix" / "models.yaml")
                        .read_text(encoding="utf-8"))["models"]
-LLM_IDS = [k for k, c in CARDS.items() if c["type"] == "llm"]
+LLM_IDS = [k for k, c in CARDS.items() if c["type"] == "llm" and c.get("arch")]  # arch null: refused by name
 
 
 def _cfg(model_id: str) -> ModelConfig:
@@ -40,8 +40,9 @@ def test_card_to_hf_builds_the_same_model_in_transformers(model_id):
     assert count == sum(p.numel() for p in theirs.parameters())
     buffers = sum(b.numel() for n, b in theirs.named_buffers() if "inv_freq" not in n)  # V3 correction bias
     assert sum(b.numel() for b in ours.buffers()) == buffers
-    # and within 1.5% of the published size (MTP modules and rounding aside)
-    assert count / 1e9 == pytest.approx(CARDS[model_id]["published_params_b"], rel=0.015)
+    # and within 1.5% of the published size (MTP modules and rounding aside), where it is more than a name's label
+    if not CARDS[model_id].get("params_label_only"):
+        assert count / 1e9 == pytest.approx(CARDS[model_id]["published_params_b"], rel=0.015)
 
 
 @pytest.mark.parametrize("model_id", LLM_IDS)
