@@ -178,6 +178,11 @@ def _build_data(cfg: LLMConfig, rt, par):
     mode = "packed" if d.packing else "dynamic" if d.dynamic else "padded"
     samples = dataset.open(d.seq_len)
     rows = _rows(cfg, dataset, samples) if mode == "packed" else None
+    if rows is None and len(samples) != len(samples.tokens):
+        raise ConfigError(f"--data-path {d.prefix}: its rows were packed by preprocess_data.py --neat-pack, and "
+                          f"without --reset-attention-mask MindSpeed-LLM trains each row as one sequence, its "
+                          f"documents attending to each other (not built); add --reset-attention-mask --neat-pack "
+                          f"(each document apart, as the published pack scripts train them)")
     index, epoch, order = _mindspeed_order(cfg, len(rows) if rows is not None else len(samples))
     loader = MicroBatchLoader(samples, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
                               dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.train.seed, shuffle=d.shuffle,

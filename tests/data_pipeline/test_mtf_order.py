@@ -91,7 +91,7 @@ def test_the_engine_trains_the_published_rows_in_mindspeeds_order(upstream, tmp_
     """backends.llm on a --neat-pack dataset with --padded-samples, two data-parallel ranks: every micro-batch is
     the row that the upstream index, read by Megatron's sampler, gives that rank, with the row's documents kept
     apart as written."""
-    from backends.llm.config import parse_args
+    from backends.llm.config import ConfigError, parse_args
     from backends.llm.recipe import _build_data
 
     seq, micro, dp, batch, steps, seed = 16, 1, 2, 4, 7, 1234
@@ -117,3 +117,8 @@ def test_the_engine_trains_the_published_rows_in_mindspeeds_order(upstream, tmp_
             starts = [int(mb["input_ids"][0, a]) for a in cu[:-1]]
             assert starts[:len(rows[row])] == [1000 + 10 * row + d for d in range(len(rows[row]))]
             assert np.diff(cu).tolist()[:len(rows[row])] == rows[row]
+    # without the packing flags MindSpeed-LLM would train each row as one sequence: refused, not split into samples
+    plain = parse_args([a for a in argv if a not in ("--reset-attention-mask", "--neat-pack")],
+                       engine={"model_id": "qwen3-0.6b"})
+    with pytest.raises(ConfigError, match="--reset-attention-mask --neat-pack"):
+        _build_data(plain, SimpleNamespace(is_main=True), SimpleNamespace(dp_rank=0, layout=SimpleNamespace(dp=1)))
