@@ -421,6 +421,8 @@ def _split_weights(text: str) -> list[float]:
         weights = [float(x) for x in text.replace("/", ",").split(",")]
     except ValueError:
         raise ConfigError(f"--split {text}: expected weights such as 100,0,0") from None
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise ConfigError(f"--split {text}: the weights must be positive or 0, and not all 0; e.g. 100,0,0")
     return weights + [0.0] * (3 - len(weights))
 
 

@@ -541,6 +541,12 @@ def test_pretraining_data_notices(capsys, monkeypatch):
     assert [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()] == ["--split"]
 
 
+@pytest.mark.parametrize("split", ["0,0,0", "100,-1,0", "a,b"])
+def test_a_split_without_rows_to_train_is_one_named_error(split):
+    with pytest.raises(ConfigError, match=f"--split {split}: "):
+        parse_args(BASE + ["--split", split, "--is-instruction-dataset"], engine=CARD)
+
+
 def test_omitted_architecture_switches_are_refused_not_read_as_given():
     """Megatron's defaults without --swiglu / --disable-bias-linear / --normalization / a rotary
     --position-embedding-type build a model no family here has: each omission is one refusal line."""
