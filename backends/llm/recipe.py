@@ -218,6 +218,10 @@ def _mindspeed_order(cfg: LLMConfig, n_rows: int):
     epoch = len(epoch_rows(begin, end - begin, t.global_batch, d.padded_samples))
     num_samples = t.steps * t.global_batch if t.steps else math.ceil(t.epochs * epoch / t.global_batch) * t.global_batch
     index = shuffle_index(begin, end - begin, num_samples, t.seed, t.global_batch, d.shuffle, d.padded_samples)
+    if len(index) and int(index.max()) >= n_rows:   # upstream's MTFDataset fails on such an index too
+        raise ConfigError(f"--padded-samples: an epoch of {end - begin} rows needs rows 0..{int(index.max())} to "
+                          f"fill its last global batch of {t.global_batch}, and {d.prefix} has {n_rows}; use a "
+                          f"smaller --global-batch-size, or drop --padded-samples")
     order = (f"MindSpeed-LLM's order: train rows {begin}..{end - 1}, {len(index) // epoch} epoch(s) of {epoch} "
              f"samples{' (--padded-samples)' if epoch > end - begin else ''}, "
              f"{'shuffled with seed ' + str(t.seed) if d.shuffle else 'in file order'}, {d.sampler} sampler")

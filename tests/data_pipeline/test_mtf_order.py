@@ -122,3 +122,7 @@ def test_the_engine_trains_the_published_rows_in_mindspeeds_order(upstream, tmp_
                        engine={"model_id": "qwen3-0.6b"})
     with pytest.raises(ConfigError, match="--reset-attention-mask --neat-pack"):
         _build_data(plain, SimpleNamespace(is_main=True), SimpleNamespace(dp_rank=0, layout=SimpleNamespace(dp=1)))
+    # padding rows the file does not have: one named error (upstream fails on the index)
+    wide = parse_args(argv + ["--global-batch-size", "32"], engine={"model_id": "qwen3-0.6b"})
+    with pytest.raises(ConfigError, match="--padded-samples: an epoch of 10 rows needs rows 0..21"):
+        _build_data(wide, SimpleNamespace(is_main=True), SimpleNamespace(dp_rank=0, layout=SimpleNamespace(dp=1)))
