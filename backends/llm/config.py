@@ -104,6 +104,10 @@ class DataArgs:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # instruction data in MindSpeed-LLM's order (backends/common/data/mtf_order.py)
+    pack_rows: bool = False        # --pack / --neat-pack: records the engine tokenizes are packed into rows
+    padded_samples: bool = False   # --padded-samples
+    sampler: str = "single"        # --dataloader-type
 
 
 @dataclass
@@ -322,7 +326,8 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     # how a step is scheduled, overlapped, fused, checked or logged: accepted with a notice
     # (backends.contract.megatron.NO_EFFECT)
     megatron_args.add_no_effect(p, "llm")
-    a("--padded-samples", action="store_true")  # changes the sample order: refused (see refusals)
+    a("--padded-samples", action="store_true")
+    a("--full-shuffle-instruction-dataset", action="store_true")
 
 
 def _true_false_none(text: str):
@@ -418,6 +423,8 @@ def _split_weights(text: str) -> list[float]:
         weights = [float(x) for x in text.replace("/", ",").split(",")]
     except ValueError:
         raise ConfigError(f"--split {text}: expected weights such as 100,0,0") from None
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise ConfigError(f"--split {text}: the weights must be positive or 0, and not all 0; e.g. 100,0,0")
     return weights + [0.0] * (3 - len(weights))
 
 
@@ -464,11 +471,12 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     if ns.ckpt_format == "zarr":
         out.append("--ckpt-format zarr: not built (checkpoints are written in the engine's own layout); use torch "
                    "or torch_dist")
-    if ns.split is not None and any(_split_weights(ns.split)[1:]) and not pretraining(ns):
-        out.append(f"--split {ns.split}: holding out validation/test samples of instruction data and evaluating "
-                   f"on them is not built; use --split 100,0,0 (then --eval-iters has nothing to evaluate)")
     if ns.dataloader_type == "external":
-        out.append("--dataloader-type external: not built; use single or cyclic (the engine's loader cycles epochs)")
+        out.append("--dataloader-type external: not built; use single (Megatron's default) or cyclic")
+    if ns.full_shuffle_instruction_dataset and not pretraining(ns):
+        out.append("--full-shuffle-instruction-dataset: MindSpeed-LLM reshuffles its whole sample index with "
+                   "Python's global random.shuffle, whose state there depends on everything drawn before; not "
+                   "built, drop it (each epoch is still shuffled with --seed)")
     balance = ns.moe_router_load_balancing_type
     if balance not in BALANCING:
         out.append(f"--moe-router-load-balancing-type {balance}: this routing / balancing loss is not built; use "
@@ -492,9 +500,6 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     if ns.rope_scaling_type == "llama3" and missing:
         out.append(f"--rope-scaling-type llama3: give {', '.join(missing)} too (MindSpeed-LLM's llama3 scaling "
                    f"divides by them; the model's config.json rope_scaling has the values)")
-    if ns.padded_samples:
-        out.append("--padded-samples: completing an epoch's last global batch with the epoch's first samples "
-                   "(MindSpeed-LLM's sample index) is not built; drop it")
     if ns.model_type_hf is not None and ns.model_type_hf not in MODEL_TYPE_HF:
         out.append(f"--model-type-hf {ns.model_type_hf}: no native decoder for it; use one of "
                    f"{', '.join(MODEL_TYPE_HF)}")
@@ -527,21 +532,21 @@ def pretraining(ns: argparse.Namespace) -> bool:
 
 def data_notices(ns: argparse.Namespace) -> list[str]:
     """Data flags whose upstream effect is partly outside what this engine runs."""
+    out = _split_notice(ns)
     if not pretraining(ns):
         # MindSpeed-LLM pads instruction batches to --seq-length unless --no-pad-to-seq-lengths (which turns
         # --variable-seq-lengths on itself); --variable-seq-lengths only lets Megatron's pipeline stages send
         # each micro-batch's shape ahead, and this engine's stages always exchange each micro-batch's own shape
         if ns.variable_seq_lengths and not ns.no_pad_to_seq_lengths:
-            return ["notice: --variable-seq-lengths has no effect here: batches are padded to --seq-length "
-                    "without --no-pad-to-seq-lengths (as MindSpeed-LLM pads them), and pipeline stages always "
-                    "exchange each micro-batch's own shape"]
-        return []
-    out = []
-    split = ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT
-    if any(_split_weights(split)[1:]):
-        given = "" if ns.split is not None else " (Megatron's default without --split)"
-        out.append(f"notice: --split {split}{given}: training reads Megatron's train split only; the validation "
-                   f"and test documents are held out and not evaluated (evaluation is not built)")
+            out.append("notice: --variable-seq-lengths has no effect here: batches are padded to --seq-length "
+                       "without --no-pad-to-seq-lengths (as MindSpeed-LLM pads them), and pipeline stages always "
+                       "exchange each micro-batch's own shape")
+        return out
+    for flag, on in (("--padded-samples", ns.padded_samples),
+                     ("--full-shuffle-instruction-dataset", ns.full_shuffle_instruction_dataset)):
+        if on:
+            out.append(f"notice: {flag} has no effect on pre-training data: MindSpeed-LLM reads it for instruction "
+                       f"data (--is-instruction-dataset) only")
     if ns.no_shuffle:
         out.append("notice: --no-shuffle has no effect on pre-training data: Megatron's GPTDataset always shuffles "
                    "its documents and samples with --seed")
@@ -549,6 +554,16 @@ def data_notices(ns: argparse.Namespace) -> list[str]:
         out.append("notice: --variable-seq-lengths has no effect on pre-training data: every GPTDataset sample is "
                    "--seq-length tokens long")
     return out
+
+
+def _split_notice(ns: argparse.Namespace) -> list[str]:
+    split = ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT
+    if not any(_split_weights(split)[1:]):
+        return []
+    given = "" if ns.split is not None else " (Megatron's default without --split)"
+    what = "documents" if pretraining(ns) else "rows"
+    return [f"notice: --split {split}{given}: training reads Megatron's train split only; the validation and test "
+            f"{what} are held out and not evaluated (evaluation is not built)"]
 
 
 def attention_notices(ns: argparse.Namespace) -> list[str]:
@@ -823,7 +838,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             pad_to_multiple_of=ns.pad_to_multiple_of, shuffle=not ns.no_shuffle, max_samples=ns.max_samples,
             seq_len=ns.seq_length, split=ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT,
             reset_position_ids=ns.reset_position_ids, reset_attention_mask=ns.reset_attention_mask,
-            eod_mask_loss=ns.eod_mask_loss),
+            eod_mask_loss=ns.eod_mask_loss, pack_rows=ns.pack or ns.neat_pack, padded_samples=ns.padded_samples,
+            sampler=ns.dataloader_type or "single"),
         train=TrainArgs(
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
             epochs=side.train_epochs, lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,
