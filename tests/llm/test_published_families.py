@@ -93,10 +93,10 @@ SCRIPTS = [
            model={**QWEN25, "rms_norm_eps": 1e-6}),
     Script("tune_qwen3_0point6b_4K_lora_ptd", "qwen3", "data_convert_qwen3_instruction", {}, (1, 4),
            model={**QWEN3, "tie_word_embeddings": True}),
-    # tp 4 · pp 2 · cp 2 (ulysses), virtual stages -> tp 2 · cp 2: pp > 1 with cp > 1 and packed data is not built
-    # (backends/llm/capabilities.py UNBUILT), and virtual stages need pp > 1
+    # tp 4 · pp 2 · cp 2 (ulysses), virtual stages -> pp 2 · cp 2 with 2 virtual stages of 1 layer: pipeline x
+    # context parallel on packed documents, the kinds the script uses kept
     Script("tune_qwen3_32b_32K_full_pack_A3_ptd", "qwen3", "data_convert_qwen3_instruction",
-           {"tp": 2, "pp": 1, "cp": 2}, (1, 4), seq=128, model=QWEN3, batches="packed"),
+           {"tp": 1, "pp": 2, "cp": 2}, (1, 4), seq=128, layers=4, vpp_layers=1, model=QWEN3, batches="packed"),
     Script("pretrain_qwen3_30b_a3b_4K_ptd", "qwen3_moe", "data_convert_qwen3_pretrain",
            {"tp": 1, "pp": 2, "ep": 2, "cp": 1}, (1, 4), model=QWEN3, batches=GPT),
     Script("tune_qwen3_30b_a3b_4K_full_ptd", "qwen3_moe", "data_convert_qwen3_instruction",
