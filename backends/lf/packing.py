@@ -104,12 +104,13 @@ def knapsack_rows(lengths: list[int], capacity: int, batches: list[range]) -> li
 
 @dataclass
 class Row:
-    """One training row: input ids, unshifted labels, position ids, and LF's attention mask (1 per real token,
-    the sample's number from 1 under neat_packing, 0 on padding)."""
+    """One training row: input ids, unshifted labels, position ids, LF's attention mask (all ones; under
+    neat_packing the sample's number from 1, 0 on padding) and how many of its tokens are not padding."""
     ids: np.ndarray
     labels: np.ndarray
     positions: np.ndarray
     mask: np.ndarray
+    length: int
 
 
 def packed_row(samples: list[tuple], width: int, pad_id: int, neat: bool) -> Row:
@@ -124,13 +125,13 @@ def packed_row(samples: list[tuple], width: int, pad_id: int, neat: bool) -> Row
         ids[at:at + n], labels[at:at + n], positions[at:at + n] = x, y, np.arange(n)
         mask[at:at + n] = k + 1 if neat else 1
         at += n
-    return Row(ids, labels, positions, mask)
+    return Row(ids, labels, positions, mask, at)
 
 
 def text_row(ids: list[int], pad_id: int) -> Row:
     """A pre-training row: every token a label but the pad id's."""
     x = np.asarray(ids, dtype=np.int64)
-    return Row(x, np.where(x == pad_id, IGNORE_INDEX, x), np.arange(len(x)), np.ones(len(x), dtype=np.int64))
+    return Row(x, np.where(x == pad_id, IGNORE_INDEX, x), np.arange(len(x)), np.ones(len(x), dtype=np.int64), len(x))
 
 
 class Rows:
@@ -144,7 +145,7 @@ class Rows:
         return len(self.rows)
 
     def summary(self) -> str:
-        real = sum(int((r.mask != 0).sum()) for r in self.rows)
+        real = sum(r.length for r in self.rows)
         width = sum(len(r.ids) for r in self.rows)
         return f"{self.samples} samples in {len(self.rows)} {self.what} rows ({real} of {width} positions real)"
 
@@ -214,7 +215,7 @@ class RowLoader(UnitLoader):
         out = {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                "position_ids": torch.from_numpy(positions),
                "n_tokens": torch.tensor(sum(int((r.labels != IGNORE_INDEX).sum()) for r in rows)),
-               "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(int((r.mask != 0).sum()) for r in rows))}
+               "n_positions": torch.tensor(ids.size), "n_input": torch.tensor(sum(r.length for r in rows))}
         if not self.neat:  # positions restart per sample, attention does not: a mask keeps HF from splitting the row
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         return out

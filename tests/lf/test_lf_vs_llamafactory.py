@@ -58,9 +58,11 @@ CASES = {
                         "lr_scheduler_type": "cosine"},
     # pre-training: the texts chained into 40-token blocks (pt's default packing), shuffled
     "pt": {"stage": "pt", "seed": 2, "warmup_steps": 1, "lr_scheduler_type": "cosine"},
-    # packed SFT rows (greedy knapsack into cutoff_len - 1), samples attending across a row; neat: kept apart
-    "packed": {"packing": True, "seed": 4, "warmup_steps": 1, "lr_scheduler_type": "linear"},
-    "neat": {"neat_packing": True, "disable_shuffling": True, "warmup_steps": 1, "lr_scheduler_type": "cosine"},
+    # packed SFT rows (greedy knapsack into cutoff_len - 1: several samples a row), samples attending across a
+    # row; neat: kept apart
+    "packed": {"packing": True, "cutoff_len": 128, "seed": 4, "warmup_steps": 1, "lr_scheduler_type": "linear"},
+    "neat": {"neat_packing": True, "cutoff_len": 128, "disable_shuffling": True, "warmup_steps": 1,
+             "lr_scheduler_type": "cosine"},
 }
 
 
