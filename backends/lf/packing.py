@@ -12,8 +12,9 @@ that is also the pad token is not trained.
 sft packing: a batch's samples longer than cutoff_len are dropped, the rest filled greedily into rows
 (largest that fits first), each row right-padded to cutoff_len + 1 (pad id, position 0, label -100). Position
 ids restart at every sample. LLaMA-Factory lowers cutoff_len by one whenever packing is set in the file
-(data_args.py; backends.lf.config does the same), so a row is the file's cutoff_len long. Without neat_packing the samples of a row attend to each other (an
-all-ones attention mask); neat_packing keeps each to itself.
+(data_args.py; backends.lf.config does the same), so a row is the file's cutoff_len long. Without
+neat_packing the samples of a row attend to each other (an all-ones attention mask); neat_packing keeps each
+to itself.
 """
 
 from __future__ import annotations
@@ -35,19 +36,21 @@ REPLACED_EOS = {"qwen": "<|im_end|>", "qwen3": "<|im_end|>", "qwen3_nothink": "<
                 "qwen2_vl": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "gemma3": "<end_of_turn>"}
 
 
-def end_token(template: str | None, tokenizer) -> str:
-    """The token pretrain.py appends to every text."""
-    if template == "llama3":
-        return "<|end_of_text|>"
+def fixed_eos(template: str | None, tokenizer) -> str:
+    """The EOS after LF's fix_special_tokens: the template's stop word, else the tokenizer's, else <|endoftext|>."""
     return REPLACED_EOS.get(template) or tokenizer.eos_token or "<|endoftext|>"
 
 
+def end_token(template: str | None, tokenizer) -> str:
+    """The token pretrain.py appends to every text."""
+    return "<|end_of_text|>" if template == "llama3" else fixed_eos(template, tokenizer)
+
+
 def lf_pad_id(template: str | None, tokenizer) -> int:
-    """The pad id after LF's fix_special_tokens: the tokenizer's, else its (replaced) EOS."""
+    """The pad id after LF's fix_special_tokens: the tokenizer's, else the fixed EOS."""
     if tokenizer.pad_token_id is not None:
         return int(tokenizer.pad_token_id)
-    eos = REPLACED_EOS.get(template) or tokenizer.eos_token or "<|endoftext|>"
-    return int(tokenizer.convert_tokens_to_ids(eos))
+    return int(tokenizer.convert_tokens_to_ids(fixed_eos(template, tokenizer)))
 
 
 def pretrain_rows(texts: list[str], tokenizer, end: str, cutoff_len: int, packing: bool,

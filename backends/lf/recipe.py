@@ -152,7 +152,8 @@ class LFRecipe(Recipe):
         self.eval_sets: dict = {}
         self.vision_model = False
         self.step_metrics: dict[str, float] = {}  # the stage metrics to log (rewards/*, kl, …)
-        self._dpo_interval: list[tuple[dict, int]] = []  # dpo: (a step's metric means, its micro-batches) since the log
+        # dpo: (a step's metric means, its micro-batches) for each step since the last log
+        self._dpo_interval: list[tuple[dict, int]] = []
 
     # ------------------------------------------------------------------ build
     def build(self, rt) -> Settings:
@@ -551,7 +552,8 @@ def dpo_metrics(losses, chosen, rejected, chosen_avg, r_chosen, r_rejected, row_
     odds_ratio_loss."""
     b = chosen.shape[0]
     out = {"rewards/chosen": r_chosen.mean(), "rewards/rejected": r_rejected.mean(),
-           "rewards/accuracies": (r_chosen > r_rejected).float().mean(), "rewards/margins": (r_chosen - r_rejected).mean(),
+           "rewards/accuracies": (r_chosen > r_rejected).float().mean(),
+           "rewards/margins": (r_chosen - r_rejected).mean(),
            "logps/chosen": chosen.mean(), "logps/rejected": rejected.mean(),
            "logits/chosen": row_logits[:b].mean(), "logits/rejected": row_logits[b:].mean()}
     if cfg.pref_loss == "orpo":

@@ -77,5 +77,5 @@ def test_packed_rows_are_batched_with_lfs_masks_and_shift():
         assert mb["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
         assert mb["labels"].tolist() == [[6, 7, 8, 9, -100, -100, -100, -100]]
         assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
-        assert int(mb["n_tokens"]) == 5 and int(mb["n_input"]) == 7
+        assert int(mb["n_tokens"]) == 5 and int(mb["n_input"]) == 5  # n_input: the tokens that are not padding
         assert ("attention_mask" in mb) is not neat
