@@ -43,3 +43,16 @@ def write_prompts(prefix: Path, rows: list[tuple[list[int], list[int]]]) -> Path
             builder.end_document()
         builder.finalize(name + ".idx")
     return prefix
+
+
+def chat_rows(tokenizer, rows: list[dict], spelt: tuple[int, ...] = ()) -> list[tuple[list[int], list[int]]]:
+    """({"prompt", "answer"} rows -> (prompt ids in Qwen3's chat layout, answer ids), as a preprocessing with a
+    Qwen3 template writes them; the rows numbered in `spelt` encoded character by character (ids that decoding
+    and encoding again would change)."""
+    out = []
+    for i, row in enumerate(rows):
+        text = f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n"
+        pieces = list(text) if i in spelt else [text]
+        out.append(([t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)],
+                    tokenizer.encode(row["answer"], add_special_tokens=False)))
+    return out

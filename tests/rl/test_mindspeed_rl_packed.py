@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.msrl_upstream import module, write_prompts
+from tests.helpers.msrl_upstream import chat_rows, module, write_prompts
 from tests.rl.test_rl_published import MODEL, PROMPTS, msrl_argv
 
 MAX_PROMPT = 128
@@ -23,13 +23,7 @@ def packed_rows(tokenizer, count: int = 7) -> list[tuple[list[int], list[int]]]:
     MAX_PROMPT - 1 (kept) and MAX_PROMPT tokens (dropped by MindSpeed-RL's filter); one answer ends in EOS."""
     import json
 
-    rows = []
-    for i, line in enumerate(PROMPTS.read_text().splitlines()[:count]):
-        row = json.loads(line)
-        text = f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n"
-        pieces = list(text) if i == 1 else [text]
-        prompt = [t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)]
-        rows.append((prompt, tokenizer.encode(row["answer"], add_special_tokens=False)))
+    rows = chat_rows(tokenizer, [json.loads(line) for line in PROMPTS.read_text().splitlines()[:count]], spelt=(1,))
     space = tokenizer.encode(" ", add_special_tokens=False)
     for i, length in ((-2, MAX_PROMPT - 1), (-1, MAX_PROMPT)):
         prompt, answer = rows[i]

@@ -20,9 +20,10 @@ def tokenize(cfg: RLConfig, tokenizer=None, *, source: str = "mindspeed-rl confi
         except (OSError, ValueError) as err:
             raise RLConfigError(f"{source}: cannot load the tokenizer of {cfg.model_path}: {err}") from None
     for i, record in enumerate(cfg.records):
-        if "label_ids" in record:  # MindSpeed-RL's preprocessed prompt: its ids as they are, the answer decoded as
-            # its rule verifier decodes the labels (batch_decode, skip_special_tokens)
-            record["ground_truth"] = tokenizer.decode(record.pop("label_ids"), skip_special_tokens=True)
+        if "prompt_parts" not in record:  # MindSpeed-RL's preprocessed prompt: its ids as they are, the answer
+            # decoded as its rule verifier decodes the labels (batch_decode, skip_special_tokens)
+            if "label_ids" in record:
+                record["ground_truth"] = tokenizer.decode(record.pop("label_ids"), skip_special_tokens=True)
             continue
         ids: list[int] = []
         for part in record.get("prompt_parts", []):
