@@ -30,6 +30,8 @@ class RLConfig:
     max_prompt_length: int = 512
     shuffle: bool = False
     data_seed: int | None = None               # the shuffle's seed (None: the run's seed)
+    sample_rows: list[int] | None = None       # the record of each prompt consumed, as the dialect's loader orders
+    #                                            them (MindSpeed-RL's preprocessed data); None: by shuffle / data_seed
     train_files: list[str] = field(default_factory=list)  # parquet files read into records at build
     prompt_key: str = "prompt"                 # chat-message lists (or a string) in each row
     image_key: str = "images"                  # a VL model's prompt images (file paths or {"image": path})

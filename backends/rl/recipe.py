@@ -352,6 +352,8 @@ class RLRecipe(Recipe):
     def _prompt_index(self, k: int) -> int:
         """The dataset row of the k-th prompt consumed (a seeded permutation per epoch when shuffling)."""
         size = len(self.cfg.records)
+        if self.cfg.sample_rows is not None:  # the dialect's loader order, train_iters x its batch long
+            return self.cfg.sample_rows[k]
         if self.cfg.gen_batch_size:  # the DAPO recipe's loader: batches of gen_batch_size, a last partial one dropped
             epoch, i = divmod(k, dapo_rounds.loader_rows(size, self.cfg.gen_batch_size))
         else:

@@ -18,7 +18,8 @@ published, nothing refused.
 
 One torchrun launch of 4 CPU processes runs every case for 2 steps: the VeRL scripts on examples/tiny-qwen3-arith
 (rollout tensor parallel 2 and 4 as published), the MindSpeed-RL configs at their published tp 2 x pp 2 on a tiny
-Qwen3 (the arithmetic one) and a tiny random Qwen2 (the Qwen2.5 model file has qkv biases). The GRPO script's
+Qwen3 (the arithmetic one, its data_path MindSpeed-RL's preprocessed dataset as cli/preprocess_data.py writes it)
+and a tiny random Qwen2 (the Qwen2.5 model file has qkv biases; a JSONL file of prompts). The GRPO script's
 rollout at its published tensor_model_parallel_size 2 is also run at 1: the same rollouts and the same training.
 """
 
@@ -150,6 +151,18 @@ def _msrl_prompts(path: Path, prompts: list[str]) -> Path:
 PROMPTS = ROOT / "examples" / "data" / "easy_arithmetic_prompts.jsonl"  # what tiny-qwen3-arith answers
 
 
+def _msrl_packed(prefix: Path, prompts: list[str]) -> Path:
+    """The prompts as MindSpeed-RL's cli/preprocess_data.py leaves them (R1AlpacaStyleInstructionHandler, labels:
+    the answers), written by its own IndexedDatasetBuilder, in tiny-qwen3-arith's Qwen3 chat layout."""
+    import transformers
+
+    from tests.helpers.msrl_upstream import chat_rows, write_prompts
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL)
+    return write_prompts(prefix, chat_rows(tokenizer, [json.loads(p) for p in prompts]))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from tests.helpers.tiny_hf import make_tiny_hf
@@ -171,8 +184,10 @@ def runs(tmp_path_factory):
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]})
     models = {"arith": MODEL, "qwen2": make_tiny_hf("qwen2", tmp / "tiny-qwen2", rope_parameters={
         "rope_type": "default", "rope_theta": 1000000.0})}
-    data = _msrl_prompts(tmp / "prompts.jsonl", prompts[::12])
-    cases += [{"name": name, "argv": msrl_argv(name, tmp, models[MSRL_CASES[name][1]], data)} for name in MSRL_CASES]
+    data = {"grpo_qwen25_7b_A3": _msrl_prompts(tmp / "prompts.jsonl", prompts[::12]),
+            "grpo_qwen3_8b_A3": _msrl_packed(tmp / "dataset" / "data", prompts[::12])}
+    cases += [{"name": name, "argv": msrl_argv(name, tmp, models[MSRL_CASES[name][1]], data[name])}
+              for name in MSRL_CASES]
     return Launches("_rl_published_worker.py", tmp, {WORLD: cases}), tmp
 
 
