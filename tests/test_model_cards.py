@@ -22,7 +22,7 @@ SEED2_NEW = ["qwen2.5-3b", "chatglm3-6b", "deepseek-r1-distill-qwen-1.5b", "llam
              "step-3.5-flash-196b", "mixtral-8x22b", "mamba2-2.7b", "mamba2-8b", "mamba2hybrid-8b"]
 # of those, the cards whose config.json values were read (the rest: arch null, arch_unknown, refused by name)
 SEED2_ARCH = ["qwen2.5-3b", "chatglm3-6b", "deepseek-r1-distill-qwen-1.5b", "llama3.1-405b", "llama3.3-70b",
-              "deepseek-v3.2-671b", "glm5-744b", "glm5.2-744b", "qwen3-next-80b-a3b", "minimax-m2.7-229b",
+              "gemma2-9b", "gemma2-27b", "deepseek-v3.2-671b", "glm5-744b", "glm5.2-744b", "qwen3-next-80b-a3b", "minimax-m2.7-229b",
               "mixtral-8x22b"]
 WITH_ARCH = IDS + SEED2_ARCH
 
@@ -32,9 +32,9 @@ MOE = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b", "qwen3-30
 MLA = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b", "deepseek-v3.2-671b", "glm5-744b", "glm5.2-744b"}
 MULTIMODAL = {i for i in IDS if "-vl-" in i} | {"gemma3-27b"}
 FAMILIES = {"qwen2", "qwen3", "llama", "glm", "glm4", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_vl",
-            "qwen2_5_vl", "gemma3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "minimax_m2"}
+            "qwen2_5_vl", "gemma3", "gemma2", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "minimax_m2"}
 # families whose config sets head_dim independently of hidden_size / heads
-FREE_HEAD_DIM = {"qwen3", "qwen3_moe", "gemma3", "qwen3_next", "minimax_m2"}
+FREE_HEAD_DIM = {"qwen3", "qwen3_moe", "gemma3", "gemma2", "qwen3_next", "minimax_m2"}
 
 CARD_KEYS = {"name": str, "series": str, "type": str, "family": str, "hf_repo": str,
              "published_params_b": (int, float), "arch": dict}
@@ -230,6 +230,8 @@ EXACT = {
     "glm5.2-744b": 743_377_000_704 + 75 * 256,
     "minimax-m2.7-229b": 228_689_748_992 + 62 * 256,
     "qwen3-next-80b-a3b": 79_674_391_296,
+    "gemma2-9b": 9_241_705_984,
+    "gemma2-27b": 27_227_128_320,
 }
 
 
@@ -273,6 +275,8 @@ SPOT = [
     ("qwen3-next-80b-a3b", "linear_attention.num_value_heads", 32), ("qwen3-next-80b-a3b", "moe.experts_per_token", 10),
     ("qwen3-next-80b-a3b", "rotary_fraction", 0.25), ("minimax-m2.7-229b", "qk_norm_type", "per_layer"),
     ("minimax-m2.7-229b", "vocab_size", 200064), ("minimax-m2.7-229b", "moe.num_experts", 256),
+    ("gemma2-9b", "query_pre_attn_scalar", 256), ("gemma2-9b", "head_dim", 256), ("gemma2-27b", "head_dim", 128),
+    ("gemma2-27b", "query_pre_attn_scalar", 144), ("gemma2-27b", "attn_logit_softcapping", 50.0),
 ]
 VISION_SPOT = [
     ("qwen2.5-vl-3b", "ffn_hidden_size", 3420), ("qwen2.5-vl-3b", "out_hidden_size", 2048),
