@@ -21,17 +21,20 @@ SEED2_NEW = ["qwen2.5-3b", "chatglm3-6b", "deepseek-r1-distill-qwen-1.5b", "llam
              "glm5-744b", "glm5.2-744b", "qwen3-next-80b-a3b", "longcat-flash-560b", "minimax-m2.7-229b",
              "step-3.5-flash-196b", "mixtral-8x22b", "mamba2-2.7b", "mamba2-8b", "mamba2hybrid-8b"]
 # of those, the cards whose config.json values were read (the rest: arch null, arch_unknown, refused by name)
-SEED2_ARCH = ["qwen2.5-3b", "chatglm3-6b", "deepseek-r1-distill-qwen-1.5b"]
+SEED2_ARCH = ["qwen2.5-3b", "chatglm3-6b", "deepseek-r1-distill-qwen-1.5b", "llama3.1-405b", "llama3.3-70b",
+              "gemma2-9b", "gemma2-27b", "deepseek-v3.2-671b", "glm5-744b", "glm5.2-744b", "qwen3-next-80b-a3b", "minimax-m2.7-229b",
+              "mixtral-8x22b"]
 WITH_ARCH = IDS + SEED2_ARCH
 
 MOE = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b", "qwen3-30b-a3b", "qwen3-235b-a22b",
-       "mixtral-8x7b-instruct-v0.1"}
-MLA = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b"}
+       "mixtral-8x7b-instruct-v0.1", "mixtral-8x22b", "deepseek-v3.2-671b", "glm5-744b", "glm5.2-744b",
+       "qwen3-next-80b-a3b", "minimax-m2.7-229b"}
+MLA = {"deepseek-r1-671b", "deepseek-v3-671b", "deepseek-v2-lite-16b", "deepseek-v3.2-671b", "glm5-744b", "glm5.2-744b"}
 MULTIMODAL = {i for i in IDS if "-vl-" in i} | {"gemma3-27b"}
 FAMILIES = {"qwen2", "qwen3", "llama", "glm", "glm4", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_moe", "qwen2_vl",
-            "qwen2_5_vl", "gemma3"}
+            "qwen2_5_vl", "gemma3", "gemma2", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "minimax_m2"}
 # families whose config sets head_dim independently of hidden_size / heads
-FREE_HEAD_DIM = {"qwen3", "qwen3_moe", "gemma3"}
+FREE_HEAD_DIM = {"qwen3", "qwen3_moe", "gemma3", "gemma2", "qwen3_next", "minimax_m2"}
 
 CARD_KEYS = {"name": str, "series": str, "type": str, "family": str, "hf_repo": str,
              "published_params_b": (int, float), "arch": dict}
@@ -41,6 +44,9 @@ ARCH_KEYS = {"num_layers": int, "hidden_size": int, "ffn_hidden_size": int, "num
              "rotary_fraction": float}
 MOE_KEYS = {"num_experts": int, "experts_per_token": int, "moe_ffn_hidden_size": int, "shared_experts": int,
             "first_k_dense": int, "moe_layer_freq": int}
+DSA_KEYS = {"index_n_heads": int, "index_head_dim": int, "index_topk": int}
+LINEAR_KEYS = {"full_attention_interval": int, "num_key_heads": int, "num_value_heads": int, "key_head_dim": int,
+               "value_head_dim": int, "conv_kernel_dim": int}
 MLA_KEYS = {"q_lora_rank": (int, type(None)), "kv_lora_rank": int, "qk_nope_head_dim": int,
             "qk_rope_head_dim": int, "v_head_dim": int}
 VISION_KEYS = {"depth": int, "hidden_size": int, "ffn_hidden_size": int, "num_heads": int, "patch_size": int,
@@ -62,7 +68,7 @@ def test_the_first_seed_s_35_models_then_the_second_seed_s_in_order():
     assert list(CARDS) == IDS + SEED2_NEW
 
 
-@pytest.mark.parametrize("model_id", SEED2_NEW[len(SEED2_ARCH):])
+@pytest.mark.parametrize("model_id", [m for m in SEED2_NEW if m not in SEED2_ARCH])
 def test_a_card_without_config_values_says_so(model_id):
     card = CARDS[model_id]
     assert card["arch"] is None and isinstance(card["arch_unknown"], str) and card["arch_unknown"].strip()
@@ -124,6 +130,13 @@ def test_card_schema(model_id):
     assert ("mla" in arch) == (model_id in MLA)
     assert ("vision" in card) == (model_id in MULTIMODAL)
     assert ("published_active_params_b" in card) == (model_id in MOE)
+    assert ("dsa" in arch) == (card["family"] in ("deepseek_v32", "glm_moe_dsa"))
+    assert ("linear_attention" in arch) == (card["family"] == "qwen3_next")
+    if "dsa" in arch:
+        _check_types(f"{model_id}.arch.dsa", arch["dsa"], DSA_KEYS)
+        assert "mla" in arch and 0 < arch["dsa"].get("indexer_layers", arch["num_layers"]) <= arch["num_layers"]
+    if "linear_attention" in arch:
+        _check_types(f"{model_id}.arch.linear_attention", arch["linear_attention"], LINEAR_KEYS)
     if "moe" in arch:
         moe = arch["moe"]
         _check_types(f"{model_id}.arch.moe", moe, MOE_KEYS)
@@ -157,7 +170,16 @@ def test_count_matches_published_size(model_id):
     assert count_params(card) / 1e9 == pytest.approx(card["published_params_b"], rel=0.05)
 
 
-@pytest.mark.parametrize("model_id", sorted(MOE))
+# an active size that is the name's label only (A3B) says so (active_params_label_only); EXACT holds their totals
+ACTIVE_LABEL_ONLY = [m for m in sorted(MOE) if CARDS[m].get("active_params_label_only")]
+
+
+def test_active_label_only_sizes_are_qwen3_next_s_and_none_is_published_for_glm5_2():
+    assert ACTIVE_LABEL_ONLY == ["qwen3-next-80b-a3b"] and set(ACTIVE_LABEL_ONLY) <= set(EXACT)
+    assert [m for m in sorted(MOE) if CARDS[m]["published_active_params_b"] is None] == ["glm5.2-744b"]
+
+
+@pytest.mark.parametrize("model_id", [m for m in sorted(MOE) if m not in ACTIVE_LABEL_ONLY and m != "glm5.2-744b"])
 def test_active_count_matches_published_active_size(model_id):
     card = CARDS[model_id]
     active = count_active_params(card)
@@ -199,6 +221,17 @@ EXACT = {
     "qwen2.5-3b": 3_085_938_688,
     "chatglm3-6b": 6_243_584_000,
     "deepseek-r1-distill-qwen-1.5b": 1_777_088_000,
+    "llama3.1-405b": 405_853_388_800,
+    "llama3.3-70b": 70_553_706_496,
+    "mixtral-8x22b": 140_620_634_112,
+    # transformers 5.25 keeps the sigmoid routers' correction bias as a buffer: added here, 256 per MoE layer
+    "deepseek-v3.2-671b": 671_877_929_216 + 58 * 256,
+    "glm5-744b": 743_911_199_232 + 75 * 256,
+    "glm5.2-744b": 743_377_000_704 + 75 * 256,
+    "minimax-m2.7-229b": 228_689_748_992 + 62 * 256,
+    "qwen3-next-80b-a3b": 79_674_391_296,
+    "gemma2-9b": 9_241_705_984,
+    "gemma2-27b": 27_227_128_320,
 }
 
 
@@ -233,6 +266,17 @@ SPOT = [
     ("qwen2.5-3b", "max_position_embeddings", 32768), ("qwen2.5-3b", "tie_word_embeddings", True),
     ("chatglm3-6b", "vocab_size", 65024), ("chatglm3-6b", "max_position_embeddings", 8192),
     ("deepseek-r1-distill-qwen-1.5b", "rope_theta", 10000.0), ("deepseek-r1-distill-qwen-1.5b", "ffn_hidden_size", 8960),
+    ("llama3.1-405b", "num_layers", 126), ("llama3.1-405b", "ffn_hidden_size", 53248),
+    ("llama3.3-70b", "rope_scaling.factor", 8.0), ("mixtral-8x22b", "max_position_embeddings", 65536),
+    ("mixtral-8x22b", "moe.moe_ffn_hidden_size", 16384), ("mixtral-8x22b", "num_attention_heads", 48),
+    ("deepseek-v3.2-671b", "dsa.index_n_heads", 64), ("deepseek-v3.2-671b", "mla.q_lora_rank", 1536),
+    ("glm5-744b", "mla.qk_nope_head_dim", 192), ("glm5-744b", "vocab_size", 154880), ("glm5-744b", "dsa.index_n_heads", 32),
+    ("glm5.2-744b", "max_position_embeddings", 1048576), ("glm5.2-744b", "dsa.indexer_layers", 21),
+    ("qwen3-next-80b-a3b", "linear_attention.num_value_heads", 32), ("qwen3-next-80b-a3b", "moe.experts_per_token", 10),
+    ("qwen3-next-80b-a3b", "rotary_fraction", 0.25), ("minimax-m2.7-229b", "qk_norm_type", "per_layer"),
+    ("minimax-m2.7-229b", "vocab_size", 200064), ("minimax-m2.7-229b", "moe.num_experts", 256),
+    ("gemma2-9b", "query_pre_attn_scalar", 256), ("gemma2-9b", "head_dim", 256), ("gemma2-27b", "head_dim", 128),
+    ("gemma2-27b", "query_pre_attn_scalar", 144), ("gemma2-27b", "attn_logit_softcapping", 50.0),
 ]
 VISION_SPOT = [
     ("qwen2.5-vl-3b", "ffn_hidden_size", 3420), ("qwen2.5-vl-3b", "out_hidden_size", 2048),
