@@ -1,5 +1,5 @@
 """MindSpeed-LLM's FSDP2 backend trains: a tiny random Qwen3 on 1 process and under FSDP2 on 2 processes
-gives the same losses (global token mean: one micro-batch of two samples = two micro-batches of one),
+gives the same losses (the global token mean: micro-batches of two samples on one = of one on each of two),
 and the published qwen3 tune pair runs with only paths, sizes and steps changed (its .sh bashed with
 torchrun stubbed, its argv through the engine). One launch per world size (tests/helpers/engine_runs.py)."""
 
@@ -26,6 +26,8 @@ def write_data(folder: Path) -> None:
     shutil.copy(UPSTREAM / "dataset_info.json", folder / "dataset_info.json")
     file = json.loads((folder / "dataset_info.json").read_text())["alpaca_full"]["file_name"]
     records = json.loads((ROOT / "examples/data/arithmetic_alpaca.json").read_text())[:24]
+    for i, r in enumerate(records):  # answers of different lengths: a token mean and a mean of means differ
+        r["output"] = " ".join([r["output"]] * (1 + i % 3))
     pq.write_table(pa.Table.from_pylist(records), folder / file)
 
 
@@ -58,11 +60,13 @@ def fsdp2(engine_runs, tiny_model, tmp_path_factory):
     job = work / "job.yaml"
     job.write_text(f"model: {{model_name_or_path: {model}}}\n"
                    f"data: {{template: qwen3, dataset: alpaca_full, dataset_dir: {work / 'configs/fsdp2/data'}, "
-                   "cutoff_len: 64}\n"
+                   "cutoff_len: 96}\n"
                    "parallel: {param_dtype: fp32, recompute: true}\n"
-                   f"training: {{max_steps: {STEPS}, lr: 1.0e-3, warmup_ratio: 0.0, per_device_train_batch_size: 1}}\n")
-    runs = {"ga2": (1, ["--training.gradient_accumulation_steps", "2"]),
-            "batch2": (1, ["--training.per_device_train_batch_size", "2"]),
+                   f"training: {{max_steps: {STEPS}, lr: 1.0e-3, warmup_ratio: 0.0, per_device_train_batch_size: 1, "
+                   "gradient_accumulation_steps: 2}\n")
+    # a step: samples 0-3 of the epoch's order; one process has micro-batches {0, 1}, {2, 3}, two have {0}, {2}
+    # and {1}, {3} (DistributedSampler deals them): equal only as the token mean over the global batch
+    runs = {"one": (1, ["--training.per_device_train_batch_size", "2"]),
             "fsdp2x2": (2, ["--parallel.fsdp_size", "2"])}
     for name, (world, extra) in runs.items():
         engine_runs.add_command(f"fsdp2/{name}", "backends.llm.fsdp2", [job, *extra, "--training.output_dir",
@@ -84,10 +88,9 @@ def losses(run: Path) -> list[float]:
 
 
 def test_one_process_equals_fsdp2_on_two(fsdp2):
-    ref = losses(fsdp2["fsdp2/ga2"])
+    ref = losses(fsdp2["fsdp2/one"])
     assert len(ref) == STEPS and ref[0] > ref[-1]
-    for name in ("batch2", "fsdp2x2"):
-        assert losses(fsdp2[f"fsdp2/{name}"]) == pytest.approx(ref, abs=1e-5), name
+    assert losses(fsdp2["fsdp2/fsdp2x2"]) == pytest.approx(ref, abs=1e-5)
     log = fsdp2.log("fsdp2/fsdp2x2")
     assert "4 FSDP2 units, 2 recomputed" in log and "dp 2" in log
 
