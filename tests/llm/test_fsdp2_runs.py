@@ -66,11 +66,14 @@ def fsdp2(engine_runs, tiny_model, tmp_path_factory):
                    "gradient_accumulation_steps: 2}\n")
     # a step: samples 0-3 of the epoch's order; one process has micro-batches {0, 1}, {2, 3}, two have {0}, {2}
     # and {1}, {3} (DistributedSampler deals them): equal only as the token mean over the global batch
-    runs = {"one": (1, ["--training.per_device_train_batch_size", "2"]),
-            "fsdp2x2": (2, ["--parallel.fsdp_size", "2"])}
+    runs = {"one": (1, ["--training.per_device_train_batch_size", "2", "--training.save_steps", "2"]),
+            "fsdp2x2": (2, ["--parallel.fsdp_size", "2"]),
+            # the one-process run's step-2 DCP checkpoint continued under FSDP2 on two
+            "resumed": (2, ["--training.resume_from_checkpoint", work / "one/checkpoints/step_2"])}
     for name, (world, extra) in runs.items():
         engine_runs.add_command(f"fsdp2/{name}", "backends.llm.fsdp2", [job, *extra, "--training.output_dir",
-                                                                       work / name], work / name, world=world)
+                                                                       work / name], work / name, world=world,
+                                after="fsdp2/one" if name == "resumed" else None)
     # the published pair: its YAML where its .sh names it, the 8-NPU run on 2 processes, 3 steps
     (work / "examples/fsdp2/qwen3").mkdir(parents=True)
     shutil.copy(UPSTREAM / f"{TUNE}.yaml", work / "examples/fsdp2/qwen3")
@@ -91,6 +94,7 @@ def test_one_process_equals_fsdp2_on_two(fsdp2):
     ref = losses(fsdp2["fsdp2/one"])
     assert len(ref) == STEPS and ref[0] > ref[-1]
     assert losses(fsdp2["fsdp2/fsdp2x2"]) == pytest.approx(ref, abs=1e-5)
+    assert losses(fsdp2["fsdp2/resumed"]) == pytest.approx(ref[2:], abs=1e-5)
     log = fsdp2.log("fsdp2/fsdp2x2")
     assert "4 FSDP2 units, 2 recomputed" in log and "dp 2" in log
 

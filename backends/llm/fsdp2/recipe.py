@@ -65,6 +65,7 @@ class FSDP2Recipe(Recipe):
 
     def __init__(self, cfg: FSDP2Config):
         self.cfg = cfg
+        self.done = 0  # optimizer steps taken (a checkpoint's global_step)
 
     def build(self, rt) -> Settings:
         cfg, t, p = self.cfg, self.cfg.training, self.cfg.parallel
@@ -221,11 +222,19 @@ class FSDP2Recipe(Recipe):
         loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"))
         return Loss(loss_sum)
 
+    def step(self, trainer, step: int):
+        result = super().step(trainer, step)
+        self.done = step + 1
+        return result
+
     def state_dict(self) -> dict:
-        return {"loader": self.loader.state_dict()}
+        return {"global_step": self.done}
 
     def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state["loader"])
+        """Trainer.train's resume: the data position follows from the step alone (the epochs done, then
+        steps x gradient_accumulation_steps batches of this one skipped), so any layout can resume."""
+        epochs, within = divmod(int(state["global_step"]), self.steps_per_epoch)
+        self.loader.position = epochs * len(self.loader) + within * self.cfg.training.gradient_accumulation_steps
 
     def start_info(self) -> dict:
         t = self.cfg.training
