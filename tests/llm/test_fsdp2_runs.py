@@ -105,3 +105,23 @@ def test_published_tune_pair_trains(fsdp2):
     assert len(got) == STEPS and all(x == x and x > 0 for x in got)
     log = fsdp2.log("fsdp2/published")
     assert log.count("notice: training.dataloader_num_workers: accepted") == 1
+
+
+@pytest.mark.slow
+def test_qwen3_moe_one_process_equals_fsdp2_on_two(engine_runs, tiny_model, tmp_path_factory):
+    """A tiny Qwen3-MoE (model_id qwen3_moe, experts inside each layer's FSDP2 unit; ep_size 1)."""
+    model = tiny_model("qwen3_moe")
+    work = tmp_path_factory.mktemp("fsdp2-moe")
+    write_data(work / "data")
+    job = work / "job.yaml"
+    job.write_text(f"model: {{model_name_or_path: {model}, model_id: qwen3_moe}}\n"
+                   f"data: {{template: qwen3, dataset: alpaca_full, dataset_dir: {work / 'data'}, cutoff_len: 96}}\n"
+                   "parallel: {param_dtype: fp32}\n"
+                   f"training: {{max_steps: {STEPS}, lr: 1.0e-3, warmup_ratio: 0.0, per_device_train_batch_size: 1, "
+                   "gradient_accumulation_steps: 2}\n")
+    for name, world, extra in (("one", 1, ["--training.per_device_train_batch_size", "2"]), ("two", 2, [])):
+        engine_runs.add_command(f"fsdp2-moe/{name}", "backends.llm.fsdp2",
+                                [job, *extra, "--training.output_dir", work / name], work / name, world=world)
+    ref = losses(engine_runs["fsdp2-moe/one"])
+    assert len(ref) == STEPS
+    assert losses(engine_runs["fsdp2-moe/two"]) == pytest.approx(ref, abs=1e-5)
