@@ -50,8 +50,10 @@ def _blob(path: Path) -> str:
 
 def test_every_upstream_key_has_its_type_default_and_a_treatment():
     # the fixtures are upstream's bytes (SOURCE.md's blob ids), the table is what arguments.py's fields say
-    for name, blob in re.findall(r"^\| `([^`]+)` \| `[^`]+` \| ([0-9a-f]{40}) \|$",
-                                 (UPSTREAM / "SOURCE.md").read_text(encoding="utf-8"), re.M):
+    rows = re.findall(r"^\| `([^`]+)` \| `[^`]+`[^|]* \| ([0-9a-f]{40}) \|$",
+                      (UPSTREAM / "SOURCE.md").read_text(encoding="utf-8"), re.M)
+    assert len(rows) == 9
+    for name, blob in rows:
         assert _blob(UPSTREAM / name) == blob, name
     sys.path.insert(0, str(UPSTREAM))
     try:
@@ -138,3 +140,30 @@ def test_bad_input_one_line_per_key_exit_2_no_traceback(tmp_path, capsys):
     bad.write_text("model: {model_name_or_path: /m}\ntraining: {output_dir: /o}\nparallel: {cp_size: 2}\n")
     with pytest.raises(FSDP2ConfigError, match=r"^parallel.cp_size: 2 is not built here \(context parallel"):
         parse_command([str(bad)])
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
+def test_schedules_are_upstreams_scheduler_factory(style, monkeypatch):
+    """Our schedule against upstream's SchedulerFactory itself (its scheduler.py, with its logger stubbed)."""
+    import importlib.util
+    import types
+
+    import torch
+
+    from backends.llm.fsdp2.recipe import lr_lambda
+
+    logging_stub = types.ModuleType("mindspeed_llm.fsdp2.utils.logging")
+    logging_stub.get_logger = lambda name: types.SimpleNamespace(info_rank0=print, debug_rank0=print)
+    monkeypatch.setitem(sys.modules, "mindspeed_llm.fsdp2.utils.logging", logging_stub)
+    spec = importlib.util.spec_from_file_location("upstream_scheduler", UPSTREAM / "scheduler.py")
+    upstream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upstream)
+
+    total, ratio, lr, min_lr = 17.5, 0.2, 3e-4, 2e-5  # train_steps may be fractional (max_steps × epochs)
+    ref_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    ref = upstream.SchedulerFactory.create(ref_opt, total, lr, style, ratio, min_lr)
+    ours_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    ours = torch.optim.lr_scheduler.LambdaLR(ours_opt, lr_lambda(style, int(total * ratio), total, min_lr / lr))
+    for _ in range(22):  # past the end too
+        assert ours.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12, abs=0)
+        ref_opt.step(), ref.step(), ours_opt.step(), ours.step()
