@@ -85,15 +85,17 @@ def fsdp2(engine_runs, tiny_model, tmp_path_factory):
     return engine_runs
 
 
-def losses(run: Path) -> list[float]:
+def losses(run: Path, key: str = "loss") -> list[float]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r and "step" in r]
+    return [r[key] for r in rows if key in r and "step" in r]
 
 
 def test_one_process_equals_fsdp2_on_two(fsdp2):
     ref = losses(fsdp2["fsdp2/one"])
     assert len(ref) == STEPS and ref[0] > ref[-1]
     assert losses(fsdp2["fsdp2/fsdp2x2"]) == pytest.approx(ref, abs=1e-5)
+    norms = losses(fsdp2["fsdp2/one"], "grad_norm")
+    assert losses(fsdp2["fsdp2/fsdp2x2"], "grad_norm") == pytest.approx(norms, rel=1e-5)
     assert losses(fsdp2["fsdp2/resumed"]) == pytest.approx(ref[2:], abs=1e-5)
     log = fsdp2.log("fsdp2/fsdp2x2")
     assert "4 FSDP2 units, 2 recomputed" in log and "dp 2" in log
@@ -109,7 +111,8 @@ def test_published_tune_pair_trains(fsdp2):
 
 @pytest.mark.slow
 def test_qwen3_moe_one_process_equals_fsdp2_on_two(engine_runs, tiny_model, tmp_path_factory):
-    """A tiny Qwen3-MoE (model_id qwen3_moe, experts inside each layer's FSDP2 unit; ep_size 1)."""
+    """A tiny Qwen3-MoE (model_id qwen3_moe): experts inside each layer's FSDP2 unit (ep_size 1), and expert
+    parallel over the ep_modules (ep_size 2: two experts a rank, tokens dispatched all-to-all) beside FSDP2."""
     model = tiny_model("qwen3_moe")
     work = tmp_path_factory.mktemp("fsdp2-moe")
     write_data(work / "data")
@@ -119,9 +122,14 @@ def test_qwen3_moe_one_process_equals_fsdp2_on_two(engine_runs, tiny_model, tmp_
                    "parallel: {param_dtype: fp32}\n"
                    f"training: {{max_steps: {STEPS}, lr: 1.0e-3, warmup_ratio: 0.0, per_device_train_batch_size: 1, "
                    "gradient_accumulation_steps: 2}\n")
-    for name, world, extra in (("one", 1, ["--training.per_device_train_batch_size", "2"]), ("two", 2, [])):
+    for name, world, extra in (("one", 1, ["--training.per_device_train_batch_size", "2"]), ("two", 2, []),
+                               ("ep2", 2, ["--parallel.ep_size", "2"])):
         engine_runs.add_command(f"fsdp2-moe/{name}", "backends.llm.fsdp2",
                                 [job, *extra, "--training.output_dir", work / name], work / name, world=world)
     ref = losses(engine_runs["fsdp2-moe/one"])
     assert len(ref) == STEPS
     assert losses(engine_runs["fsdp2-moe/two"]) == pytest.approx(ref, abs=1e-5)
+    assert losses(engine_runs["fsdp2-moe/ep2"]) == pytest.approx(ref, abs=1e-5)
+    norms = losses(engine_runs["fsdp2-moe/one"], "grad_norm")  # the expert grads' scale too
+    assert losses(engine_runs["fsdp2-moe/ep2"], "grad_norm") == pytest.approx(norms, rel=1e-5)
+    assert "2 expert-parallel" in engine_runs.log("fsdp2-moe/ep2")

@@ -39,7 +39,6 @@ QUANT_ONLY = Notice("takes effect only with quant_recipe_name, which is refused 
 PREPROCESS = Notice("how many records or processes tokenize at once, not what they produce")
 LOADER = Notice("how the data loader works, not what it yields: this engine loads batches in the main process")
 LOGGING = Notice("logging/profiling: this engine logs metrics.jsonl and the progress line itself")
-EP_ONLY = Notice("takes effect only with parallel.ep_size > 1 (expert parallel), refused here")
 CP_ONLY = Notice("takes effect only with parallel.cp_size > 1 (context parallel), refused here")
 TP_ONLY = Notice("takes effect only with parallel.tp_size > 1, refused here")
 MG_ONLY = Notice("takes effect only with data.data_manager_type mg (Megatron data), refused here")
@@ -124,22 +123,25 @@ KEYS: dict[str, dict[str, tuple]] = {
         "tp_size": ("int", 1, Use((1,), "tensor parallel (tp_size > 1) in this backend")),
         "fsdp_size": ("int", 1, USE),
         "recompute": ("bool", False, USE),
-        "ep_size": ("int", 1, Use((1,), "expert parallel (ep_size > 1) in this backend")),
-        "ep_fsdp_size": ("int", 1, EP_ONLY),
+        "ep_size": ("int", 1, USE),
+        "ep_fsdp_size": ("int", 1, Use((1,), "FSDP inside expert-parallel groups (ep_fsdp_size > 1)")),
         "cp_size": ("int", 1, Use((1,), "context parallel (cp_size > 1) in this backend")),
         "cp_type": (("ulysses", "ring", "kvallgather"), "ulysses", CP_ONLY),
         "fsdp_modules": ("list:str", LAYERS + ["model.embed_tokens", "lm_head"], USE),
         "ignored_modules": ("list:str", None, Refuse("modules left out of FSDP (ignored_modules)")),
         "reshard_after_forward": ("bool", True, USE),
         "shard_placement_fn": ("str", None, Refuse("custom shard placement functions")),
-        "efsdp_shard_placement_fn": ("str", "shard_by_dim_1", EP_ONLY),
+        "efsdp_shard_placement_fn": ("str", "shard_by_dim_1", Notice("takes effect only with ep_fsdp_size > 1, "
+                                                                     "refused here")),
         "hook_modules": ("list:str", LAYERS, Notice("modules given prefetch hooks (performance)")),
         "fsdp_implementation": (("custom", "native"), "native", Refuse("MindSpeed's custom FSDP implementation")),
         "tp_colwise": ("list:str", ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"], TP_ONLY),
         "tp_rowwise": ("list:str", ["*.o_proj", "*.down_proj"], TP_ONLY),
-        "ep_modules": ("list:str", ["model.layers.{*}.mlp.experts"], EP_ONLY),
-        "ep_fsdp_modules": ("list:str", ["model.layers.{*}.mlp.experts"], EP_ONLY),
-        "ep_dispatcher": (("eager", "fused", "mc2"), "eager", EP_ONLY),
+        "ep_modules": ("list:str", ["model.layers.{*}.mlp.experts"], USE),
+        "ep_fsdp_modules": ("list:str", ["model.layers.{*}.mlp.experts"], Notice("takes effect only with "
+                                                                                 "ep_fsdp_size > 1, refused here")),
+        "ep_dispatcher": (("eager", "fused", "mc2"), "eager", Use(("eager",), "the fused / mc2 token dispatchers "
+                                                                           "(eager, all-to-all, is built)")),
         "recompute_modules": ("list:str", LAYERS, USE),
         "param_dtype": (DTYPES, "bf16", USE),
         "reduce_dtype": (DTYPES, "fp32", USE),

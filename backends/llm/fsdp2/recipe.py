@@ -76,20 +76,23 @@ class FSDP2Recipe(Recipe):
         hf = self._hf_model()
         from backends.common.hf_model import HFCausalLMWithLoss
 
-        model = HFCausalLMWithLoss(hf, error=FSDP2ConfigError)
+        # on its device before expert parallel: .to() would rebuild the experts' DTensor parameters unflagged
+        model = HFCausalLMWithLoss(hf, error=FSDP2ConfigError).to(rt.device)
         text = hf.config
         heads = int(text.num_attention_heads)
         if rt.world % p.fsdp_size:
             raise FSDP2ConfigError(f"parallel.fsdp_size: {p.fsdp_size} does not divide the {rt.world} processes")
         par = self.par = kit.parallel(
             rt, FSDP2ConfigError, fsdp=True, heads=heads, kv_heads=int(getattr(text, "num_key_value_heads", heads)),
-            layers=int(text.num_hidden_layers), seq_len=cfg.data.cutoff_len,
+            layers=int(text.num_hidden_layers), seq_len=cfg.data.cutoff_len, ep=p.ep_size,
+            experts=int(getattr(text, "num_experts", 0) or 0),
             micro_batch=t.per_device_train_batch_size,
             global_batch=t.per_device_train_batch_size * t.gradient_accumulation_steps * rt.world)
+        self.expert_modules = self._expert_parallel(hf, rt) if p.ep_size > 1 else 0
         self.recomputed = self._recompute(hf) if p.recompute else 0
         self.dataset, self.loader = self._data(rt, par)
         total, self.total_steps, self.steps_per_epoch = step_counts(t, len(self.loader))
-        model = self.model = self._wrap(model, hf, rt.device)
+        model = self.model = self._wrap(model, hf)
         optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=t.lr,
                                       betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon,
                                       weight_decay=t.weight_decay)
@@ -108,8 +111,9 @@ class FSDP2Recipe(Recipe):
         out = Path(t.output_dir)
         if rt.is_main:
             out.mkdir(parents=True, exist_ok=True)
-        log.info("fsdp2: %s, %d FSDP2 units, %d recomputed; %d steps (%d a epoch), warmup %d", hf.config.model_type,
-                 self.units, self.recomputed, self.total_steps, self.steps_per_epoch, warmup)
+        log.info("fsdp2: %s, %d FSDP2 units, %d recomputed, %d expert-parallel; %d steps (%d a epoch), warmup %d",
+                 hf.config.model_type, self.units, self.recomputed, self.expert_modules, self.total_steps,
+                 self.steps_per_epoch, warmup)
         return Settings(total_steps=self.total_steps, save_dir=str(out / "checkpoints"),
                         save_interval=t.save_steps if t.save_steps > 0 else None,
                         resume=t.resume_from_checkpoint, log_interval=t.logging_steps,
@@ -141,6 +145,15 @@ class FSDP2Recipe(Recipe):
                  sum(q.numel() for q in hf.parameters()) / 1e6, patched)
         return hf.train()
 
+    def _expert_parallel(self, hf, rt) -> int:
+        from backends.llm.fsdp2 import experts
+
+        found = matching(hf, self.cfg.parallel.ep_modules)
+        if not found:
+            raise FSDP2ConfigError(f"parallel.ep_modules: {', '.join(self.cfg.parallel.ep_modules)} names no module "
+                                   "of this model")
+        return experts.apply(hf, found, self.par, rt.device.type, FSDP2ConfigError)
+
     def _recompute(self, hf) -> int:
         from backends.common.parallel.recompute import Recomputed
 
@@ -152,11 +165,10 @@ class FSDP2Recipe(Recipe):
             module.forward = Recomputed(module.forward)
         return len(found)
 
-    def _wrap(self, model, hf, device):
+    def _wrap(self, model, hf):
         """FSDP2 units over the modules fsdp_modules names, deepest first, then the root. The output head
         stays in the root unit: the chunked loss reads its weight outside its forward (same numbers)."""
         p = self.cfg.parallel
-        model.to(device)
         found = matching(hf, p.fsdp_modules)
         if not found:
             raise FSDP2ConfigError(f"parallel.fsdp_modules: {', '.join(p.fsdp_modules)} names no module of this model")
@@ -169,6 +181,9 @@ class FSDP2Recipe(Recipe):
 
         kw = {"mesh": self.par.grad_mesh, "reshard_after_forward": p.reshard_after_forward,
               "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[p.param_dtype], reduce_dtype=DTYPES[p.reduce_dtype])}
+        from backends.common.parallel import expert_parallel
+
+        kw["ignored_params"] = set(expert_parallel.expert_parameters(model)) or None  # sharded over ep already
         for _name, module in sorted(units, key=lambda nm: -nm[0].count(".")):
             fully_shard(module, **kw)
         return fully_shard(model, **kw)
