@@ -88,6 +88,9 @@ class FSDP2Recipe(Recipe):
             experts=int(getattr(text, "num_experts", 0) or 0),
             micro_batch=t.per_device_train_batch_size,
             global_batch=t.per_device_train_batch_size * t.gradient_accumulation_steps * rt.world)
+        if p.fsdp_size != par.grad_world:  # upstream replicates over world / fsdp_size groups (HSDP)
+            log.info("parallel.fsdp_size %d: the parameters are sharded over all %d data-parallel ranks here (the "
+                     "same numbers)", p.fsdp_size, par.grad_world)
         self.expert_modules = self._expert_parallel(hf, rt) if p.ep_size > 1 else 0
         self.recomputed = self._recompute(hf) if p.recompute else 0
         self.dataset, self.loader = self._data(rt, par)
