@@ -64,7 +64,7 @@ def _lf_stepper(path: Path):
 
     from backends.common.optim import build_optimizer
     from backends.common.trainer import Loss, Part, optimize
-    from backends.lf.model import HFCausalLMWithLoss, apply_kernels
+    from backends.common.hf_model import HFCausalLMWithLoss, apply_kernels
 
     # train() before patching: with the `kernels` package installed, transformers re-kernelizes on a
     # train/eval switch and puts the class forward back on its hub-kernel layers (RMSNorm), undoing the

@@ -20,7 +20,7 @@ from backends import kernels
 from backends.common import kit
 from backends.common.trainer import Loss, Recipe, Settings, seed_everything
 from backends.lf.config import LFConfig, LFConfigError, parse_config
-from backends.lf.model import HFCausalLMWithLoss
+from backends.common.hf_model import HFCausalLMWithLoss, apply_kernels
 from backends.lf.outputs import TrainerOutputs
 
 log = logging.getLogger("backends.lf")
@@ -228,7 +228,7 @@ class LFRecipe(Recipe):
         overrides = {**lfmodel.attention_override(cfg.flash_attn), **cfg.engine.get("kernels.overrides", {})}
         kernels.configure(default=cfg.engine.get("kernels.backend"), overrides=overrides or None)
         hf = lfmodel.load_hf_model(cfg)
-        patched = lfmodel.apply_kernels(hf)
+        patched = apply_kernels(hf)
         trained = lfmodel.make_trainable(hf, cfg)
         self.trainable, self.total = kit.count_parameters(hf)
         self.model_vocab = hf.get_output_embeddings().weight.shape[0]
@@ -265,7 +265,7 @@ class LFRecipe(Recipe):
         if (cfg.stage == "dpo" and not uses_reference(cfg.pref_loss)) or cfg.finetuning_type == "lora":
             return None
         hf = lfmodel.load_hf_model(cfg)
-        lfmodel.apply_kernels(hf)
+        apply_kernels(hf)
         hf.requires_grad_(False)
         ref = HFCausalLMWithLoss(hf).eval()
         ref.to(rt.device)

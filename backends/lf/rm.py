@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.lf.model import HFCausalLMWithLoss
+from backends.common.hf_model import HFCausalLMWithLoss
 
 log = logging.getLogger("backends.lf")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from backends.common import hf_model
 from tests.helpers.lf_runs import ROOT, add_lf, losses, run_lf
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -157,8 +158,8 @@ def test_first_step_loss_matches_transformers(models, kind, tmp_path):
     ref = AutoModelForImageTextToText.from_pretrained(models[kind], dtype=torch.float32)
     want = ref(input_ids=ids, labels=plain, **vision).loss
     hf = lfmodel.load_hf_model(cfg)
-    lfmodel.apply_kernels(hf)
-    loss_sum, count = lfmodel.HFCausalLMWithLoss(hf)(ids, labels, **vision)
+    hf_model.apply_kernels(hf)
+    loss_sum, count = hf_model.HFCausalLMWithLoss(hf)(ids, labels, **vision)
     assert count == int((labels != -100).sum())
     assert float(loss_sum.detach() / count) == pytest.approx(float(want), abs=1e-5)
 
@@ -202,7 +203,7 @@ def test_flash_attn_picks_the_attention_left_to_transformers(models, tmp_path, f
 
     cfg = _cfg(models["gemma3"], tmp_path, flash_attn=flash_attn)
     hf = lfmodel.load_hf_model(cfg)
-    report = lfmodel.apply_kernels(hf)
+    report = hf_model.apply_kernels(hf)
     # its (1 + w) RMSNorms go through backends.kernels, its attention (image tokens see each other) does not
     assert report["attn_implementation"] == impl and set(report["patched"]) == {"rms_norm"}
     assert hf.config.get_text_config()._attn_implementation == impl
