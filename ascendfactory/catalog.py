@@ -23,7 +23,9 @@ def features(framework: str) -> tuple[str, ...]:
 
 
 SUPPORTED, UNSUPPORTED, NOT_PLANNED, UNLISTED = "supported", "unsupported", "not_planned", "unlisted"
-CELL_SYMBOL = {SUPPORTED: "✅", UNSUPPORTED: "❌", NOT_PLANNED: "NA", UNLISTED: "—"}
+UNSTATED = "unstated"  # a second-seed row's cell that seed does not speak to: refused like ❌, shown as ?
+CELL_SYMBOL = {SUPPORTED: "✅", UNSUPPORTED: "❌", NOT_PLANNED: "NA", UNLISTED: "—", UNSTATED: "?"}
+BACKENDS = ("mcore", "fsdp2")  # MindSpeed-LLM's training backends as the second seed names them
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class FrameworkTable:
     features: dict[str, dict[str, str]]  # key → {title, covers, ...}
     rows: dict[str, dict[str, Any]]      # model id → {feature: cell}
     note: str
+    second_seed: frozenset[str] = frozenset()  # rows read from the second seed (seed2_models), not the first
 
 
 # libyaml's parser when present: the pure-Python one spends ~0.4 s on models.yaml alone
@@ -67,21 +70,29 @@ def models() -> dict[str, dict[str, Any]]:
     cards = data["models"]
     for card in cards.values():
         # dense / non-MLA / text-only cards omit these blocks; give every consumer the same keys
-        for key in ("moe", "mla"):
-            card["arch"].setdefault(key, None)
+        if card.get("arch") is not None:
+            for key in ("moe", "mla"):
+                card["arch"].setdefault(key, None)
+        card.setdefault("arch", None)  # null: an architecture the card schema does not describe, or unknown
         card.setdefault("vision", None)
+        card.setdefault("seed2", None)
     return cards
 
 
 @lru_cache(maxsize=None)
 def table(framework: str) -> FrameworkTable:
     data = load_yaml_unique((matrix_dir() / f"{framework}.yaml").read_text(encoding="utf-8"))
+    first, second = data.get("models") or {}, data.get("seed2_models") or {}
+    both = sorted(set(first) & set(second))
+    if both:
+        raise KeyError(f"{', '.join(both)} in both models and seed2_models")
     return FrameworkTable(
         name=data["framework"],
         display_name=data.get("display_name", framework),
         features=data["features"],
-        rows=data.get("models") or {},
+        rows={**first, **second},
         note=data.get("note", "NA means support is never planned."),
+        second_seed=frozenset(second),
     )
 
 
@@ -142,6 +153,21 @@ def frameworks_listing(model_id: str) -> list[str]:
         if r is not None and any(v != NOT_PLANNED for v in r.values()):
             out.append(fw)
     return out
+
+
+def seed2_backends(model_id: str) -> list[str]:
+    """The MindSpeed-LLM training backends the second seed lists for a model ([] where it does not list it)."""
+    seed2 = models()[model_id]["seed2"]
+    return list(seed2["backends"]) if seed2 else []
+
+
+def params_b(card: dict[str, Any]) -> float | None:
+    """Billions of parameters: recomputed from the architecture where the card has one, else as published."""
+    from ascendfactory.params import count_params
+
+    if card["arch"] is not None:
+        return round(count_params(card) / 1e9, 2)
+    return card.get("published_params_b")
 
 
 def cell_symbol(value: Any) -> str:

@@ -523,17 +523,34 @@ def capabilities(model: str = typer.Option(..., "--model", "-m", help="model id,
         frameworks = _frameworks(framework)
     except JobError as err:
         _fail(err)
+    from ascendfactory.buildable import unbuildable
+
     card = catalog.models()[model_id]
+    unbuilt = unbuildable(model_id)
     if as_json:
         typer.echo(json.dumps({"model": model_id, "name": card["name"], "series": card["series"], "type": card["type"],
+                               "seed2": card["seed2"], "buildable": unbuilt is None, "not_buildable": unbuilt,
                                "frameworks": {fw: catalog.row(fw, model_id) for fw in frameworks}},
                               ensure_ascii=False, indent=2))
         return
     from rich.table import Table
 
     con = _console()
-    con.print(f"[bold]{card['name']}[/] ({model_id}) · {card['series']} · {card['type']} · family {card['family']} · "
-              f"{card['hf_repo']}")
+    import textwrap
+
+    def para(text: str, style: str = "") -> None:  # soft_wrap keeps rich from folding: fold at the width here
+        folded = _escape(textwrap.fill(text, width=con.width, subsequent_indent="  ", break_on_hyphens=False))
+        con.print(f"[{style}]{folded}[/]" if style else folded)
+
+    para(f"{card['name']} ({model_id}) · {card['series']} · {card['type']} · family {card['family']}"
+         + (f" · {card['hf_repo']}" if card["hf_repo"] else ""), "bold")
+    if card["seed2"]:
+        seed2 = card["seed2"]
+        cluster = f"recommended cluster {seed2['cluster']} (nodes x devices)" if seed2["cluster"] else "no cluster size"
+        backends = " / ".join(seed2["backends"]) or "no backend column"
+        para(f"second seed (MindSpeed-LLM's model list): {seed2['listed']}; {cluster}; backends {backends}")
+    para(f"this build: {unbuilt}" if unbuilt else
+         f"this build: builds the {card['family']} architecture; the cells below are what it plans", "red" if unbuilt else "")
     for fw in frameworks:
         tab = catalog.table(fw)
         row = tab.rows.get(model_id)
@@ -547,7 +564,8 @@ def capabilities(model: str = typer.Option(..., "--model", "-m", help="model id,
         for key, meta in tab.features.items():
             t.add_row(f"{meta.get('title', key)} [dim]({key})[/]", catalog.cell_symbol(row[key]), meta.get("covers", ""))
         con.print(t)
-    con.print("[dim]✅ supported · ❌ unsupported · NA never planned · unlisted: no row in that table[/]")
+    para("✅ supported · ❌ unsupported · ? not stated by the seed · NA never planned · "
+         "unlisted: no row in that table", "dim")
 
 
 def _frameworks(framework: Optional[str]) -> list[str]:
@@ -569,30 +587,44 @@ def models(type_: Optional[str] = typer.Option(None, "--type", help="llm or mult
            framework: Optional[str] = typer.Option(None, "--framework", help="only models with a ✅ cell there"),
            stage: Optional[str] = typer.Option(None, "--stage", help="only models the matrix lets train this stage "
                                                                    "(on --framework, else on any framework)"),
+           backend: Optional[str] = typer.Option(None, "--backend", help="only models the second seed lists for "
+                                                                       "this MindSpeed-LLM backend: mcore or fsdp2"),
+           buildable: bool = typer.Option(False, "--buildable", help="only models this build can build"),
            as_json: bool = typer.Option(False, "--json")) -> None:
     """List the model cards."""
     from ascendfactory import catalog
-    from ascendfactory.errors import Problem
-    from ascendfactory.params import count_params
+    from ascendfactory.buildable import unbuildable
+    from ascendfactory.errors import Problem, did_you_mean
     from ascendfactory.starter import STAGES, trains
 
     try:
         fws = _frameworks(framework) if framework else []
         if stage is not None and stage not in STAGES:
             raise JobError(f"Unknown stage '{stage}'", [Problem("--stage", f"choose one of {', '.join(STAGES)}")])
+        if backend is not None and backend not in catalog.BACKENDS:
+            guess = did_you_mean(backend, catalog.BACKENDS)
+            raise JobError(f"Unknown backend '{backend}'", [Problem(
+                "--backend", f"'{backend}' is not one of {', '.join(catalog.BACKENDS)}",
+                hint=f"did you mean '{guess}'?" if guess else None)])
     except JobError as err:
         _fail(err)
     rows = []
     for model_id, card in catalog.models().items():
         if type_ and card["type"] != type_ or family and card["family"] != family:
             continue
+        if backend and backend not in catalog.seed2_backends(model_id):
+            continue
+        unbuilt = unbuildable(model_id)
+        if buildable and unbuilt:
+            continue
         if fws and not _any_supported(fws[0], model_id):
             continue
         if stage and not any(trains(model_id, f, stage) for f in (fws or FRAMEWORKS)):
             continue
         rows.append({"model": model_id, "name": card["name"], "series": card["series"], "type": card["type"],
-                     "family": card["family"], "params_b": round(count_params(card) / 1e9, 2),
-                     "frameworks": catalog.frameworks_listing(model_id)})
+                     "family": card["family"], "params_b": catalog.params_b(card),
+                     "frameworks": catalog.frameworks_listing(model_id), "buildable": unbuilt is None,
+                     "seed2_backends": catalog.seed2_backends(model_id)})
     if as_json:
         typer.echo(json.dumps(rows, indent=2, ensure_ascii=False))
         return
@@ -602,7 +634,7 @@ def models(type_: Optional[str] = typer.Option(None, "--type", help="llm or mult
     # the id is what a user copies: never cut; on a narrow terminal the display name and type (the id and
     # family say them) make room for the frameworks, which wrap between names
     wide = con.width >= 110
-    t = Table(title=f"{len(rows)} models")
+    t = Table(title=f"{len(rows)} models" + (f" the second seed lists for the {backend} backend" if backend else ""))
     t.add_column("model", no_wrap=True, min_width=max((len(r["model"]) for r in rows), default=5))
     if wide:
         t.add_column("name")
@@ -611,8 +643,9 @@ def models(type_: Optional[str] = typer.Option(None, "--type", help="llm or mult
     t.add_column("params (B)", no_wrap=True, justify="right")
     t.add_column("frameworks listing it")
     for r in rows:
-        cells = [r["model"], *([r["name"], r["type"]] if wide else []), r["family"], f"{r['params_b']:g}",
-                 ", ".join(r["frameworks"])]
+        cells = [r["model"], *([r["name"], r["type"]] if wide else []), r["family"],
+                 f"{r['params_b']:g}" if r["params_b"] is not None else "?",
+                 ", ".join(r["frameworks"]) if r["buildable"] else "not buildable by this build"]
         t.add_row(*cells)
     con.print(t)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ascendfactory import catalog
-from ascendfactory.catalog import NOT_PLANNED, SUPPORTED, UNSUPPORTED
+from ascendfactory.catalog import NOT_PLANNED, SUPPORTED, UNSTATED, UNSUPPORTED
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import FRAMEWORKS, adapter, adapters
 from ascendfactory.frameworks.base import FeatureUse
@@ -58,7 +58,7 @@ def cell_state(value: Any, needs: Any = None) -> str:
         return NOT_PLANNED
     if isinstance(value, list):
         return SUPPORTED if needs in value else UNSUPPORTED
-    if value == UNSUPPORTED:
+    if value in (UNSUPPORTED, UNSTATED):  # what the seed does not promise is not promised
         return UNSUPPORTED
     return SUPPORTED  # "supported" or a version / backend string
 
@@ -117,7 +117,8 @@ def check(job: JobSpec, allow_unsupported: bool = False) -> CapabilityReport:
             report.refusals.append(Problem(
                 use.because, f"{cell_name} is NA: support is never planned", hint=f"{alt}; see {show}"))
         elif state == UNSUPPORTED:
-            what = f"{cell_name} is {shown}" + (f", which does not include {use.needs}" if use.needs else " (unsupported)")
+            what = f"{cell_name} is {shown}" + (f", which does not include {use.needs}" if use.needs else
+                                                 " (not stated by the seed)" if value == UNSTATED else " (unsupported)")
             if allow_unsupported:
                 report.warnings.append(f"UNSUPPORTED, proceeding because of --allow-unsupported: {what} [{use.because}]")
             else:

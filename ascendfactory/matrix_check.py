@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from ascendfactory import catalog
-from ascendfactory.catalog import NOT_PLANNED, SUPPORTED, UNSUPPORTED
+from ascendfactory.catalog import NOT_PLANNED, SUPPORTED, UNSTATED, UNSUPPORTED
 from ascendfactory.errors import JobError
 from ascendfactory.frameworks import adapter
 
@@ -29,6 +29,8 @@ def _legal(fw: str, feature: str, value) -> bool:
     if value == NOT_PLANNED:
         return True
     kind = adapter(fw).columns[feature]
+    if value == UNSTATED:  # a plain cell of a second-seed row (verify_files checks which row)
+        return kind not in ("list", "version")
     if kind == "list":
         return isinstance(value, list) and all(v in STAGE_NAMES for v in value) and len(set(value)) == len(value)
     if kind == "version":
@@ -58,7 +60,10 @@ def verify_files(frameworks) -> list[str]:
                 problems.append(f"{fw}.yaml: {model_id} has cells {sorted(row)}, expected {list(columns)}")
                 continue
             for feature, value in row.items():
-                if not _legal(fw, feature, value):
+                if value == UNSTATED and model_id not in tab.second_seed:
+                    problems.append(f"{fw}.yaml: {model_id}.{feature} is unstated, which only a seed2_models row "
+                                    "may be (the first seed states every cell of its rows)")
+                elif not _legal(fw, feature, value):
                     problems.append(f"{fw}.yaml: {model_id}.{feature} = {value!r} is not a legal cell value")
     return problems
 
@@ -70,7 +75,7 @@ def promises(fw: str, model_id: str) -> list[tuple[str, str | None]]:
     for feature, value in row.items():
         if isinstance(value, list):
             out += [(feature, stage) for stage in value]
-        elif value not in (UNSUPPORTED, NOT_PLANNED):
+        elif value not in (UNSUPPORTED, NOT_PLANNED, UNSTATED):
             out.append((feature, None))
     return out
 

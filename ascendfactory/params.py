@@ -1,8 +1,9 @@
 """Parameter counts from a model card's architecture numbers (stdlib only, no torch).
 
 A card here is the dict under `models.<id>` in capability_matrix/models.yaml, or just {"arch": …}
-(with an optional "vision"). Keys are the README's; the optional extras (norms_per_layer, moe
-scoring_func, vision tower) default to the common Llama-style layout.
+(with an optional "vision"). Keys are the README's; the optional extras (norms_per_layer, qk_norm_type,
+attn_output_gate, moe scoring_func / shared_expert_gate, dsa indexers, linear_attention layers, vision
+tower) default to the common Llama-style layout.
 """
 
 from __future__ import annotations
@@ -27,7 +28,35 @@ def _attention(arch: dict[str, Any]) -> tuple[int, int]:
     weights = h * q + 2 * h * kv + q * h
     if arch.get("qkv_bias"):
         weights += q + 2 * kv
-    return weights, (2 * d if arch.get("qk_norm") else 0)
+    if arch.get("attn_output_gate"):                          # q_proj also yields a sigmoid gate per q channel
+        weights += h * q
+    if not arch.get("qk_norm"):
+        return weights, 0
+    # one RMSNorm of head_dim shared by the heads, or (MiniMax's per_layer) one over all q / all k channels
+    return weights, (q + kv if arch.get("qk_norm_type") == "per_layer" else 2 * d)
+
+
+def _linear_attention(arch: dict[str, Any]) -> tuple[int, int]:
+    """(weights, norm weights) of one Gated DeltaNet block (Qwen3-Next's linear_attention layers)."""
+    lin, h = arch["linear_attention"], arch["hidden_size"]
+    key = lin["num_key_heads"] * lin["key_head_dim"]
+    value = lin["num_value_heads"] * lin["value_head_dim"]
+    qkvz = h * (2 * key + 2 * value)                          # q, k, v and the output gate z
+    ba = h * 2 * lin["num_value_heads"]                       # beta and the decay input a, one per value head
+    conv = (2 * key + value) * lin["conv_kernel_dim"]         # depthwise causal conv over q, k, v, no bias
+    decay = 2 * lin["num_value_heads"]                        # dt_bias and A_log
+    return qkvz + ba + conv + decay + value * h, lin["value_head_dim"]  # + out_proj; gated RMSNorm
+
+
+def _indexers(arch: dict[str, Any]) -> int:
+    """DeepSeek sparse attention's lightning indexers (DeepSeek-V3.2, GLM-5): wq_b from the q latent,
+    wk, a LayerNorm on k (weight and bias) and the per-head weights_proj, in `indexer_layers` layers."""
+    dsa = arch.get("dsa")
+    if not dsa:
+        return 0
+    h, n, d = arch["hidden_size"], dsa["index_n_heads"], dsa["index_head_dim"]
+    one = arch["mla"]["q_lora_rank"] * n * d + h * d + 2 * d + h * n
+    return one * dsa.get("indexer_layers", arch["num_layers"])
 
 
 def _is_moe_layer(i: int, moe: dict[str, Any]) -> bool:
@@ -60,6 +89,10 @@ def describe_params(card: dict[str, Any]) -> dict[str, int]:
     arch = card["arch"]
     h, layers, vocab = arch["hidden_size"], arch["num_layers"], arch["vocab_size"]
     attn, qk_norms = _attention(arch)
+    lin = arch.get("linear_attention")
+    # hybrid models: every full_attention_interval-th layer attends, the others are linear attention
+    full = layers // lin["full_attention_interval"] if lin else layers
+    lin_attn, lin_norms = _linear_attention(arch) if lin else (0, 0)
     moe = arch.get("moe")
     dense_mlp = 3 * h * arch["ffn_hidden_size"]               # SwiGLU / GeGLU: gate, up, down
     mlp = experts = 0
@@ -69,14 +102,15 @@ def describe_params(card: dict[str, Any]) -> dict[str, int]:
             router = h * n + (n if moe.get("scoring_func") == "sigmoid" else 0)  # + correction bias
             routed = n * 3 * h * mf
             mlp += router + routed + 3 * h * (moe.get("shared_experts") or 0) * mf
+            mlp += h if moe.get("shared_expert_gate") else 0    # Qwen3-Next's sigmoid gate on the shared expert
             experts += routed
         else:
             mlp += dense_mlp
-    norms = layers * ((arch.get("norms_per_layer") or 2) * h + qk_norms) + h  # + final norm
+    norms = layers * (arch.get("norms_per_layer") or 2) * h + full * qk_norms + (layers - full) * lin_norms + h
     vision = _vision(card["vision"]) if card.get("vision") else 0
     parts = {
         "embedding": vocab * h,
-        "attention": layers * attn,
+        "attention": full * attn + (layers - full) * lin_attn + _indexers(arch),
         "mlp": mlp,
         "experts": experts,
         "norms": norms,

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ascendfactory import catalog, field_effects
+from ascendfactory import buildable, catalog, field_effects
 from ascendfactory.errors import JobError, Problem
 from ascendfactory.frameworks import adapter
 from ascendfactory.inputs import REMOTE_FS_LAUNCHERS  # read on the cluster's file system: not checked here
@@ -270,6 +270,9 @@ def make_plan(job: JobSpec, allow_unsupported: bool = False, check_memory: bool 
     from ascendfactory.matrix import check
     from ascendfactory.memory import estimate
 
+    unbuilt = buildable.refusal(job.model)
+    if unbuilt is not None:  # nothing below may run on an architecture this build has no numbers or engine for
+        raise JobError("The model is not buildable by this build", [unbuilt])
     found: dict[str, list[Problem]] = {}
     capability = check(job, allow_unsupported)
     n = len(capability.refusals)

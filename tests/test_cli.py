@@ -61,7 +61,7 @@ def test_capabilities_unknown_model_and_framework():
 
 def test_models_listing_and_filters():
     data = json.loads(invoke("models", "--json").output)
-    assert len(data) == 35
+    assert len(data) == 35 + 28  # the first seed's cards, then the second seed's
     mm = json.loads(invoke("models", "--json", "--type", "multimodal").output)
     assert {m["family"] for m in mm} <= {"qwen2_vl", "qwen2_5_vl", "gemma3"} and len(mm) == 8
     rl = json.loads(invoke("models", "--json", "--framework", "mindspeed-rl").output)
@@ -69,6 +69,18 @@ def test_models_listing_and_filters():
     moe = json.loads(invoke("models", "--json", "--family", "qwen3_moe").output)
     assert {m["model"] for m in moe} == {"qwen3-30b-a3b", "qwen3-235b-a22b"}
     assert invoke("models").exit_code == 0
+    # the second seed's backend column: FSDP2 lists Qwen3 (dense and MoE), Qwen3-Next, GLM5, MiniMax and Step
+    fsdp2 = [m["model"] for m in json.loads(invoke("models", "--json", "--backend", "fsdp2").output)]
+    assert fsdp2 == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-235b-a22b",
+                     "glm5-744b", "glm5.2-744b", "qwen3-next-80b-a3b", "minimax-m2.7-229b", "step-3.5-flash-196b"]
+    mcore = {m["model"] for m in json.loads(invoke("models", "--json", "--backend", "mcore").output)}
+    assert {"llama3.1-405b", "deepseek-v3-671b", "qwen3-8b", "mixtral-8x22b"} <= mcore
+    assert not mcore & {"minimax-m2.7-229b", "step-3.5-flash-196b", "mamba2-8b", "qwen2-7b"}
+    built = {m["model"] for m in json.loads(invoke("models", "--json", "--buildable").output)}
+    assert {"chatglm3-6b", "qwen2.5-3b", "qwen3-8b", "llama3.1-405b", "mixtral-8x22b"} <= built
+    assert not built & {"qwen3-next-80b-a3b", "deepseek-r1-distill-qwen-32b"}
+    wrong = invoke("models", "--backend", "fsdp")
+    assert wrong.exit_code == 2 and "did you mean 'fsdp2'" in wrong.output
 
 
 def test_validate_many_files(tmp_path, job_text):
@@ -153,6 +165,7 @@ def test_schema_is_json_schema():
 @pytest.mark.parametrize("model,framework,stage", [
     ("qwen3-8b", "mindspeed-llm", "sft"), ("qwen2.5-14b", "llamafactory", "dpo"),
     ("qwen2.5-vl-7b", "mindspeed-mm", "pt"), ("qwen3-14b", "verl", "ppo"), ("qwen2.5-7b", "mindspeed-rl", "grpo"),
+    ("chatglm3-6b", "mindspeed-llm", "sft"),  # a card of the second seed
 ])
 def test_init_writes_a_starter_that_validates(tmp_path, model, framework, stage):
     out = tmp_path / "starter.yaml"
@@ -168,6 +181,26 @@ def test_init_writes_a_starter_that_validates(tmp_path, model, framework, stage)
     assert checked.exit_code == 0 and "warning" not in checked.output, checked.output
     again = invoke("init", "--model", model, "--framework", framework, "--stage", stage, "-o", out)
     assert again.exit_code == 2 and "--force" in again.output
+
+
+def test_second_seed_models_are_listed_and_refused_by_name_where_this_build_cannot_build_them(tmp_path, job_text):
+    caps = invoke("capabilities", "--model", "qwen3-next-80b-a3b")
+    assert caps.exit_code == 0
+    flat = " ".join(caps.output.split())
+    assert "recommended cluster 4x16" in flat and "backends mcore / fsdp2" in flat
+    assert "qwen3_next architecture" in flat and "not buildable by this build" in flat
+    data = json.loads(invoke("capabilities", "--model", "qwen3-next-80b-a3b", "--json").output)
+    assert data["seed2"]["cluster"] == "4x16" and data["buildable"] is False
+    for model, why in (("qwen3-next-80b-a3b", "no engine here builds qwen3_next"),
+                       ("mamba2-8b", "no engine here builds mamba2"),
+                       ("deepseek-r1-distill-qwen-32b", "architecture numbers are unknown here")):
+        res = invoke("validate", write(tmp_path, job_text(model=model), f"{model}.yaml"))
+        assert res.exit_code == 2 and "not buildable by this build" in res.output and why in res.output, res.output
+        res = invoke("init", "--model", model, "--framework", "mindspeed-llm", "-o", tmp_path / "x.yaml")
+        assert res.exit_code == 2 and why in res.output and not (tmp_path / "x.yaml").exists()
+    # a second-seed row promises only what that seed states: LoRA is unstated (?), refused like ❌
+    lora = invoke("validate", write(tmp_path, job_text(model="chatglm3-6b", finetuning="lora"), "lora.yaml"))
+    assert lora.exit_code == 2 and "not stated by the seed" in lora.output, lora.output
 
 
 def test_init_refuses_a_combination_the_matrix_refuses(tmp_path):

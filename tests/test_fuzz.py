@@ -214,7 +214,8 @@ def _arch_keys() -> list[str]:
 
     keys = set()
     for card in catalog.models().values():
-        keys |= set(card["arch"]) | set(card["arch"].get("moe") or {})
+        arch = card["arch"] or {}  # null: a card the planner refuses (buildable.py)
+        keys |= set(arch) | set(arch.get("moe") or {})
     return sorted(keys)
 
 

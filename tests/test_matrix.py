@@ -131,3 +131,25 @@ def test_freeze_layers_beyond_the_model_are_refused(job_text):
     with pytest.raises(JobError) as err:
         make_plan(job, check_memory=False)
     assert "The job cannot be planned" in str(err.value) and "at most 24" in err.value.render()
+
+
+def test_second_seed_rows_promise_only_what_that_seed_states(job_text, monkeypatch):
+    """seed2_models rows join the table; their unstated cells (?) are refused like ❌, escape with
+    --allow-unsupported, and are never counted as promises; a first-seed row may not leave a cell unstated."""
+    from ascendfactory import matrix_check
+
+    tab = catalog.table("mindspeed-llm")
+    assert "chatglm3-6b" in tab.second_seed and "qwen3-8b" not in tab.second_seed
+    assert catalog.cell_symbol(tab.rows["chatglm3-6b"]["packing"]) == "?"
+    job = parse_job(job_text(model="chatglm3-6b", data={"packing": True}))
+    assert [p.message for p in check(job).refusals] == [
+        "mindspeed-llm × chatglm3-6b × packing (Multi-sample packing) is ? (not stated by the seed)"]
+    assert not check(job, allow_unsupported=True).refusals
+    assert ("packing", None) not in matrix_check.promises("mindspeed-llm", "chatglm3-6b")
+    assert ("sptd", None) in matrix_check.promises("mindspeed-llm", "chatglm3-6b")
+    assert matrix_check.verify_files(["mindspeed-llm"]) == []
+    first = dict(tab.rows["qwen3-8b"], packing=catalog.UNSTATED)
+    monkeypatch.setitem(tab.rows, "qwen3-8b", first)
+    assert matrix_check.verify_files(["mindspeed-llm"]) == [
+        "mindspeed-llm.yaml: qwen3-8b.packing is unstated, which only a seed2_models row may be "
+        "(the first seed states every cell of its rows)"]

@@ -30,13 +30,14 @@ class HFCausalLMWithLoss(nn.Module):
         return self.hf.get_decoder() if hasattr(self.hf, "get_decoder") else self.hf.model
 
     def forward(self, input_ids, labels, position_ids=None, logps: bool = False, accuracy: bool = False, lengths=None,
-                **vision):
+                attention_mask=None, **vision):
         """(summed token loss, token count); logps: per-row sums of the label tokens' log-probabilities
         and their counts, [B] each (DPO; one forward, so FSDP2's root unit gathers for it too), with
         lengths [B] also each row's sum of all logits over its first `lengths` positions (KTO's logged
         logits). None builds the full logits. accuracy: also per row, how many label tokens are the logits'
         argmax, and how many label tokens there are, [B] each (LF's ComputeAccuracy; the logits of label
         positions only).
+        attention_mask: LF's 2-D mask (all ones over a packed row, so its samples attend to each other).
         vision: a VL batch's pixel_values, image_grid_thw, mm_token_type_ids / token_type_ids."""
         if self.vision:
             # The VL model merges the image features into the embeddings; Qwen's M-RoPE positions come from
@@ -44,7 +45,11 @@ class HFCausalLMWithLoss(nn.Module):
             hidden = self.hf.model(input_ids=input_ids, use_cache=False,
                                    **{k: v for k, v in vision.items() if v is not None}).last_hidden_state
         else:
-            hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+            # attention_mask: a packed row whose samples see each other (LF's packing without neat_packing);
+            # without one, restarting position ids are read as separate samples (here and in HF)
+            whole = {"attention_mask": attention_mask, "af_whole_rows": True} if attention_mask is not None else {}
+            hidden = self.body()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 **whole).last_hidden_state
         head = self.hf.get_output_embeddings()
         if logps:  # chunked over tokens: the [B, S, V] logits never exist
             mask = labels != -100

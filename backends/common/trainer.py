@@ -150,6 +150,7 @@ class Settings:
     start_step: int = 0           # without a resume: the step the run continues from (Megatron's --load of an
                                   # iteration-N checkpoint with a fresh optimizer)
     log_interval: int = 1
+    log_first_step: bool = False  # also log step 1 (HF's logging_first_step)
     metrics_file: str | None = None
     keep_last: int | None = None
     trainable_only: bool = False  # LoRA: the frozen base comes back from the model path, not the checkpoint
@@ -474,7 +475,8 @@ class Trainer:
                                          "check the data, or use bf16 instead of fp16")
             evaluated = self.recipe.evaluate(self, self.step)
             result.metrics.update(evaluated)
-            if self.step % s.log_interval == 0 or self.step == s.total_steps or evaluated:
+            if self.step % s.log_interval == 0 or self.step == s.total_steps or evaluated or \
+                    (s.log_first_step and self.step == 1):
                 self._record(result, lr)
             elif self.metrics.tracking:  # the trackers keep their framework's own cadence
                 self.metrics.track(self._step_record(result, lr))

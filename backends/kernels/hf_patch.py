@@ -121,7 +121,10 @@ def hf_attention_forward(
         out = attention(q[0], k[0], v[0], cu_seqlens=given_cu.to(torch.int32), **common)
         return out.unsqueeze(0), None
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None and sq == skv and sq > 1 and position_ids.dim() == 2:
+    # af_whole_rows: the caller's rows are attended whole though their position ids restart (LLaMA-Factory's
+    # packing without neat_packing)
+    if position_ids is not None and sq == skv and sq > 1 and position_ids.dim() == 2 and \
+            not kwargs.get("af_whole_rows"):
         cu = _doc_starts_from_positions(position_ids, batch, sq)
         if cu is not None:  # packed documents with reset position ids
             flat = lambda t: t.reshape(batch * sq, t.shape[2], t.shape[3])  # noqa: E731

@@ -150,13 +150,14 @@ KEYS: dict[str, tuple[Any, Callable[[Any], str | None]]] = {
     "eval_on_each_dataset": (False, _kind(bool)),
     "streaming": (False, _only((False,), "the dataset is tokenized once into a memory-mapped cache")),
     "overwrite_cache": (False, _ANY),
-    "preprocessing_num_workers": (None, _kind(int, none=True)),  # at kto they chunk the KL pairing (feedback.py)
+    "preprocessing_num_workers": (None, _kind(int, none=True)),  # they chunk kto's KL pairing and packing
     "preprocessing_batch_size": (1000, _kind(int)),
     # output
     "output_dir": (None, _kind(str)),
     "overwrite_output_dir": (False, _kind(bool)),
     "logging_steps": (500, _kind(int, float)),
-    "logging_first_step": (False, _ANY),
+    "logging_first_step": (False, _kind(bool)),
+    "include_num_input_tokens_seen": ("no", _choice((True, False, "all", "non_padding", "no"))),
     "logging_dir": (None, _kind(str, none=True)),
     "save_strategy": ("steps", _choice(("steps", "no"))),
     "save_steps": (500, _kind(int, float)),
@@ -312,17 +313,16 @@ _EFFECTLESS = {
         "full_determinism", "remove_unused_columns", "label_names", "length_column_name", "save_on_each_node",
         "enable_jit_checkpoint", "skip_memory_metrics", "debug"),
     "logging and profiling switches (this engine logs to trainer_log.jsonl and metrics.jsonl)": (
-        "print_param_status", "logging_first_step", "disable_tqdm", "log_on_each_node",
-        "include_num_input_tokens_seen", "log_level", "log_level_replica", "project",
+        "print_param_status", "disable_tqdm", "log_on_each_node", "log_level", "log_level_replica", "project",
         "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "include_effective_tokens_per_second",
         "enable_torch_profiler", "profiler_output_dir", "profiler_wait_steps", "profiler_warmup_steps",
         "profiler_active_steps", "profiler_repeat", "profiler_record_shapes", "profiler_profile_memory",
         "profiler_with_stack", "profile_modules"),
 }
 NO_EFFECT = {key: why for why, keys in _EFFECTLESS.items() for key in keys}
-# ...except at stage kto: LF pairs each record with a neighbour's answer (the KL data) inside the chunks its
-# batched, multi-process datasets.map makes, so these two change the data there (backends.lf.feedback)
-KTO_CHUNKING = ("preprocessing_num_workers", "preprocessing_batch_size")
+# ...except where LF's data depends on the chunks its batched, multi-process datasets.map makes: stage kto pairs
+# each record with a neighbour's answer (backends.lf.feedback), packing fills rows chunk by chunk (backends.lf.packing)
+MAP_CHUNKING = ("preprocessing_num_workers", "preprocessing_batch_size")
 
 # the sidecar's keys (ascendfactory render writes them; a hand-written LLaMA-Factory YAML needs none)
 ENGINE_KEYS: dict[str, ef.Check] = {
@@ -360,7 +360,7 @@ class LFConfig:
         """One line per reason for the keys the file sets that change nothing here (NO_EFFECT)."""
         by_reason: dict[str, list[str]] = {}
         for key, why in NO_EFFECT.items():
-            if key in self.given and not (self.stage == "kto" and key in KTO_CHUNKING):
+            if key in self.given and not ((self.stage == "kto" or self.packing) and key in MAP_CHUNKING):
                 by_reason.setdefault(why, []).append(key)
         out = [f"{', '.join(keys)}: no effect on this engine: {why}" for why, keys in by_reason.items()]
         if self.args["report_to"] in ("all", ["all"]):
@@ -461,6 +461,9 @@ def _check_rules(args: dict[str, Any]) -> list[str]:
         problems.append("bf16 and fp16 exclude each other")
     if args["max_steps"] <= 0 and args["num_train_epochs"] <= 0:
         problems.append("give max_steps > 0 or num_train_epochs > 0")
+    if args["packing"] and args["cutoff_len"] < 2:
+        problems.append(f"cutoff_len must be at least 2 with packing (LLaMA-Factory packs into cutoff_len - 1), "
+                        f"not {args['cutoff_len']}")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "cutoff_len", "lora_rank"):
         if args[key] < 1:
             problems.append(f"{key} must be at least 1, not {args[key]}")
@@ -563,6 +566,8 @@ def parse_config(train_file: str | Path | Mapping, engine: Mapping | str | Path 
     if args["packing"] is None:
         args["packing"] = args["stage"] == "pt"  # LLaMA-Factory packs pre-training by default
     _refuse(source, _check_rules(args))
+    if train_file.get("packing") or args["neat_packing"]:  # LF's DataArguments: packing set in the file lowers
+        args["cutoff_len"] -= 1                               # cutoff_len by one (pt's default packing does not)
     try:
         side, side_source = ef.read_engine_file(ENGINE_KEYS, engine)
     except ef.EngineFileError as err:

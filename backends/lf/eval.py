@@ -206,7 +206,9 @@ class Evaluation:
                 names.append(f"{s.prefix}_accuracy")
         if cfg.stage == "dpo":
             names += [f"eval_{k}" for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
-                                            "rewards/margins", "logps/chosen", "logps/rejected")]
+                                            "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen",
+                                            "logits/rejected")]
+            names += ["eval_sft_loss", "eval_odds_ratio_loss"] if cfg.pref_loss == "orpo" else []
         return names
 
     @property
@@ -342,7 +344,7 @@ class Evaluation:
                     continue
                 loss_sum, count, *acc = recipe.model(mb["input_ids"], mb["labels"], mb.get("position_ids"),
                                                     accuracy=self.accuracy,
-                                                    **{k: mb[k] for k in VISION_KEYS if k in mb})
+                                                    **{k: mb[k] for k in (*VISION_KEYS, "attention_mask") if k in mb})
             sums.append([float(loss_sum), float(count)])
             if acc:
                 hits, counts = (a.double().cpu() for a in acc)

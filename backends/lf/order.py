@@ -97,10 +97,12 @@ class EpochBatches:
 
 
 class LFMicroBatchLoader(EpochBatches, MicroBatchLoader):
-    """The shared loader's units (padded / dynamic samples, packed rows) batched as HF Trainer batches them
-    for LLaMA-Factory (no length grouping)."""
+    """The shared loader's padded / dynamic samples batched as HF Trainer batches them for LLaMA-Factory (no
+    length grouping; LLaMA-Factory's packed rows are backends.lf.packing's)."""
 
     def __init__(self, dataset, **kw):
+        if kw.get("mode") == "packed":
+            raise ValueError("LLaMA-Factory's packed rows come from backends.lf.packing.RowLoader")
         MicroBatchLoader.__init__(self, dataset, **kw)
         self._setup(self.n_units, self.micro_batch, self.dp_rank, self.dp_world, self.seed, self.shuffle)
 
@@ -118,14 +120,10 @@ class LFMicroBatchLoader(EpochBatches, MicroBatchLoader):
         import torch
 
         units = self.take()
-        if self.mode == "packed":
-            out = self._packed(units)
-            samples = [self.dataset.sample(s) for u in units for s in self.rows[u]]
-        else:
-            samples = [self.dataset.sample(u) for u in units]
-            width = self.seq_len if self.mode == "padded" else \
-                round_up(max(len(ids) for ids, _ in samples), self.pad_to_multiple_of)
-            out = self._rows(samples, width)
+        samples = [self.dataset.sample(u) for u in units]
+        width = self.seq_len if self.mode == "padded" else \
+            round_up(max(len(ids) for ids, _ in samples), self.pad_to_multiple_of)
+        out = self._rows(samples, width)
         out["n_tokens"] = torch.tensor(num_items(y for _, y in samples), dtype=torch.int64)
         return out
 

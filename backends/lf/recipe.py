@@ -81,6 +81,11 @@ def job_fields(cfg: LFConfig) -> dict[str, object]:
             "train.precision": precision(cfg)}
 
 
+def tokens_seen_mode(value) -> str:
+    """include_num_input_tokens_seen as TrainingArguments reads it: all, non_padding or no (booleans: all / no)."""
+    return {True: "all", False: "no"}.get(value, value) if isinstance(value, bool) else value
+
+
 def precision(cfg: LFConfig) -> str:
     """bf16 / fp16 (LLaMA-Factory's switches), else fp32."""
     return "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
@@ -110,8 +115,8 @@ def resume_setting(cfg: LFConfig, save_dir: Path) -> str | None:
 
 class TrainerLog:
     """output_dir/trainer_log.jsonl as LLaMA-Factory's LogCallback writes it (rank 0): a line per Trainer log
-    (the log_history entry's loss, learning rate and epoch), and one without them for the closing metrics. No
-    throughput / total_tokens: the Trainer counts no input tokens unless include_num_input_tokens_seen."""
+    (the log_history entry's loss, learning rate, epoch, DPO's accuracy), and one without them for the closing
+    metrics; throughput / total_tokens once the Trainer counts input tokens (include_num_input_tokens_seen)."""
 
     def __init__(self, path: Path, total: int, first_step: int):
         self.path, self.total, self.first_step = path, total, first_step
@@ -119,16 +124,19 @@ class TrainerLog:
         if not first_step and path.exists():
             path.unlink()  # a fresh run starts a fresh log, as LogCallback does
 
-    def write(self, step: int, entry: dict) -> None:
+    def write(self, step: int, entry: dict, tokens_seen: int = 0) -> None:
         """A log_history entry's line: a training log, an evaluation's (eval_loss, as LogCallback writes it) or
-        the closing one."""
+        the closing one; with the Trainer counting input tokens, their throughput and total."""
         elapsed = time.time() - self.start
         remaining = (self.total - step) * elapsed / max(step - self.first_step, 1)
         logs = {"current_steps": step, "total_steps": self.total, "loss": entry.get("loss"),
-                "eval_loss": entry.get("eval_loss"), "lr": entry.get("learning_rate"), "epoch": entry.get("epoch"),
-                "percentage": round(step / self.total * 100, 2) if self.total else 100,
+                "eval_loss": entry.get("eval_loss"), "reward": entry.get("reward"),
+                "accuracy": entry.get("rewards/accuracies"), "lr": entry.get("learning_rate"),
+                "epoch": entry.get("epoch"), "percentage": round(step / self.total * 100, 2) if self.total else 100,
                 "elapsed_time": str(timedelta(seconds=int(elapsed))),
                 "remaining_time": str(timedelta(seconds=int(remaining)))}
+        if tokens_seen:
+            logs.update(throughput=round(tokens_seen / max(elapsed, 1e-9), 2), total_tokens=tokens_seen)
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps({k: v for k, v in logs.items() if v is not None}) + "\n")
 
@@ -143,7 +151,9 @@ class LFRecipe(Recipe):
         self.evaluation = None   # backends.lf.eval.Evaluation when the run has eval sets
         self.eval_sets: dict = {}
         self.vision_model = False
-        self.step_metrics: dict[str, float] = {}  # the last step's stage metrics (rewards/*, kl, …)
+        self.step_metrics: dict[str, float] = {}  # the stage metrics to log (rewards/*, kl, …)
+        # dpo: (a step's metric means, its micro-batches) for each step since the last log
+        self._dpo_interval: list[tuple[dict, int]] = []
 
     # ------------------------------------------------------------------ build
     def build(self, rt) -> Settings:
@@ -189,6 +199,7 @@ class LFRecipe(Recipe):
                               save_steps=interval_steps(cfg.save_steps, steps),
                               micro_batch=cfg.per_device_train_batch_size, num_train_epochs=epochs,
                               flops_params=0 if cfg.stage == "rm" else self.total - embeddings,
+                              count_tokens=tokens_seen_mode(cfg.include_num_input_tokens_seen),
                               global_batch=cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
                               * par.grad_world)
 
@@ -220,6 +231,7 @@ class LFRecipe(Recipe):
         patched = apply_kernels(hf)
         trained = lfmodel.make_trainable(hf, cfg)
         self.trainable, self.total = kit.count_parameters(hf)
+        self.model_vocab = hf.get_output_embeddings().weight.shape[0]
         log.info("model: %s, %.2f M parameters (%.2f M trainable, %s %s), kernels %s; patched %s",
                  hf.config.model_type, self.total / 1e6, self.trainable / 1e6, cfg.finetuning_type,
                  len(trained), kernels.describe(), patched)
@@ -237,7 +249,8 @@ class LFRecipe(Recipe):
         return Settings(total_steps=steps, save_dir=str(save_dir),
                         save_interval=interval_steps(cfg.save_steps, steps) if cfg.save_strategy == "steps" else None,
                         exit_interval=cfg.engine.get("exit_interval"), resume=resume,
-                        log_interval=max(1, interval_steps(cfg.logging_steps, steps)), metrics_file=metrics,
+                        log_interval=max(1, interval_steps(cfg.logging_steps, steps)),
+                        log_first_step=bool(cfg.logging_first_step), metrics_file=metrics,
                         keep_last=cfg.save_total_limit, trainable_only=cfg.finetuning_type == "lora",
                         trackers=cfg.tracker_settings(self.steps_per_epoch))
 
@@ -259,8 +272,9 @@ class LFRecipe(Recipe):
         return parallel.wrap(ref, cfg, par, rt.device, frozen=True)
 
     def _data(self, rt, par):
-        from backends.common.data import load_tokenizer, pad_id, preprocess
+        from backends.common.data import load_tokenizer, pad_id
         from backends.lf.data import build_template, read_dataset_info
+        from backends.lf import packing
         from backends.lf.feedback import FeedbackLoader, build_feedback
         from backends.lf.mm_plugin import is_vl
         from backends.lf.order import LFMicroBatchLoader, order_seed
@@ -313,32 +327,25 @@ class LFRecipe(Recipe):
             if cfg.stage == "kto":
                 return build_feedback(records, tokenizer, template, cfg.cutoff_len, cache,
                                       cfg.preprocessing_num_workers, cfg.preprocessing_batch_size)
-                return build_pairs(records, tokenizer, template, cfg.cutoff_len, cache)
-            if cfg.stage == "kto":
-                return build_feedback(records, tokenizer, template, cfg.cutoff_len, cache,
-                                      cfg.preprocessing_num_workers, cfg.preprocessing_batch_size)
-            return preprocess(records, fmt, tokenizer, template, cfg.cutoff_len, cache,
-                              lf_rules={"train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history})
+            return packing.encode(cfg, records, fmt, tokenizer, template, cache)
 
         dataset, held = kit.rank_zero_first(rt.is_main, lambda: self._encode_sets(entries, eval_entries, encode))
-        mode = "packed" if cfg.packing else "dynamic"
 
         def batches(data, micro: int, shuffle: bool):
             kw = dict(dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=order_seed(cfg), shuffle=shuffle,
                       pad_id=pad_id(tokenizer))
             if pairwise or cfg.stage == "kto":
                 return (PairLoader if pairwise else FeedbackLoader)(data, micro, **kw)
-            return LFMicroBatchLoader(data, mode=mode, micro_batch=micro, seq_len=cfg.cutoff_len, pad_to_multiple_of=8,
-                                      group_by_length=False, **kw)
+            if isinstance(data, packing.Rows):  # pt's collator pads to the longest row, sft's to a multiple of 8
+                kw["pad_id"] = packing.lf_pad_id(cfg.template, tokenizer)
+                return packing.RowLoader(data, micro, neat=cfg.neat_packing,
+                                         pad_to_multiple_of=1 if cfg.stage == "pt" else 8, **kw)
+            return LFMicroBatchLoader(data, mode="dynamic", micro_batch=micro, seq_len=cfg.cutoff_len,
+                                      pad_to_multiple_of=8, group_by_length=False, **kw)
 
         loader = batches(dataset, cfg.per_device_train_batch_size, not cfg.disable_shuffling)
         self._eval_loaders(held, batches)
-        if pairwise or cfg.stage == "kto":
-            log.info("data: %s", dataset.summary())
-            return dataset, loader, tokenizer
-        packing = getattr(loader, "packing", None)
-        log.info("data: %s; %s batches%s", dataset.summary(), mode,
-                 f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
+        log.info("data: %s", dataset.summary())
         return dataset, loader, tokenizer
 
     def _encode_sets(self, entries, eval_entries, encode):
@@ -405,21 +412,7 @@ class LFRecipe(Recipe):
     def on_device(self, mb: dict) -> dict:
         """A loader's micro-batch as the model takes it, on this rank's device."""
         device = self.rt.device
-        return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in self._rows(mb).items()}
-
-    def _rows(self, mb: dict) -> dict:
-        """Packed micro-batches come as one flat stream of rows; LLaMA-Factory's are a batch of rows
-        (so nothing attends across a row boundary). Position ids restart at each document (neat
-        packing, attention kept inside documents) or run over the row (packing)."""
-        if "cu_seqlens" not in mb:
-            return mb
-        width = self.cfg.cutoff_len
-        out = {k: v for k, v in mb.items() if k != "cu_seqlens"}
-        for key in ("input_ids", "labels", "position_ids"):
-            out[key] = mb[key].reshape(-1, width)
-        if not self.cfg.neat_packing:
-            out["position_ids"] = torch.arange(width).expand_as(out["input_ids"]).contiguous()
-        return out
+        return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in mb.items()}
 
     def loss(self, model, mb: dict) -> Loss:
         cfg = self.cfg
@@ -439,7 +432,8 @@ class LFRecipe(Recipe):
             return micro_batch_loss(model, self.reference, mb, beta=cfg.pref_beta, chosen_weight=cfg.kto_chosen_weight,
                                     rejected_weight=cfg.kto_rejected_weight, ftx=cfg.pref_ftx, share=share,
                                     group=self.par.grad_group, main=self.rt.is_main)
-        loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), **_vision(mb))
+        loss_sum, _count = model(mb["input_ids"], mb["labels"], mb.get("position_ids"), **_vision(mb),
+                                 **({"attention_mask": mb["attention_mask"]} if "attention_mask" in mb else {}))
         return Loss(loss_sum)
 
     def _preference_loss(self, model, mb: dict) -> Loss:
@@ -458,18 +452,18 @@ class LFRecipe(Recipe):
                     with adapters_disabled(model):
                         sums, counts = model(*args, logps=True, **vision)
             ref_c, ref_r, _ = split_logps(sums, counts, cfg.pref_loss)
-        sums, counts = model(*args, logps=True, **vision)
+        rows, width = mb["input_ids"].shape
+        # every logit of every position (padding too) summed per row, for LF's logits/* means
+        sums, counts, logit_sums = model(*args, logps=True, lengths=torch.full((rows,), width), **vision)
         chosen, rejected, chosen_avg = split_logps(sums, counts, cfg.pref_loss)
         losses, r_chosen, r_rejected = pair_losses(cfg.pref_loss, cfg.pref_beta, chosen, rejected, ref_c, ref_r,
                                                    label_smoothing=cfg.dpo_label_smoothing,
                                                    simpo_gamma=cfg.simpo_gamma)
         if cfg.pref_ftx > 1e-6:
             losses = losses + cfg.pref_ftx * -chosen_avg
-        metrics = {"rewards/chosen": r_chosen.mean(), "rewards/rejected": r_rejected.mean(),
-                   "rewards/accuracies": (r_chosen > r_rejected).float().mean(),
-                   "rewards/margins": (r_chosen - r_rejected).mean(),
-                   "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
-        return Loss(losses.sum(), metrics={k: float(v) for k, v in metrics.items()})
+        metrics = dpo_metrics(losses.detach(), chosen.detach(), rejected.detach(), chosen_avg.detach(), r_chosen,
+                              r_rejected, logit_sums / (width * self.model_vocab), cfg)
+        return Loss(losses.sum(), metrics=metrics)
 
     def step(self, trainer, step: int):
         if self._first_step is None:
@@ -479,8 +473,12 @@ class LFRecipe(Recipe):
             from backends.lf.kto import step_metrics
 
             result.metrics = step_metrics(result.metrics, self.micro_count)
-        self.step_metrics = dict(result.metrics)  # LF's Trainer logs them into log_history too
-        self.outputs.stepped(step + 1, result.loss, result.tokens)
+        if self.cfg.stage == "dpo":  # LF logs the mean over every micro-batch since the last log
+            self._dpo_interval.append((dict(result.metrics), self.micro_count))
+            self.step_metrics = _weighted_mean(self._dpo_interval)
+        else:
+            self.step_metrics = dict(result.metrics)  # LF's Trainer logs them into log_history too
+        self.outputs.stepped(step + 1, result.loss, result.tokens, result.real_tokens)
         return result
 
     def state_dict(self) -> dict:
@@ -503,10 +501,11 @@ class LFRecipe(Recipe):
         # the Trainer logs the mean loss of the steps since its last log (trainer_log.jsonl reads that entry); the
         # shared loop also records the last step (HF does not) and a step it evaluated at, whose entries follow
         step = int(record["step"])
-        if step % max(1, self.outputs.logging_steps) == 0:
+        if step % max(1, self.outputs.logging_steps) == 0 or (step == 1 and self.cfg.logging_first_step):
             entry = self.outputs.logged(step, record["lr"], record.get("grad_norm"), self.step_metrics)
+            self._dpo_interval = []
             if self.rt.is_main:
-                self.trainer_log().write(step, entry)
+                self.trainer_log().write(step, entry, self.outputs.tokens_seen)
         for entry in self.evaluation.flush() if self.evaluation else ():
             self.eval_logged(entry)
 
@@ -514,7 +513,7 @@ class LFRecipe(Recipe):
         """An evaluation's log entry (trainer_state.json's log_history, a trainer_log.jsonl line)."""
         self.outputs.log_history.append(entry)
         if self.rt.is_main:
-            self.trainer_log().write(int(entry["step"]), entry)
+            self.trainer_log().write(int(entry["step"]), entry, self.outputs.tokens_seen)
 
     def trainer_log(self) -> TrainerLog:
         if self._trainer_log is None:
@@ -541,9 +540,32 @@ class LFRecipe(Recipe):
             self._first_step = trainer.step
         if self.rt.is_main:
             self.outputs.finish(trainer.step, **(self.evaluation.trainer_state() if self.evaluation else {}))
-            self.trainer_log().write(trainer.step, self.outputs.log_history[-1])  # LogCallback on the closing log
+            self.trainer_log().write(trainer.step, self.outputs.log_history[-1],  # LogCallback on the closing log
+                                     self.outputs.tokens_seen)
         if self.evaluation:
             self.evaluation.after_training(trainer)
+
+
+def dpo_metrics(losses, chosen, rejected, chosen_avg, r_chosen, r_rejected, row_logits, cfg) -> dict[str, float]:
+    """CustomDPOTrainer.get_batch_loss_metrics' metrics of a micro-batch: means over its pairs; logits/* the
+    mean of every logit of the chosen (rejected) rows (row_logits: each row's mean); orpo adds sft_loss and
+    odds_ratio_loss."""
+    b = chosen.shape[0]
+    out = {"rewards/chosen": r_chosen.mean(), "rewards/rejected": r_rejected.mean(),
+           "rewards/accuracies": (r_chosen > r_rejected).float().mean(),
+           "rewards/margins": (r_chosen - r_rejected).mean(),
+           "logps/chosen": chosen.mean(), "logps/rejected": rejected.mean(),
+           "logits/chosen": row_logits[:b].mean(), "logits/rejected": row_logits[b:].mean()}
+    if cfg.pref_loss == "orpo":
+        out["sft_loss"] = (-chosen_avg).mean()
+        out["odds_ratio_loss"] = ((losses + chosen_avg) / cfg.pref_beta).mean()
+    return {k: float(v) for k, v in out.items()}
+
+
+def _weighted_mean(steps: list[tuple[dict, int]]) -> dict[str, float]:
+    """The mean over every micro-batch of these steps, from each step's means and micro-batch count."""
+    total = sum(n for _, n in steps)
+    return {k: sum(m[k] * n for m, n in steps) / total for k in steps[-1][0]}
 
 
 def _vision(mb: dict) -> dict:

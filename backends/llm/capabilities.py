@@ -64,9 +64,6 @@ UNBUILT: dict[str, list[tuple[dict[str, object], str]]] = {
          "expert parallel with tp routes each tp rank's sequence shard; set parallel.sp: true (as Megatron asks)"),
         ({"parallel.ep": ABOVE_ONE, "parallel.moe_dispatcher": "allgather"},
          "expert parallel here dispatches tokens with all-to-all; use moe_dispatcher alltoall"),
-        ({"parallel.pp": ABOVE_ONE, "parallel.cp": ABOVE_ONE, "data.packing": True},
-         "per-document context-parallel padding is kept out of the MoE aux loss by a mask set on the layers per "
-         "forward, which a pipeline's interleaved micro-batches (and their recompute) would mix up"),
     ],
 }
 

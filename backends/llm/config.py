@@ -104,6 +104,10 @@ class DataArgs:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    # instruction data in MindSpeed-LLM's order (backends/common/data/mtf_order.py)
+    pack_rows: bool = False        # --pack / --neat-pack: records the engine tokenizes are packed into rows
+    padded_samples: bool = False   # --padded-samples
+    sampler: str = "single"        # --dataloader-type
 
 
 @dataclass
@@ -322,7 +326,8 @@ def _published_script_flags(p: megatron_args.Parser) -> None:
     # how a step is scheduled, overlapped, fused, checked or logged: accepted with a notice
     # (backends.contract.megatron.NO_EFFECT)
     megatron_args.add_no_effect(p, "llm")
-    a("--padded-samples", action="store_true")  # changes the sample order: refused (see refusals)
+    a("--padded-samples", action="store_true")
+    a("--full-shuffle-instruction-dataset", action="store_true")
 
 
 def _true_false_none(text: str):
@@ -418,6 +423,8 @@ def _split_weights(text: str) -> list[float]:
         weights = [float(x) for x in text.replace("/", ",").split(",")]
     except ValueError:
         raise ConfigError(f"--split {text}: expected weights such as 100,0,0") from None
+    if min(weights) < 0 or sum(weights) <= 0:
+        raise ConfigError(f"--split {text}: the weights must be positive or 0, and not all 0; e.g. 100,0,0")
     return weights + [0.0] * (3 - len(weights))
 
 
@@ -464,11 +471,12 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     if ns.ckpt_format == "zarr":
         out.append("--ckpt-format zarr: not built (checkpoints are written in the engine's own layout); use torch "
                    "or torch_dist")
-    if ns.split is not None and any(_split_weights(ns.split)[1:]) and not pretraining(ns):
-        out.append(f"--split {ns.split}: holding out validation/test samples of instruction data and evaluating "
-                   f"on them is not built; use --split 100,0,0 (then --eval-iters has nothing to evaluate)")
     if ns.dataloader_type == "external":
-        out.append("--dataloader-type external: not built; use single or cyclic (the engine's loader cycles epochs)")
+        out.append("--dataloader-type external: not built; use single (Megatron's default) or cyclic")
+    if ns.full_shuffle_instruction_dataset and not pretraining(ns):
+        out.append("--full-shuffle-instruction-dataset: MindSpeed-LLM reshuffles its whole sample index with "
+                   "Python's global random.shuffle, whose state there depends on everything drawn before; not "
+                   "built, drop it (each epoch is still shuffled with --seed)")
     balance = ns.moe_router_load_balancing_type
     if balance not in BALANCING:
         out.append(f"--moe-router-load-balancing-type {balance}: this routing / balancing loss is not built; use "
@@ -492,9 +500,6 @@ def refusals(ns: argparse.Namespace) -> list[str]:
     if ns.rope_scaling_type == "llama3" and missing:
         out.append(f"--rope-scaling-type llama3: give {', '.join(missing)} too (MindSpeed-LLM's llama3 scaling "
                    f"divides by them; the model's config.json rope_scaling has the values)")
-    if ns.padded_samples:
-        out.append("--padded-samples: completing an epoch's last global batch with the epoch's first samples "
-                   "(MindSpeed-LLM's sample index) is not built; drop it")
     if ns.model_type_hf is not None and ns.model_type_hf not in MODEL_TYPE_HF:
         out.append(f"--model-type-hf {ns.model_type_hf}: no native decoder for it; use one of "
                    f"{', '.join(MODEL_TYPE_HF)}")
@@ -527,21 +532,21 @@ def pretraining(ns: argparse.Namespace) -> bool:
 
 def data_notices(ns: argparse.Namespace) -> list[str]:
     """Data flags whose upstream effect is partly outside what this engine runs."""
+    out = _split_notice(ns)
     if not pretraining(ns):
         # MindSpeed-LLM pads instruction batches to --seq-length unless --no-pad-to-seq-lengths (which turns
         # --variable-seq-lengths on itself); --variable-seq-lengths only lets Megatron's pipeline stages send
         # each micro-batch's shape ahead, and this engine's stages always exchange each micro-batch's own shape
         if ns.variable_seq_lengths and not ns.no_pad_to_seq_lengths:
-            return ["notice: --variable-seq-lengths has no effect here: batches are padded to --seq-length "
-                    "without --no-pad-to-seq-lengths (as MindSpeed-LLM pads them), and pipeline stages always "
-                    "exchange each micro-batch's own shape"]
-        return []
-    out = []
-    split = ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT
-    if any(_split_weights(split)[1:]):
-        given = "" if ns.split is not None else " (Megatron's default without --split)"
-        out.append(f"notice: --split {split}{given}: training reads Megatron's train split only; the validation "
-                   f"and test documents are held out and not evaluated (evaluation is not built)")
+            out.append("notice: --variable-seq-lengths has no effect here: batches are padded to --seq-length "
+                       "without --no-pad-to-seq-lengths (as MindSpeed-LLM pads them), and pipeline stages always "
+                       "exchange each micro-batch's own shape")
+        return out
+    for flag, on in (("--padded-samples", ns.padded_samples),
+                     ("--full-shuffle-instruction-dataset", ns.full_shuffle_instruction_dataset)):
+        if on:
+            out.append(f"notice: {flag} has no effect on pre-training data: MindSpeed-LLM reads it for instruction "
+                       f"data (--is-instruction-dataset) only")
     if ns.no_shuffle:
         out.append("notice: --no-shuffle has no effect on pre-training data: Megatron's GPTDataset always shuffles "
                    "its documents and samples with --seed")
@@ -549,6 +554,16 @@ def data_notices(ns: argparse.Namespace) -> list[str]:
         out.append("notice: --variable-seq-lengths has no effect on pre-training data: every GPTDataset sample is "
                    "--seq-length tokens long")
     return out
+
+
+def _split_notice(ns: argparse.Namespace) -> list[str]:
+    split = ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT
+    if not any(_split_weights(split)[1:]):
+        return []
+    given = "" if ns.split is not None else " (Megatron's default without --split)"
+    what = "documents" if pretraining(ns) else "rows"
+    return [f"notice: --split {split}{given}: training reads Megatron's train split only; the validation and test "
+            f"{what} are held out and not evaluated (evaluation is not built)"]
 
 
 def attention_notices(ns: argparse.Namespace) -> list[str]:
@@ -655,18 +670,19 @@ def flags_model(ns: argparse.Namespace) -> FlagsModel:
     wrong = [f"{flag}: give it (Megatron builds the model from the flags)" for flag, value in (
         ("--num-layers", ns.num_layers), ("--hidden-size", ns.hidden_size),
         ("--num-attention-heads", ns.num_attention_heads)) if value is None]
-    if ns.multi_latent_attention:
-        wrong.append("--multi-latent-attention: reading Megatron checkpoints of MLA models is not built; convert it to "
-                     "Hugging Face format (MindSpeed-LLM's convert_ckpt_v2.py --save-model-type hf) and load that with "
-                     "--enable-hf2mg-convert")
     # (omitted --swiglu / --disable-bias-linear are refused for every load: architecture_refusals)
-    wrong += [f"{flag}: shared experts and dense leading layers (DeepSeek's) are not read from Megatron checkpoints; "
-              f"convert it to Hugging Face format and load that with --enable-hf2mg-convert"
-              for flag, value in (("--n-shared-experts", ns.n_shared_experts),
-                                  ("--first-k-dense-replace", ns.first_k_dense_replace)) if value]
+    if ns.multi_latent_attention:
+        wrong += _mla_flag_problems(ns)
+    else:
+        wrong += [f"{flag}: shared experts and dense leading layers are DeepSeek's; give --multi-latent-attention "
+                  f"and the rest of its flags, or load a model whose config.json has them"
+                  for flag, value in (("--n-shared-experts", ns.n_shared_experts),
+                                      ("--first-k-dense-replace", ns.first_k_dense_replace)) if value]
     if wrong:
         raise ConfigError(f"--load {ns.load} (a Megatron checkpoint, the model from the flags): " + "; ".join(wrong))
-    if ns.num_experts:
+    if ns.multi_latent_attention:
+        family = "deepseek_v2"
+    elif ns.num_experts:
         family = "qwen3_moe" if ns.qk_layernorm else "mixtral"
     elif ns.qk_layernorm:
         family = "qwen3"
@@ -674,11 +690,10 @@ def flags_model(ns: argparse.Namespace) -> FlagsModel:
         family = "glm"
     else:
         family = "qwen2" if ns.add_qkv_bias else "llama"
-    model_type = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "qwen3": "qwen3", "glm": "glm", "qwen2": "qwen2",
-                  "llama": "llama"}[family]
-    if ns.model_type_hf and model_type not in MODEL_TYPE_HF[ns.model_type_hf]:
+    if ns.model_type_hf and family not in MODEL_TYPE_HF[ns.model_type_hf]:
         raise ConfigError(f"--model-type-hf {ns.model_type_hf}: the architecture flags describe a {family} model "
-                          f"(--qk-layernorm, --add-qkv-bias, --num-experts, --use-glm-rope set the family)")
+                          f"(--multi-latent-attention, --qk-layernorm, --add-qkv-bias, --num-experts, --use-glm-rope "
+                          f"set the family)")
     heads, hidden = ns.num_attention_heads, ns.hidden_size
     ffn = ns.ffn_hidden_size or int(4 * hidden * 2 / 3 / 64) * 64   # Megatron's default with --swiglu
     vocab = ns.padded_vocab_size
@@ -706,7 +721,40 @@ def flags_model(ns: argparse.Namespace) -> FlagsModel:
     if ns.num_experts:
         arch["moe"] = {"num_experts": ns.num_experts, "experts_per_token": ns.moe_router_topk or 2,
                        "moe_ffn_hidden_size": ns.moe_ffn_hidden_size or ffn}
+    if ns.multi_latent_attention:
+        _mla_arch(ns, arch)
     return FlagsModel(family, arch, multiple)
+
+
+_MLA_SIZES = (("--kv-lora-rank", "kv_lora_rank"), ("--qk-head-dim", "qk_head_dim"),
+              ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim"), ("--v-head-dim", "v_head_dim"))
+
+
+def _mla_flag_problems(ns: argparse.Namespace) -> list[str]:
+    """What keeps these MLA flags from describing a DeepSeek model (transformers' DeepseekV2)."""
+    out = [f"{flag}: give it (MindSpeed-LLM's default is none; DeepSeek's config.json has the size)"
+           for flag, name in _MLA_SIZES if getattr(ns, name) is None]
+    if not ns.qk_layernorm:
+        out.append("--multi-latent-attention without --qk-layernorm: MindSpeed-LLM builds it without the q / kv latent "
+                   "norms DeepSeek's attention has; add --qk-layernorm")
+    if not ns.num_experts:
+        out.append("--multi-latent-attention without --num-experts: the DeepSeek models are mixtures of experts; give "
+                   "the MoE flags")
+    return out
+
+
+def _mla_arch(ns: argparse.Namespace, arch: dict[str, Any]) -> None:
+    """DeepSeek-V2's attention and MoE from the MLA flags (softmax routing: Megatron's top-k, renormalised unless
+    --moe-router-pre-softmax; the routing facts of model_facts are set on it afterwards)."""
+    arch.update(num_kv_heads=arch["num_attention_heads"], head_dim=ns.qk_head_dim + ns.qk_pos_emb_head_dim,
+                qk_norm=False,
+                mla={"q_lora_rank": ns.q_lora_rank, "kv_lora_rank": ns.kv_lora_rank,
+                     "qk_nope_head_dim": ns.qk_head_dim, "qk_rope_head_dim": ns.qk_pos_emb_head_dim,
+                     "v_head_dim": ns.v_head_dim})
+    grouped = (ns.moe_router_num_groups or 1) > 1
+    arch["moe"].update(shared_experts=ns.n_shared_experts or 0, first_k_dense=ns.first_k_dense_replace or 0,
+                       moe_layer_freq=int(ns.moe_layer_freq or 1), norm_topk_prob=True,
+                       topk_method="group_limited_greedy" if grouped else "greedy")
 
 
 def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> LLMConfig:
@@ -790,7 +838,8 @@ def parse_args(argv: list[str], engine: Mapping | str | Path | None = None) -> L
             pad_to_multiple_of=ns.pad_to_multiple_of, shuffle=not ns.no_shuffle, max_samples=ns.max_samples,
             seq_len=ns.seq_length, split=ns.split if ns.split is not None else MEGATRON_DEFAULT_SPLIT,
             reset_position_ids=ns.reset_position_ids, reset_attention_mask=ns.reset_attention_mask,
-            eod_mask_loss=ns.eod_mask_loss),
+            eod_mask_loss=ns.eod_mask_loss, pack_rows=ns.pack or ns.neat_pack, padded_samples=ns.padded_samples,
+            sampler=ns.dataloader_type or "single"),
         train=TrainArgs(
             micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size, steps=ns.train_iters,
             epochs=side.train_epochs, lr=ns.lr, min_lr=ns.min_lr, schedule=ns.lr_decay_style,

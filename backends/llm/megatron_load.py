@@ -107,22 +107,25 @@ def _set(config, path: str, value) -> None:
 def checkpoint_reader(start: MegatronStart, decoder):
     """The checkpoint under the decoder's HF names (megatron_view.MegatronView), after holding every tensor's name
     and shape against the model the flags (or card) describe: one error naming what differs."""
-    from backends.common.checkpoint.megatron_view import MegatronView, Naming
+    from backends.common.checkpoint.megatron_view import MegatronView, MlaDims, Naming
     from backends.models.decoder.config import GLM_FAMILIES
     from backends.models.decoder.convert import expert_names, to_hf
-    from backends.models.decoder.loading import meta_decoder
+    from backends.models.decoder.loading import meta_decoder, persistent_buffers
     from backends.models.decoder.model import mlp_attr
 
     cfg, load = decoder.config, start.ckpt.load
     _check_args(start.ckpt, cfg)
+    a = cfg.mla
     naming = Naming(cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim, mlp=mlp_attr(cfg),
-                    experts=expert_names(cfg.family), fused_gate_up=cfg.family in GLM_FAMILIES)
+                    experts=expert_names(cfg.family), fused_gate_up=cfg.family in GLM_FAMILIES,
+                    mla=a and MlaDims(a.q_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim))
     try:
         view = MegatronView(start.ckpt, naming)
     except MegatronCheckpointError as err:
         raise ConfigError(f"--load {load}: {err}") from None
-    want = {name: tuple(t.shape) for n, p in meta_decoder(cfg).named_parameters()
-            for name, t in to_hf(n, p, cfg.family)}
+    model = meta_decoder(cfg)
+    want = {name: tuple(t.shape) for n, p in [*model.named_parameters(), *persistent_buffers(model)]
+            for name, t in to_hf(n, p, cfg.family)}   # buffers: DeepSeek-V3's routing bias
     wrong = [f"no {name}" for name in want if name not in view]
     wrong += [f"{view.stored_name(name)} gives {name} of shape {view.shape(name)}, the model needs {shape}"
               for name, shape in want.items() if name in view and view.shape(name) != shape]

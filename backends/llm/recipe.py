@@ -27,17 +27,13 @@ class CausalLMWithLoss(torch.nn.Module):
     head) is unsharded for exactly this forward, so the chunked loss can read the head weight."""
 
     def __init__(self, decoder: torch.nn.Module):
-        from backends.models.decoder.moe import MoE
-
         super().__init__()
         self.decoder = decoder
-        # found once, not on every forward
-        self._moe_blocks = [m for m in decoder.modules() if isinstance(m, MoE)]
 
     def forward(self, input_ids, labels, position_ids=None, cu_seqlens=None, aux_mask=None):
-        for block in self._moe_blocks:  # CP padding of this micro-batch stays out of the aux loss
-            block.aux_token_mask = aux_mask
-        hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True)
+        # aux_mask: CP padding of this micro-batch stays out of the MoE aux loss
+        hidden = self.decoder(input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, return_hidden=True,
+                              aux_mask=aux_mask)
         if getattr(self.decoder, "tp_info", None) is not None:  # vocab-parallel: no full-vocab logits
             from backends.common.parallel.tensor_parallel import tp_loss
 
@@ -172,14 +168,56 @@ def _build_data(cfg: LLMConfig, rt, par):
     if dataset.kind == "text":
         return dataset, _megatron_samples(cfg, dataset, tokenizer, par)
     mode = "packed" if d.packing else "dynamic" if d.dynamic else "padded"
-    loader = MicroBatchLoader(dataset, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
+    samples = dataset.open(d.seq_len)
+    rows = _rows(cfg, dataset, samples) if mode == "packed" else None
+    if rows is None and len(samples) != len(samples.tokens):
+        raise ConfigError(f"--data-path {d.prefix}: its rows were packed by preprocess_data.py --neat-pack, and "
+                          f"without --reset-attention-mask MindSpeed-LLM trains each row as one sequence, its "
+                          f"documents attending to each other (not built); add --reset-attention-mask --neat-pack "
+                          f"(each document apart, as the published pack scripts train them)")
+    index, epoch, order = _mindspeed_order(cfg, len(rows) if rows is not None else len(samples))
+    loader = MicroBatchLoader(samples, mode=mode, micro_batch=cfg.train.micro_batch, seq_len=d.seq_len,
                               dp_rank=par.dp_rank, dp_world=par.layout.dp, seed=cfg.train.seed, shuffle=d.shuffle,
                               pad_id=pad_id(tokenizer) if tokenizer is not None else 0,
-                              pad_to_multiple_of=d.pad_to_multiple_of)
+                              pad_to_multiple_of=d.pad_to_multiple_of, rows=rows, index=index, sampler=d.sampler)
+    loader.epoch_units = epoch
     packing = getattr(loader, "packing", None)
-    log.info("data: %s; %s batches%s", dataset.summary(), mode,
-             f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "")
+    log.info("data: %s; %s batches%s; %s", dataset.summary(), mode,
+             f", {packing.rows} packed rows, padding waste {packing.waste_pct:.1f}%" if packing else "", order)
     return dataset, loader
+
+
+def _rows(cfg: LLMConfig, dataset, samples) -> list[list[int]]:
+    """The packed rows: as MindSpeed-LLM's preprocess_data.py wrote them (a --neat-pack row's documents kept
+    apart), or, for records this engine tokenized with --pack / --neat-pack, packed here as preprocess_data.py
+    --pack would (best fit, rather than its greedy order)."""
+    from backends.common.data import best_fit_decreasing
+
+    if dataset.source == "records" and cfg.data.pack_rows:
+        return best_fit_decreasing(samples.lengths, cfg.data.seq_len)
+    return samples.file_rows()
+
+
+def _mindspeed_order(cfg: LLMConfig, n_rows: int):
+    """DecoderPackedMTFDataset's shuffle index over the train split of the rows, for train_iters x global batch
+    samples (or the epochs engine.yaml asks for); (index, one epoch's samples, what the log says of it)."""
+    from backends.common.data.mtf_order import epoch_rows, legacy_split, shuffle_index
+
+    d, t = cfg.data, cfg.train
+    begin, end = legacy_split(d.split, n_rows)[:2]
+    if end <= begin:
+        raise ConfigError(f"--split {d.split}: the train split holds none of the {n_rows} rows of {d.prefix}")
+    epoch = len(epoch_rows(begin, end - begin, t.global_batch, d.padded_samples))
+    num_samples = t.steps * t.global_batch if t.steps else math.ceil(t.epochs * epoch / t.global_batch) * t.global_batch
+    index = shuffle_index(begin, end - begin, num_samples, t.seed, t.global_batch, d.shuffle, d.padded_samples)
+    if len(index) and int(index.max()) >= n_rows:   # upstream's MTFDataset fails on such an index too
+        raise ConfigError(f"--padded-samples: an epoch of {end - begin} rows needs rows 0..{int(index.max())} to "
+                          f"fill its last global batch of {t.global_batch}, and {d.prefix} has {n_rows}; use a "
+                          f"smaller --global-batch-size, or drop --padded-samples")
+    order = (f"MindSpeed-LLM's order: train rows {begin}..{end - 1}, {len(index) // epoch} epoch(s) of {epoch} "
+             f"samples{' (--padded-samples)' if epoch > end - begin else ''}, "
+             f"{'shuffled with seed ' + str(t.seed) if d.shuffle else 'in file order'}, {d.sampler} sampler")
+    return index, epoch, order
 
 
 def _megatron_samples(cfg: LLMConfig, dataset, tokenizer, par):
@@ -211,11 +249,11 @@ def _megatron_samples(cfg: LLMConfig, dataset, tokenizer, par):
         samples = build(None)
         epoch = len(samples)
         samples = build(math.ceil(t.epochs * epoch / t.global_batch) * t.global_batch)
-    loader = MegatronBatches(samples, cfg.train.micro_batch, par.dp_rank, par.layout.dp)
+    loader = MegatronBatches(samples, cfg.train.micro_batch, par.dp_rank, par.layout.dp, sampler=d.sampler)
     loader.epoch_units = epoch
     log.info("data: %s; Megatron GPTDataset train split: documents %d..%d, %d samples of %d tokens over %d "
-             "epoch(s), seed %d", dataset.summary(), int(samples.documents[0]), int(samples.documents[-1]),
-             len(samples), d.seq_len, samples.epochs, t.seed)
+             "epoch(s), seed %d, %s sampler", dataset.summary(), int(samples.documents[0]),
+             int(samples.documents[-1]), len(samples), d.seq_len, samples.epochs, t.seed, d.sampler)
     return loader
 
 

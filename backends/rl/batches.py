@@ -80,6 +80,18 @@ class Rollouts:
         return replace(self, groups=groups)
 
 
+def step_metrics(kept: Rollouts, scores: list[torch.Tensor], rounds: int, groups: int) -> dict[str, float]:
+    """A step's rollout metrics: the rewards of every response generated (`scores`, each round's), the band of the
+    batch, the kept batch's verifier score and response length, the rounds and the groups kept."""
+    every = torch.cat(scores)
+    rows = max(len(kept), 1)
+    return {"reward_mean": float(every.sum()) / max(len(every), 1),
+            "reward_min": float(every.min()), "reward_max": float(every.max()),
+            "score_mean": float(kept.extra["score"].sum()) / rows,
+            "response_length_mean": float(kept.response_lens.sum()) / rows,
+            "gen_rounds": float(rounds), "kept_groups": float(groups)}
+
+
 def pad(rows: list[list], value=0, width: int | None = None, dtype=torch.long) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) if width is None else width
     out = torch.full((len(rows), max(width, 1)), value, dtype=dtype)

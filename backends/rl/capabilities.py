@@ -28,7 +28,8 @@ and MindSpeed-RL's own YAML (backends/rl/mindspeed_rl/). What proves each featur
 - mindspeed-rl methods:grpo: the rendered MindSpeed-RL file parses to the RLConfig of the equivalent
   VeRL job (the same prompt ids, batches, sampling, loss), unknown / unimplemented / TP>1 keys are
   refused by name, the published upstream files parse or are refused by name
-  (test_mindspeed_rl_engine.py); examples/mindspeed-rl/grpo.yaml learns through `ascendfactory run`
+  (test_mindspeed_rl_engine.py); MindSpeed-RL's preprocessed prompts read as its own dataset code reads
+  and orders them (test_mindspeed_rl_packed.py); examples/mindspeed-rl/grpo.yaml learns through `ascendfactory run`
   in the shared runs of test_rl_examples.py; the GRPO loop itself is the one the verl cells prove.
 - mindspeed-rl megatron_backend (tensor parallel): the example job at actor tp 2 on 2 processes and at
   tp 2 x dp 2 on 4 equals the 1-process run over 3 steps (losses, rewards, weights within 1e-5), the tp

@@ -30,6 +30,8 @@ class RLConfig:
     max_prompt_length: int = 512
     shuffle: bool = False
     data_seed: int | None = None               # the shuffle's seed (None: the run's seed)
+    sample_rows: list[int] | None = None       # the record of each prompt consumed, as the dialect's loader orders
+    #                                            them (MindSpeed-RL's preprocessed data); None: by shuffle / data_seed
     train_files: list[str] = field(default_factory=list)  # parquet files read into records at build
     prompt_key: str = "prompt"                 # chat-message lists (or a string) in each row
     image_key: str = "images"                  # a VL model's prompt images (file paths or {"image": path})
@@ -100,6 +102,11 @@ class RLConfig:
     # DAPO
     filter_groups: bool = False
     max_gen_rounds: int = 1                    # rounds of generation to fill the batch (0: unbounded)
+    # VeRL's DAPO recipe (recipe/dapo, its dapo_ray_trainer): each round rolls out gen_batch_size prompts (its data
+    # loader's batches), groups filtered by the std of filter_metric (a reward info, seq_reward / seq_final_reward:
+    # the reward); more than max_gen_rounds rounds is an error. None: the rounds of VeRL 0.9.1's main_ppo reading
+    gen_batch_size: int | None = None
+    filter_metric: str | None = None
     # critic (PPO); its optimizer settings left None are the actor's
     critic_lr: float = 1e-5
     cliprange_value: float = 0.5

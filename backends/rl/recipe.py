@@ -46,8 +46,8 @@ from backends.common.optim import build_optimizer, build_scheduler
 from backends.common.trainer import Loss, Part, Recipe, Settings, StepResult, seed_everything
 from backends.models import decoder
 
-from . import (advantages, algos, batches, context_parallel, multimodal, pipeline_parallel, roles, rollout, sharding,
-               tp_rollout, validation)
+from . import (advantages, algos, batches, context_parallel, dapo_rounds, multimodal, pipeline_parallel, roles, rollout,
+               sharding, tp_rollout, validation)
 from .batches import Rollouts
 from .config import RLConfig, RLConfigError, batch_problems
 from .data import load_records, load_val_records, stop_ids
@@ -68,6 +68,7 @@ class RLRecipe(Recipe):
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
         self.cursor = 0  # prompts consumed (the data position, resumable)
+        self.steps_done = 0
         self.vision = None  # a Qwen2.5-VL model's images and positions (multimodal.Vision)
 
     # ------------------------------------------------------------------ build
@@ -97,6 +98,10 @@ class RLRecipe(Recipe):
                              max_response_length=c.overlong_max_length or c.max_new_tokens)
         from_pretrained = multimodal.from_pretrained if vl else decoder.from_pretrained
         actor = self._actor_and_reference(from_pretrained(c.model_path, device=rt.device), vl)
+        if c.gen_batch_size and c.gen_batch_size % self.gen_dp:
+            raise RLConfigError(f"data.gen_batch_size: {c.gen_batch_size} prompts do not split evenly over the "
+                                f"{self.gen_dp} generating ranks or rollout replicas (each rolls out an equal share "
+                                "of a round here); choose a multiple")
         self.parts = {"actor": self._part(actor, c.lr)}
         if c.algorithm == "ppo":
             self.parts["critic"] = self._part(self._critic(from_pretrained(c.model_path, device=rt.device), vl),
@@ -133,10 +138,11 @@ class RLRecipe(Recipe):
         if not c.records:
             raise ValueError("the RL dataset has no prompts")
         if c.total_steps is None:  # VeRL: batches per epoch (the last partial one dropped) x total_epochs
-            per_epoch = len(c.records) // c.train_batch_size
+            batch, key = (c.gen_batch_size, "data.gen_batch_size") if c.gen_batch_size else \
+                (c.train_batch_size, "data.train_batch_size")
+            per_epoch = len(c.records) // batch
             if per_epoch < 1:
-                raise ValueError(f"the data set has {len(c.records)} prompts, fewer than data.train_batch_size "
-                                 f"{c.train_batch_size}")
+                raise ValueError(f"the data set has {len(c.records)} prompts, fewer than {key} {batch}")
             c.total_steps = per_epoch * c.total_epochs
         if c.warmup_ratio and not c.warmup_steps:
             c.warmup_steps = int(c.warmup_ratio * c.total_steps)
@@ -314,6 +320,12 @@ class RLRecipe(Recipe):
             part.clip = pipeline_parallel.clip(model, self.pp)
         return part
 
+    def should_stop(self) -> str | None:
+        c = self.cfg
+        if c.gen_batch_size and self.steps_done < c.total_steps:
+            return dapo_rounds.data_left(self)
+        return None
+
     def state_dict(self) -> dict:
         return {"cursor": self.cursor}
 
@@ -340,18 +352,24 @@ class RLRecipe(Recipe):
     def _prompt_index(self, k: int) -> int:
         """The dataset row of the k-th prompt consumed (a seeded permutation per epoch when shuffling)."""
         size = len(self.cfg.records)
-        epoch, i = divmod(k, size)
+        if self.cfg.sample_rows is not None:  # the dialect's loader order, train_iters x its batch long
+            return self.cfg.sample_rows[k]
+        if self.cfg.gen_batch_size:  # the DAPO recipe's loader: batches of gen_batch_size, a last partial one dropped
+            epoch, i = divmod(k, dapo_rounds.loader_rows(size, self.cfg.gen_batch_size))
+        else:
+            epoch, i = divmod(k, size)
         if not self.cfg.shuffle:
             return i
         seed = self.cfg.seed if self.cfg.data_seed is None else self.cfg.data_seed
         g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         return int(torch.randperm(size, generator=g)[i])
 
-    def _round(self, step: int, round_: int) -> Rollouts:
-        """One generation round over the next train_batch_size prompts: this rank rolls out its contiguous
+    def _round(self, step: int, round_: int, size: int | None = None) -> Rollouts:
+        """One generation round over the next `size` prompts (train_batch_size): this rank rolls out its contiguous
         share, then every rank gathers everyone's (token ids and scores only) in global prompt order."""
         c, rt = self.cfg, self.rt
-        share = c.train_batch_size // self.gen_dp
+        size = size or c.train_batch_size
+        share = size // self.gen_dp
         first = self.cursor + self.gen_rank * share
         rows = [self._prompt_index(first + i) for i in range(share)]
         prompts = [c.records[r]["prompt_ids"] for r in rows]
@@ -361,13 +379,17 @@ class RLRecipe(Recipe):
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out]
         truths = [c.records[r].get("ground_truth") for r in rows for _ in range(c.n)]
         sources = [c.records[r].get("data_source", "") for r in rows for _ in range(c.n)]
-        scores, extra = self.scorer(texts, truths, [len(r) for r in out], sources)
+        if c.filter_metric:  # the DAPO recipe filters by a reward info (dapo_rounds.py)
+            scores, extra, infos = self.scorer.with_infos(texts, truths, [len(r) for r in out], sources)
+            extra["filter_metric"] = dapo_rounds.metric_values(infos, c.filter_metric)
+        else:
+            scores, extra = self.scorer(texts, truths, [len(r) for r in out], sources)
         extra["record"] = [r for r in rows for _ in range(c.n)]  # each response's record (its images, its answer)
         if self.vllm is not None:  # vLLM's log-probability of each sampled token, checked against the actor's
             extra["rollout_logp"] = vllm_logp
         mine = Rollouts.pack([p for p in prompts for _ in range(c.n)], out, scores,
                              [first + i for i in range(share) for _ in range(c.n)], extra, rt.device)
-        self.cursor += c.train_batch_size
+        self.cursor += size
         if self.gen_dp == 1:  # one process, or the ranks that generated the same (pp x cp x tp, a rollout replica)
             return mine
         # the generating ranks' shares, from the peers at this rank's coordinate within them (they generated the same)
@@ -406,6 +428,8 @@ class RLRecipe(Recipe):
         train_batch_size of them in global order) -> (the global batch, the same on every rank, with
         group indices 0.., metrics)."""
         c = self.cfg
+        if c.gen_batch_size is not None:  # the run is VeRL's DAPO recipe
+            return dapo_rounds.collect(self, step)
         parts, scores, rounds, groups = [], [], 0, 0
         while True:
             r = self._round(step, rounds)
@@ -420,14 +444,8 @@ class RLRecipe(Recipe):
             groups += int(keep.sum())
             if not c.filter_groups or groups >= c.train_batch_size or (c.max_gen_rounds and rounds >= c.max_gen_rounds):
                 break
-        kept, scores = Rollouts.cat(parts), torch.cat(scores)
-        rows = max(len(kept), 1)
-        metrics = {"reward_mean": float(scores.sum()) / max(len(scores), 1),
-                   "reward_min": float(scores.min()), "reward_max": float(scores.max()),  # the batch's band
-                   "score_mean": float(kept.extra["score"].sum()) / rows,
-                   "response_length_mean": float(kept.response_lens.sum()) / rows,
-                   "gen_rounds": float(rounds), "kept_groups": float(groups)}
-        return kept, metrics
+        kept = Rollouts.cat(parts)
+        return kept, batches.step_metrics(kept, scores, rounds, groups)
 
     # ------------------------------------------------------------------ forward passes
 
@@ -492,6 +510,7 @@ class RLRecipe(Recipe):
     def step(self, trainer, step: int) -> StepResult:
         t0 = time.perf_counter()
         r, metrics = self._collect(step)
+        self.steps_done = step + 1
         if self.cfg.rollout_dump_dir and self.rt.is_main:
             self._dump_rollouts(r, step + 1)  # VeRL's global_steps: 1 in the first step
         t_rollout = time.perf_counter() - t0

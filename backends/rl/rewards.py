@@ -24,7 +24,7 @@ import importlib.util
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +269,39 @@ class Scorer:
             info["format"].append(f)
             info["overlong"].append(o)
         return out, info
+
+    def with_infos(self, responses: Sequence[str], ground_truths: Sequence[Any], lengths: Sequence[int],
+                   data_sources: Sequence[str] | None = None, log_overlong: bool = False
+                   ) -> tuple[list[float], dict[str, list[float]], list[dict]]:
+        """__call__'s (rewards, info) and each response's reward infos as VeRL's naive / dapo reward manager records
+        them: `reward` (the score the training uses), the function's dict keys (or acc: its float score, a rule's
+        score), overlong_reward / overlong with overlong_buffer_cfg.log."""
+        raw: list = []
+        scorer = self if self.function is None else replace(self, function=_recording(self.function, raw))
+        rewards, info = scorer(responses, ground_truths, lengths, data_sources)
+        rows = []
+        for i, reward in enumerate(rewards):
+            row: dict[str, Any] = {"reward": reward}
+            result = raw[i] if raw else info["score"][i]
+            if isinstance(result, dict):
+                row.update({k: _plain(v) for k, v in result.items()})
+            else:
+                row["acc"] = float(result)
+            if self.overlong_buffer and log_overlong:
+                row["overlong_reward"] = info["overlong"][i]
+                row["overlong"] = info["overlong"][i] < 0
+            rows.append(row)
+        return rewards, info, rows
+
+
+def _recording(fn: Callable, results: list) -> Callable:
+    """The user's reward function, its raw results kept (a dict's keys are VeRL's reward extra infos)."""
+    def wrapped(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        results.append(result)
+        return result
+    return wrapped
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value

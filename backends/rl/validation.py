@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -134,43 +133,11 @@ def metric_names(data_sources: list[str], sample_uids: list[str], infos: dict[st
 # ---------------------------------------------------------------------- the run
 
 
-def _recording(fn, results: list):
-    """The user's reward function, its raw results kept (a dict's keys are VeRL's reward extra infos)."""
-    def wrapped(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        results.append(result)
-        return result
-    return wrapped
-
-
 def _score(recipe, texts: list[str], lengths: list[int], records: list[dict]) -> list[dict]:
-    """Each response's reward infos as VeRL's naive / dapo reward manager gives them: `reward` (the score the
-    training would use), the function's dict keys (or acc: its float score), overlong_reward / overlong with
-    overlong_buffer_cfg.log."""
+    """Each response's reward infos as VeRL's naive / dapo reward manager gives them (Scorer.with_infos)."""
     c = recipe.cfg
-    raw: list = []
-    scorer = recipe.scorer
-    if scorer.function is not None:
-        scorer = replace(scorer, function=_recording(scorer.function, raw))
-    rewards, info = scorer(texts, [r.get("ground_truth") for r in records], lengths,
-                           [r.get("data_source", "") for r in records])
-    out = []
-    for i, reward in enumerate(rewards):
-        row: dict[str, Any] = {"reward": reward}
-        result = raw[i] if raw else info["score"][i]
-        if isinstance(result, dict):
-            row.update({k: _plain(v) for k, v in result.items()})
-        else:
-            row["acc"] = float(result)
-        if c.overlong_buffer and c.overlong_log:
-            row["overlong_reward"] = info["overlong"][i]
-            row["overlong"] = info["overlong"][i] < 0
-        out.append(row)
-    return out
-
-
-def _plain(value):
-    return value.item() if hasattr(value, "item") else value
+    return recipe.scorer.with_infos(texts, [r.get("ground_truth") for r in records], lengths,
+                                    [r.get("data_source", "") for r in records], log_overlong=c.overlong_log)[2]
 
 
 def run(recipe, step: int) -> dict[str, float]:

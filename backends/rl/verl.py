@@ -267,6 +267,36 @@ def _refs(here: str, raw: str) -> list[str]:
 _ADV = {"grpo": "grpo", "gae": "ppo"}
 
 
+def is_dapo_recipe(tree: Mapping) -> bool:
+    """The file is VeRL's DAPO recipe config (recipe/dapo/config/dapo_trainer.yaml, what `python3 -m
+    recipe.dapo.main_dapo` composes): over ppo_trainer (`defaults`), with the recipe's own reward_model.overlong_buffer
+    block (main_dapo.py hands it to the reward manager; main_ppo has no such key)."""
+    reward_model = tree.get("reward_model")
+    return "defaults" in tree and isinstance(reward_model, Mapping) and \
+        isinstance(reward_model.get("overlong_buffer"), Mapping)
+
+
+def _recipe_rounds(gen_batch: Any, values: dict, filter_groups: bool, flag: Callable) -> dict:
+    """The DAPO recipe's rounds (v0.7.0 recipe/dapo/dapo_ray_trainer.py): its data loader's batches are
+    data.gen_batch_size prompts (drop_last); with filter_groups the kept groups gather over rounds until
+    train_batch_size prompts, the surplus dropped; without, one round is the step's whole batch."""
+    train = values["train_batch_size"]
+    if gen_batch is None:  # RayPPOTrainer's DataLoader(batch_size=None) would yield single rows, unbatched
+        flag("data.gen_batch_size", "must be a positive integer for VeRL's DAPO recipe (its data loader's batch "
+             "size; the recipe's config sets ${data.train_batch_size})")
+        gen_batch = train
+    if not filter_groups and gen_batch != train:
+        flag("data.gen_batch_size", f"{gen_batch} differs from data.train_batch_size {train} without "
+             "algorithm.filter_groups: the DAPO recipe then trains each step on the whole generation batch, which "
+             "is not built in this engine; set them equal")
+        gen_batch = train
+    metric = values.get("filter_metric")
+    if metric == "seq_final_reward" and values["use_kl_in_reward"]:
+        flag("algorithm.filter_groups.metric", "seq_final_reward with algorithm.use_kl_in_reward (the reward less "
+             "the KL penalty before the groups are filtered) is not built in this engine; use seq_reward or acc")
+    return {"gen_batch_size": gen_batch}
+
+
 def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "verl config") -> RLConfig:
     """A VeRL ppo_trainer tree (the keys a user sets, Hydra-merged over VeRL 0.9.1's composed default)
     -> RLConfig. Every key must be VeRL's (or an older release's name of one: read under its 0.9.1 name
@@ -276,6 +306,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     known = {**_flat_defaults(), **VERL_READ_EXTRA}
     problems: list[str] = []
     notices: list[str] = []
+    dapo_recipe = is_dapo_recipe(tree)
     given = _removed(flatten(_composition(tree, problems, notices)), problems, notices)
     aliases: dict[str, str] = {}
     given = _rename(given, problems, notices, aliases)
@@ -369,7 +400,11 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         flag("algorithm.adv_estimator", f"must be grpo or gae, got {adv!r}")
         adv = "grpo"  # (not VeRL's default gae: its critic rules would only add follow-up problems)
     filter_groups = want("algorithm.filter_groups.enable", is_bool, "true or false")
-    if filter_groups:
+    filter_metric = None
+    if filter_groups and dapo_recipe:  # a reward info by name (VeRL's KeyError at run time if the reward has none)
+        filter_metric = want("algorithm.filter_groups.metric", is_str, "a reward info's name (acc, score, "
+                             "seq_reward, seq_final_reward, ...)")
+    elif filter_groups:
         only("algorithm.filter_groups.metric", ("reward", "acc", "score", "seq_reward", "seq_final_reward"),
              "groups are filtered by the response score")
     else:  # read by nothing then (the DAPO recipe's config leaves it null)
@@ -490,6 +525,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
         kl_in_reward_coef=want("algorithm.kl_ctrl.kl_coef", is_num, "a number"),
         kl_penalty=want("algorithm.kl_penalty", lambda v: v in KL_KINDS, " or ".join(KL_KINDS)),
         filter_groups=bool(filter_groups),
+        filter_metric=filter_metric,
         # FilterGroupsConfig: non-positive is no upper limit
         max_gen_rounds=max(want("algorithm.filter_groups.max_num_gen_batches", is_int, "an integer (<= 0: unbounded)"),
                            0),
@@ -509,9 +545,11 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
     values["overlong_log"] = bool(ob_log)
     values["truncation"] = get("data.truncation")
     values["rollout_dump_dir"] = want("trainer.rollout_data_dir", opt_str, "a directory or null")
-    # DAPO's generation rounds: each rolls out the next train_batch_size prompts here (recipe.py _round)
     gen_batch = want("data.gen_batch_size", lambda v: v is None or pos(v), "a positive integer or null")
-    if gen_batch not in (None, values["train_batch_size"]):
+    if dapo_recipe:
+        values.update(_recipe_rounds(gen_batch, values, filter_groups, flag))
+    # main_ppo's generation rounds: each rolls out the next train_batch_size prompts here (recipe.py _round)
+    elif gen_batch not in (None, values["train_batch_size"]):
         if filter_groups:  # trainer/ppo/v1/trainer_base.py: gen_batch_size=1 whenever groups are filtered
             notices.append(f"data.gen_batch_size: accepted, no effect with algorithm.filter_groups (VeRL 0.9.1's V1 "
                            f"trainer dispatches the prompts one at a time then; each round here rolls out "
@@ -520,7 +558,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
             flag("data.gen_batch_size", f"{gen_batch} prompts fetched per generation while a step trains on "
                  f"data.train_batch_size {values['train_batch_size']} is not built in this engine (rollouts of "
                  "whole train batches); leave it null or set data.train_batch_size")
-    if filter_groups and values["max_gen_rounds"] > 0:
+    if filter_groups and values["max_gen_rounds"] > 0 and not dapo_recipe:
         notices.append(f"algorithm.filter_groups.max_num_gen_batches: this engine stops filling the batch after "
                        f"{values['max_gen_rounds']} generation rounds and trains on the groups kept; VeRL 0.9.1's V1 "
                        "trainer ignores the key (with a warning of its own) and refills without bound")
@@ -538,7 +576,7 @@ def parse_verl(tree: Mapping, side: Mapping | None = None, *, source: str = "ver
                      "actor's mini-batches here")
         want("critic.grad_clip", is_num, "a number")
         only("critic.strategy", ("fsdp", "fsdp2"), "the FSDP backend (both run as FSDP2 here)")
-        values.update(_verl_critic(get, want, only, problems, pos, is_num))
+        values.update(_verl_critic(get, want, only, problems, pos, is_num, values["critic_dynamic_bsz"]))
     if warmup > 0:
         values["warmup_steps"] = int(warmup)
     elif warmup_ratio > 0:
@@ -735,24 +773,23 @@ VERL_BATCH_FIELDS = {"prompts": "data.train_batch_size", "mini_batch": "actor_ro
 
 
 def _verl_critic(get: Callable, want: Callable, only: Callable, problems: list[str], pos: Callable,
-                 is_num: Callable) -> dict:
-    """VeRL's critic: a micro-batch size is required (CriticConfig refuses a critic without
-    ppo_micro_batch_size_per_gpu or the deprecated global ppo_micro_batch_size; the global one is not
-    built here), and its own optimizer (critic.optim: VeRL's defaults are not the actor's settings)."""
+                 is_num: Callable, dynamic: bool) -> dict:
+    """VeRL's critic: without critic.use_dynamic_bsz a micro-batch size is required (CriticConfig refuses a
+    critic without ppo_micro_batch_size_per_gpu or the deprecated global ppo_micro_batch_size; the global one is
+    not built here), and its own optimizer (critic.optim: VeRL's defaults are not the actor's settings)."""
     out: dict[str, Any] = {}
+    micro = get("critic.ppo_micro_batch_size_per_gpu")
     if get("critic.ppo_micro_batch_size") is not None:
         problems.append("critic.ppo_micro_batch_size: VeRL's deprecated global critic micro-batch is not built in "
                         "this engine; give critic.ppo_micro_batch_size_per_gpu (responses per rank) instead")
-    else:
-        micro = get("critic.ppo_micro_batch_size_per_gpu")
-        if micro is None:
-            problems.append("critic.ppo_micro_batch_size_per_gpu: must be set for a PPO critic (VeRL's CriticConfig "
-                            "refuses a critic with no micro-batch size); give responses per rank, e.g. the actor's "
-                            "ppo_micro_batch_size_per_gpu")
-        elif not pos(micro):
-            problems.append(f"critic.ppo_micro_batch_size_per_gpu: must be a positive integer, got {micro!r}")
-        else:
-            out["critic_micro_batch_size"] = micro
+    elif micro is None and not dynamic:
+        problems.append("critic.ppo_micro_batch_size_per_gpu: must be set for a PPO critic (VeRL's CriticConfig "
+                        "refuses a critic with no micro-batch size); give responses per rank, e.g. the actor's "
+                        "ppo_micro_batch_size_per_gpu")
+    elif micro is not None and not pos(micro):
+        problems.append(f"critic.ppo_micro_batch_size_per_gpu: must be a positive integer, got {micro!r}")
+    elif micro is not None:
+        out["critic_micro_batch_size"] = micro
     opt = "critic.optim."
     out["critic_lr"] = want(opt + "lr", lambda v: is_num(v) and v > 0, "a positive number")
     out["cliprange_value"] = want("critic.cliprange_value", lambda v: is_num(v) and v > 0, "a positive number")

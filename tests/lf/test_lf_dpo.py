@@ -35,9 +35,10 @@ def steps(out):
     return [r for r in metrics(out) if "step" in r and "event" not in r]
 
 
-def hf_logps(path, model_dir):
+def hf_logps(path, model_dir, logits: list | None = None):
     """(sums, counts) of the label tokens' log-probabilities per row of the engine's first step, from
-    an unpatched transformers model; rows: each micro-batch's chosen, then its rejected."""
+    an unpatched transformers model; rows: each micro-batch's chosen, then its rejected. logits: gets each
+    micro-batch's (chosen, rejected) mean of every logit, as LLaMA-Factory's logits/* take it."""
     from transformers import AutoModelForCausalLM
 
     from backends.common.distributed import init_runtime
@@ -49,11 +50,14 @@ def hf_logps(path, model_dir):
     chosen, rejected = [], []
     with torch.no_grad():
         for mb in recipe.next_micro_batches():
-            logp = model(mb["input_ids"]).logits.float().log_softmax(-1)
+            raw = model(mb["input_ids"]).logits.float()
+            logp = raw.log_softmax(-1)
             y = mb["labels"]
             keep = y != -100
             picked = torch.gather(logp, -1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1) * keep
             b = y.shape[0] // 2
+            if logits is not None:
+                logits.append((float(raw[:b].mean()), float(raw[b:].mean())))
             for rows, into in ((slice(0, b), chosen), (slice(b, None), rejected)):
                 into.append((picked[rows].sum(-1), keep[rows].sum(-1)))
     cat = lambda parts: (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))  # noqa: E731
@@ -74,10 +78,13 @@ def runs(engine_runs, qwen2, tmp_path_factory):
         keys = {"finetuning_type": finetuning, "learning_rate": 5e-3 if finetuning == "full" else 5e-2,
                 "max_steps": 16}  # two epochs of the 32 pairs
         files[f"rewards-{finetuning}"] = dpo_file(tmp / f"rewards-{finetuning}", qwen2, **keys)
-    files["one"] = dpo_file(tmp / "one", qwen2, max_steps=3, gradient_accumulation_steps=2)
+    # logged at steps 1, 2 and the last; the Trainer counting the input tokens
+    logging = {"logging_steps": 2, "logging_first_step": True, "include_num_input_tokens_seen": True}
+    files["one"] = dpo_file(tmp / "one", qwen2, max_steps=3, gradient_accumulation_steps=2, **logging)
     ds = tmp / "ds3.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    files["two"] = dpo_file(tmp / "two", qwen2, max_steps=3, gradient_accumulation_steps=1, deepspeed=str(ds))
+    files["two"] = dpo_file(tmp / "two", qwen2, max_steps=3, gradient_accumulation_steps=1, deepspeed=str(ds),
+                            **logging)
     for name, path in files.items():
         add_lf(engine_runs, f"lf-dpo/{name}", path, nproc=2 if name == "two" else 1)
     return {name: (path, lambda n=name: engine_runs[f"lf-dpo/{n}"]) for name, path in files.items()}
@@ -87,7 +94,8 @@ def runs(engine_runs, qwen2, tmp_path_factory):
 def test_first_step_loss_from_transformers_logps(runs, qwen2, loss_type):
     path, out = runs[f"first-{loss_type}"]
     out = out()
-    (c_sum, c_n), (r_sum, r_n) = hf_logps(path, qwen2)
+    logits = []
+    (c_sum, c_n), (r_sum, r_n) = hf_logps(path, qwen2, logits)
     if loss_type in ("sigmoid", "ipo", "hinge"):  # at step 1 the policy is its reference: h = 0
         expect = {"sigmoid": math.log(2), "ipo": (1 / (2 * BETA)) ** 2, "hinge": 1.0}[loss_type]
     elif loss_type == "simpo":
@@ -102,6 +110,19 @@ def test_first_step_loss_from_transformers_logps(runs, qwen2, loss_type):
     c, r = (c_sum / c_n, r_sum / r_n) if averaged else (c_sum, r_sum)
     assert first["logps/chosen"] == pytest.approx(float(c.mean()), abs=1e-4)
     assert first["logps/rejected"] == pytest.approx(float(r.mean()), abs=1e-4)
+    # CustomDPOTrainer's logged means: per micro-batch, averaged over the logged steps' micro-batches
+    logged = json.loads((out / "trainer_state.json").read_text())["log_history"][0]
+    for k, side in enumerate(("chosen", "rejected")):
+        assert logged[f"logits/{side}"] == pytest.approx(sum(m[k] for m in logits) / len(logits), abs=1e-4)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                "logps/rejected"):
+        assert logged[key] == pytest.approx(first[key], abs=1e-6)
+    assert ("sft_loss" in logged) == ("odds_ratio_loss" in logged) == (loss_type == "orpo")
+    if loss_type == "orpo":  # sft_loss: -(chosen per-token log-probability); the rest of the loss over beta
+        assert logged["sft_loss"] == pytest.approx(float(-c.mean()), abs=1e-4)
+        assert logged["odds_ratio_loss"] == pytest.approx((first["loss"] + float(c.mean())) / BETA, abs=1e-3)
+    line = json.loads((out / "trainer_log.jsonl").read_text().splitlines()[0])
+    assert line["accuracy"] == logged["rewards/accuracies"]  # LogCallback's name for it
 
 
 @pytest.mark.parametrize("finetuning", FINETUNING)
@@ -125,6 +146,31 @@ def test_zero3_dpo_with_a_sharded_reference_matches_one_process(runs):
     assert losses(two) == pytest.approx(losses(one), abs=1e-5)
     margins = [[r["rewards/margins"] for r in steps(d)] for d in (one, two)]
     assert margins[1] == pytest.approx(margins[0], abs=1e-5)
+
+
+def test_logging_first_step_and_input_tokens_seen(runs, qwen2):
+    """logging_first_step logs step 1 too; include_num_input_tokens_seen adds num_input_tokens_seen (every
+    input_ids position of every rank's micro-batches so far, padding included) to each log and trainer_state.json,
+    and LogCallback's total_tokens / throughput to trainer_log.jsonl."""
+    from backends.common.distributed import init_runtime
+    from backends.lf.recipe import LFRecipe, parse_command
+
+    path, out = runs["one"]
+    out = out()
+    state = json.loads((out / "trainer_state.json").read_text())
+    logs = [e for e in state["log_history"] if "loss" in e]
+    assert [e["step"] for e in logs] == [1, 2]  # logging_steps 2, and step 1
+    recipe = LFRecipe(parse_command(["train", str(path)]))
+    recipe.build(init_runtime("cpu"))
+    first = sum(mb["input_ids"].numel() for mb in recipe.next_micro_batches())
+    assert logs[0]["num_input_tokens_seen"] == first < logs[1]["num_input_tokens_seen"]
+    assert state["num_input_tokens_seen"] == state["log_history"][-1]["num_input_tokens_seen"]
+    assert "train_tokens_per_second" in logs[0]
+    lines = [json.loads(x) for x in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert [x["current_steps"] for x in lines] == [1, 2, 3]
+    assert lines[0]["total_tokens"] == first and lines[0]["throughput"] > 0
+    two = json.loads((runs["two"][1]() / "trainer_state.json").read_text())
+    assert two["num_input_tokens_seen"] == state["num_input_tokens_seen"]
 
 
 def test_bad_preference_data_is_one_clear_error(tmp_path, qwen2):

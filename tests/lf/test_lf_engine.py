@@ -12,9 +12,10 @@ import yaml
 from tests.helpers.lf_runs import TINY, add_lf, end_event, lf_file, losses, metrics, run_lf
 
 
-def reference_loss(path, packed_alone: bool = False) -> float:
+def reference_loss(path, packed_alone: bool = False, crossed: bool = False) -> float:
     """The first optimizer step's loss from an unpatched transformers model on the engine's own first
-    micro-batches (the token-mean over all of them). packed_alone: every packed document on its own."""
+    micro-batches (the token-mean over all of them). packed_alone: every packed document on its own; crossed:
+    each row whole with its restarting position ids and LLaMA-Factory's all-ones attention mask."""
     from transformers import AutoModelForCausalLM
 
     from backends.common.distributed import init_runtime
@@ -31,7 +32,9 @@ def reference_loss(path, packed_alone: bool = False) -> float:
             for row in range(ids.shape[0]):
                 starts = (pos[row] == 0).nonzero().flatten().tolist() if packed_alone else [0]
                 for a, b in zip(starts, starts[1:] + [ids.shape[1]]):
-                    logits = model(ids[row:row + 1, a:b]).logits[0].float()
+                    extra = {"position_ids": pos[row:row + 1], "attention_mask": torch.ones_like(ids[row:row + 1])} \
+                        if crossed else {}
+                    logits = model(ids[row:row + 1, a:b], **extra).logits[0].float()
                     y = labels[row, a:b]  # already shifted: the target of each position
                     keep = y != -100
                     if keep.any():
@@ -103,11 +106,13 @@ def test_neat_packing_keeps_packed_samples_apart(runs):
     packing without it lets a row's samples see each other, which changes the loss."""
     path, out = runs["neat"]
     out = out()
-    rows = int(re.search(r"(\d+) packed rows", runs["log"]("lf-engine/neat")).group(1))
+    rows = int(re.search(r"64 samples in (\d+) neat-packed rows", runs["log"]("lf-engine/neat")).group(1))
     assert rows < 32  # several of the 64 samples share each row
     neat = losses(out)[0]
     assert neat == pytest.approx(reference_loss(path, packed_alone=True), abs=1e-5)
-    assert abs(losses(runs["crossed"][1]())[0] - neat) > 1e-4
+    crossed = losses(runs["crossed"][1]())[0]
+    assert crossed == pytest.approx(reference_loss(runs["crossed"][0], crossed=True), abs=1e-5)
+    assert abs(crossed - neat) > 1e-4
 
 
 @pytest.fixture(scope="module")

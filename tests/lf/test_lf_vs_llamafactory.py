@@ -5,7 +5,9 @@ accumulation, warmup and a decaying schedule, over an epoch's end (a last micro-
 optimizer step of one micro-batch, the next epoch reshuffled), samples cut at cutoff_len; in file order
 (disable_shuffling) and in LLaMA-Factory's shuffled order (seed, data_seed), full and LoRA fine-tuning, the
 loss over an interval of logged steps, and train_on_prompt (HF's loss denominator counts every label before the
-shift).
+shift), stage pt (texts chained into cutoff_len blocks) and packed SFT rows (packing, neat_packing); and
+LLaMA-Factory's own get_dataset still builds the rows of tests/fixtures/upstream/llamafactory/lf_0.9.5_packing.json
+(which tests/lf/test_lf_packing.py holds backends.lf's rows to).
 Both sides run every case in one launch each (LLaMA-Factory's CLI entry called once per file)."""
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ CASES = {
     # a sample's first label is kept, so the loss is divided by one more label per sample than it has targets
     "train-on-prompt": {"train_on_prompt": True, "disable_shuffling": True, "warmup_steps": 1,
                         "lr_scheduler_type": "cosine"},
+    # pre-training: the texts chained into 40-token blocks (pt's default packing), shuffled
+    "pt": {"stage": "pt", "seed": 2, "warmup_steps": 1, "lr_scheduler_type": "cosine"},
+    # packed SFT rows (greedy knapsack into cutoff_len - 1: several samples a row), samples attending across a
+    # row; neat: kept apart
+    "packed": {"packing": True, "cutoff_len": 128, "seed": 4, "warmup_steps": 1, "lr_scheduler_type": "linear"},
+    "neat": {"neat_packing": True, "cutoff_len": 128, "disable_shuffling": True, "warmup_steps": 1,
+             "lr_scheduler_type": "cosine"},
 }
 
 
@@ -142,3 +151,16 @@ def test_losses_and_learning_rates_are_llamafactorys(trained, case):
              json.loads((ours / "train_results.json").read_text()))
     assert final[1]["train_loss"] == pytest.approx(final[0]["train_loss"], rel=1e-5)
     assert final[1]["epoch"] == pytest.approx(final[0]["epoch"])
+
+
+def test_packing_reference_is_llamafactorys_today(tmp_path):
+    """make_packing_reference.py rerun with this LLaMA-Factory gives the committed fixture's rows."""
+    script = ROOT / "tests" / "fixtures" / "upstream" / "llamafactory" / "make_packing_reference.py"
+    committed = json.loads((script.parent / "lf_0.9.5_packing.json").read_text())
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home")}
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run([_lf_python(), str(script), "--out", str(tmp_path / "rows.json")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    fresh = json.loads((tmp_path / "rows.json").read_text())
+    assert fresh["cases"] == committed["cases"] and fresh["knapsacks"] == committed["knapsacks"]

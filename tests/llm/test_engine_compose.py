@@ -164,7 +164,6 @@ def test_lora_on_moe_with_expert_parallel(runs, tiny_model):
 REFUSED = {  # capabilities.UNBUILT entry (its fields) → a job that triggers it (family, job changes, devices)
     ("parallel.ep", "parallel.tp", "parallel.sp"): ("mixtral", {"parallel": {"ep": 2, "tp": 2}}, 2),
     ("parallel.ep", "parallel.moe_dispatcher"): ("mixtral", {"parallel": {"ep": 2, "moe_dispatcher": "allgather"}}, 2),
-    ("parallel.pp", "parallel.cp", "data.packing"): ("qwen3", {"parallel": {"pp": 2, "cp": 2}, "data": {"packing": True}}, 4),
 }
 
 

@@ -168,7 +168,7 @@ def test_recompute_method_and_num_layers_are_honoured_or_refused():
 # one argument list per refusal of backends.llm.config.refusals: each message opens with that flag
 REFUSALS = {
     "--hidden-dropout": ["--hidden-dropout", "0.1"], "--attention-dropout": ["--attention-dropout", "0.1"],
-    "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"], "--split": ["--split", "98,2,0", "--is-instruction-dataset"],
+    "--stage": ["--stage", "dpo"], "--ckpt-format": ["--ckpt-format", "zarr"],
     "--dataloader-type": ["--dataloader-type", "external"],
     "--moe-router-load-balancing-type": ["--moe-router-load-balancing-type", "sinkhorn"],
     "--seq-aux": ["--seq-aux", "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0.01"],
@@ -179,7 +179,7 @@ REFUSALS = {
     "--lr-warmup-fraction": ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
     "--initial-loss-scale": ["--initial-loss-scale", "65536", "--fp16"],
     "--moe-layer-freq": ["--moe-layer-freq", "[0]*1+[1]*26"],
-    "--padded-samples": ["--padded-samples"],
+    "--full-shuffle-instruction-dataset": ["--full-shuffle-instruction-dataset", "--is-instruction-dataset"],
 }
 
 
@@ -530,11 +530,21 @@ def test_moe_aux_loss_coeff_weighs_megatrons_switch_loss(tmp_path):
 def test_pretraining_data_notices(capsys, monkeypatch):
     """Pre-training reads Megatron's GPTDataset: the flags it does not read, and the held-out split, are said."""
     monkeypatch.delenv("RANK", raising=False)
-    parse_args(BASE + ["--no-shuffle", "--variable-seq-lengths"], engine=CARD)
+    instruction_only = ["--padded-samples", "--full-shuffle-instruction-dataset"]
+    parse_args(BASE + ["--no-shuffle", "--variable-seq-lengths", *instruction_only], engine=CARD)
     noticed = [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()]
-    assert noticed == ["--split", "--no-shuffle", "--variable-seq-lengths"]
-    parse_args(BASE + ["--split", "100,0,0", "--no-shuffle", "--is-instruction-dataset"], engine=CARD)
-    assert "notice" not in capsys.readouterr().err     # instruction data: shuffled by the engine's loader
+    assert noticed == ["--split", *instruction_only, "--no-shuffle", "--variable-seq-lengths"]
+    parse_args(BASE + ["--split", "100,0,0", "--no-shuffle", "--padded-samples", "--is-instruction-dataset"],
+               engine=CARD)
+    assert "notice" not in capsys.readouterr().err     # instruction data: MindSpeed-LLM's index reads them
+    parse_args(BASE + ["--is-instruction-dataset"], engine=CARD)   # Megatron's default split holds rows out
+    assert [line.split(": notice: ")[1].split()[0] for line in capsys.readouterr().err.splitlines()] == ["--split"]
+
+
+@pytest.mark.parametrize("split", ["0,0,0", "100,-1,0", "a,b"])
+def test_a_split_without_rows_to_train_is_one_named_error(split):
+    with pytest.raises(ConfigError, match=f"--split {split}: "):
+        parse_args(BASE + ["--split", split, "--is-instruction-dataset"], engine=CARD)
 
 
 def test_omitted_architecture_switches_are_refused_not_read_as_given():
@@ -574,7 +584,7 @@ def test_only_no_pad_to_seq_lengths_makes_batches_dynamic(capsys, monkeypatch):
     """MindSpeed-LLM's collator pads to --pad-to-multiple-of only with --no-pad-to-seq-lengths (which sets
     --variable-seq-lengths itself); --variable-seq-lengths alone pads to --seq-length, said in one notice."""
     monkeypatch.delenv("RANK", raising=False)
-    sft = BASE + ["--is-instruction-dataset"]
+    sft = BASE + ["--is-instruction-dataset", "--split", "100,0,0"]
     assert parse_args(sft + ["--no-pad-to-seq-lengths", "--variable-seq-lengths"], engine=CARD).data.dynamic
     assert "notice" not in capsys.readouterr().err
     assert not parse_args(sft + ["--variable-seq-lengths"], engine=CARD).data.dynamic

@@ -77,7 +77,6 @@ def build(case: dict, lay: dict, mesh, seed: int):
 def one_process(case: dict, seed: int):
     """The whole model on this rank alone: the old whole-checkpoint load, or the seeded init unsharded."""
     from backends.models import decoder as models
-    from backends.models.decoder import loading
 
     if case["model_dir"] and not case["lora"]:
         return models.from_pretrained(case["model_dir"])
@@ -108,7 +107,7 @@ def check(case: dict, lay: dict, mesh, tmp: str) -> dict:
     reference = one_process(case, seed)
     worst, share = 0.0, 0
     names = []
-    for name, t in [*decoder.named_parameters(), *loading._persistent_buffers(decoder)]:
+    for name, t in [*decoder.named_parameters(), *loading.persistent_buffers(decoder)]:
         names.append(name)
         region = loading.local_region(t)
         local = t.to_local() if isinstance(t, DTensor) else t

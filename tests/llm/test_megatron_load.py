@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from backends.common.checkpoint.megatron_checkpoint import open_checkpoint
-from backends.common.checkpoint.megatron_view import MegatronView, Naming
+from backends.common.checkpoint.megatron_view import MegatronView, MlaDims, Naming
 from backends.common.checkpoint.slices import full_region
 from backends.llm.config import ConfigError, parse_args
 from tests.helpers.megatron_writers import dims, dist_tensors, hf_weights, write_dist, write_legacy
@@ -28,20 +28,25 @@ ALPACA = ROOT / "examples" / "data" / "arithmetic_alpaca.json"
 
 
 def _naming(model_dir: Path) -> Naming:
-    _, _, heads, groups, head_dim = dims(hf_weights(model_dir)[1])
-    return Naming(heads, groups, head_dim)
+    cfg = hf_weights(model_dir)[1]
+    _, _, heads, groups, head_dim = dims(cfg)
+    mla = MlaDims(*(cfg[k] for k in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))) \
+        if "kv_lora_rank" in cfg else None
+    return Naming(heads, groups, head_dim, mla=mla)
 
 
 # ---------------------------------------------------------------------- the upstream tools' checkpoints
 
 
 @pytest.mark.parametrize("model,kind,layout", [("dense", "legacy", (2, 2, 1)), ("moe", "legacy", (2, 2, 1)),
-                                               ("moe", "torch_dist", None)])
+                                               ("moe", "torch_dist", None), ("mla-lite", "legacy", (2, 2, 2)),
+                                               ("mla-v3", "legacy", (2, 2, 1)), ("mla-v3", "legacy-mm-split", (2, 2, 1)),
+                                               ("mla-v3", "torch_dist", None)])
 def test_checkpoints_the_upstream_tools_wrote_read_back_to_their_hf_weights(model, kind, layout):
     hf, cfg = hf_weights(UPSTREAM / model / "hf")
     ckpt = open_checkpoint(UPSTREAM / model / kind)
     assert (ckpt.format, ckpt.iteration, ckpt.release, ckpt.holds) == (
-        "torch" if kind == "legacy" else "torch_dist", 1, False, set())
+        "torch_dist" if kind == "torch_dist" else "torch", 1, False, set())
     assert (ckpt.files and (ckpt.files.tp, ckpt.files.pp, ckpt.files.ep)) == layout
     view = MegatronView(ckpt, _naming(UPSTREAM / model / "hf"))
     assert sorted(hf) == sorted(n for n in view.names() if not (n == "lm_head.weight" and cfg["tie_word_embeddings"]))
@@ -52,9 +57,12 @@ def test_checkpoints_the_upstream_tools_wrote_read_back_to_their_hf_weights(mode
 def test_the_writers_reproduce_the_upstream_checkpoints(tmp_path):
     """The checkpoints the engine tests below load are written as MindSpeed-LLM's converter and megatron-core write
     theirs: the same keys, shapes and values."""
-    for model, grouped in (("dense", False), ("moe", True)):
-        mine = write_legacy(UPSTREAM / model / "hf", tmp_path / model, tp=2, pp=2, grouped=grouped)
-        for theirs in sorted((UPSTREAM / model / "legacy" / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt")):
+    for model, kind, switches in (("dense", "legacy", {}), ("moe", "legacy", {"grouped": True}),
+                                  ("mla-lite", "legacy", {"grouped": True, "ep": 2}),
+                                  ("mla-v3", "legacy", {"grouped": True}),
+                                  ("mla-v3", "legacy-mm-split", {"grouped": True, "mla_mm_split": True})):
+        mine = write_legacy(UPSTREAM / model / "hf", tmp_path / model / kind, tp=2, pp=2, **switches)
+        for theirs in sorted((UPSTREAM / model / kind / "iter_0000001").glob("mp_rank_*/model_optim_rng.pt")):
             want = torch.load(theirs, weights_only=False)
             got = torch.load(mine / "iter_0000001" / theirs.parent.name / theirs.name, weights_only=False)
             assert (got["iteration"], got["checkpoint_version"]) == (want["iteration"], want["checkpoint_version"])
@@ -76,18 +84,26 @@ QWEN3 = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--padded-vocab-size", "512",
          "--norm-epsilon", "1e-6", "--position-embedding-type", "rope", "--normalization", "RMSNorm"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+# tests/helpers/tiny_hf.py's DeepSeek-V2-Lite, as MindSpeed-LLM's deepseek2_lite scripts describe it
+DEEPSEEK2_LITE = QWEN3[:QWEN3.index("--group-query-attention")] + QWEN3[QWEN3.index("--swiglu"):] + MOE + [
+    "--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+    "--v-head-dim", "16", "--qk-layernorm", "--n-shared-experts", "1", "--first-k-dense-replace", "1",
+    "--moe-router-load-balancing-type", "pai_megatron_aux_loss"]
+FLAGS = {"qwen3": QWEN3, "qwen3_moe": QWEN3 + MOE, "deepseek_v2": DEEPSEEK2_LITE}
 RUN = ["--data-path", "x", "--seq-length", "32", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "3"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model, tmp_path_factory):
-    """family -> (HF dir, its tp 2 / pp 2 legacy checkpoint (MoE: grouped GEMM), its torch_dist checkpoint)."""
+    """family -> (HF dir, its tp 2 / pp 2 legacy checkpoint (MoE: grouped GEMM; DeepSeek: ep 2 too), its torch_dist
+    checkpoint)."""
     out = {}
-    for family in ("qwen3", "qwen3_moe"):
+    for family in ("qwen3", "qwen3_moe", "deepseek_v2"):
         hf = tiny_model(family)
         base = tmp_path_factory.mktemp(f"megatron-{family}")
-        out[family] = (hf, write_legacy(hf, base / "legacy", tp=2, pp=2, grouped=family == "qwen3_moe"),
-                       write_dist(hf, base / "torch_dist"))
+        out[family] = (hf, write_legacy(hf, base / "legacy", tp=2, pp=2, grouped=family != "qwen3",
+                                        ep=2 if family == "deepseek_v2" else 1),
+                       write_dist(hf, base / "torch_dist") if family != "deepseek_v2" else None)
     return out
 
 
@@ -103,15 +119,14 @@ def _load_in_process(argv):
     return decoder, start
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-@pytest.mark.parametrize("kind", ["legacy", "dist"])
+@pytest.mark.parametrize("family,kind", [("qwen3", "legacy"), ("qwen3", "dist"), ("qwen3_moe", "legacy"),
+                                         ("qwen3_moe", "dist"), ("deepseek_v2", "legacy")])
 def test_engine_loads_the_checkpoint_at_tp1_with_transformers_logits(checkpoints, family, kind):
     import transformers
 
     hf, legacy, dist = checkpoints[family]
-    flags = QWEN3 + (MOE if family == "qwen3_moe" else [])
-    decoder, start = _load_in_process(flags + RUN + ["--load", str(legacy if kind == "legacy" else dist),
-                                                     "--finetune"])
+    decoder, start = _load_in_process(FLAGS[family] + RUN + ["--load", str(legacy if kind == "legacy" else dist),
+                                                             "--finetune"])
     assert decoder.config.family == family and start.start_step == 0
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
@@ -226,26 +241,45 @@ def test_published_script_flags_build_the_model_megatron_builds(tiny_model):
                    engine={})
     with pytest.raises(ConfigError, match="or --load a Megatron checkpoint"):
         parse_args(QWEN3 + RUN + ["--load", str(hf)], engine={})
+    # MLA flags describe DeepSeek-V2 (MindSpeed-LLM's deepseek2-lite); what they leave open is named
+    mla = parse_args(DEEPSEEK2_LITE + RUN + ["--load", str(UPSTREAM / "mla-lite" / "legacy")], engine={})
+    model = flags_config(mla)
+    assert (model.family, model.mla.kv_lora_rank, model.moe.shared_experts, model.moe.first_k_dense,
+            model.moe.norm_topk_prob) == ("deepseek_v2", 16, 1, 1, False)
+    at = DEEPSEEK2_LITE.index("--kv-lora-rank")
+    lacking = [f for f in DEEPSEEK2_LITE[:at] + DEEPSEEK2_LITE[at + 2:] if f != "--qk-layernorm"]
+    with pytest.raises(ConfigError, match=r"--kv-lora-rank: give it .*; --multi-latent-attention without "
+                                          r"--qk-layernorm: .* latent norms"):
+        parse_args(lacking + RUN + ["--load", str(UPSTREAM / "mla-lite" / "legacy")], engine={})
+    with pytest.raises(ConfigError, match="--n-shared-experts: shared experts and dense leading layers are DeepSeek's"):
+        parse_args(QWEN3 + MOE + ["--n-shared-experts", "1"] + RUN + ["--load", str(UPSTREAM / "dense" / "legacy")],
+                   engine={})
 
 
 def test_training_from_the_checkpoint_at_tp2_starts_from_the_hf_loss(checkpoints, engine_runs, tmp_path_factory):
-    """On two processes at tp 2 (the checkpoint was written at tp 2 / pp 2): the legacy checkpoint with --finetune
-    and the torch_dist one continuing at its iteration 1 (--no-load-optim --no-load-rng: steps 2 and 3, as
-    Megatron numbers them) start from the loss the HF directory gives; one launch."""
+    """On two processes (the checkpoints were written at tp 2 / pp 2, DeepSeek's at ep 2 too): at tp 2 the legacy
+    checkpoint with --finetune and the torch_dist one continuing at its iteration 1 (--no-load-optim --no-load-rng:
+    steps 2 and 3, as Megatron numbers them) start from the loss the HF directory gives; DeepSeek-V2-Lite's (multi-
+    latent attention, shared experts, a dense first layer) at tp 2 and at ep 2 from its HF directory's; one launch."""
     hf, legacy, dist = checkpoints["qwen3"]
+    mla_hf, mla_legacy, _ = checkpoints["deepseek_v2"]
     work = tmp_path_factory.mktemp("megatron-train")
     data = ["--input", str(ALPACA), "--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "qwen",
             "--data-path", str(work / "data" / "alpaca"), "--max-samples", "16", "--tokenizer-type",
             "PretrainedFromHF", "--tokenizer-name-or-path", str(hf), "--seq-length", "64", "--micro-batch-size", "1",
-            "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "3", "--tensor-model-parallel-size", "2",
-            "--log-interval", "1"]
-    cases = {"hf": ["--enable-hf2mg-convert", "--load", str(hf), "--model-type-hf", "qwen3"],
-             "legacy": ["--load", str(legacy), "--finetune"],
-             "dist": ["--load", str(dist), "--no-load-optim", "--no-load-rng"]}
-    for name, load in cases.items():
+            "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "3", "--log-interval", "1"]
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    cases = {"hf": QWEN3 + tp2 + ["--enable-hf2mg-convert", "--load", str(hf), "--model-type-hf", "qwen3"],
+             "legacy": QWEN3 + tp2 + ["--load", str(legacy), "--finetune"],
+             "dist": QWEN3 + tp2 + ["--load", str(dist), "--no-load-optim", "--no-load-rng"],
+             "mla-hf": DEEPSEEK2_LITE + tp2 + ["--enable-hf2mg-convert", "--load", str(mla_hf), "--model-type-hf",
+                                              "deepseek2-lite"],
+             "mla-legacy": DEEPSEEK2_LITE + tp2 + ["--load", str(mla_legacy), "--finetune"],
+             "mla-ep2": DEEPSEEK2_LITE + ["--expert-model-parallel-size", "2", "--load", str(mla_legacy), "--finetune"]}
+    for name, flags in cases.items():
         engine = work / f"{name}.yaml"
         engine.write_text(f"metrics_file: {work / name / 'metrics.jsonl'}\n")
-        engine_runs.add_command(f"megatron-load-{name}", "backends.llm", QWEN3 + data + load, work / name, world=2,
+        engine_runs.add_command(f"megatron-load-{name}", "backends.llm", flags + data, work / name, world=2,
                                 env={"AF_ENGINE_FILE": str(engine)})
     steps = {}
     for name in cases:
@@ -256,3 +290,6 @@ def test_training_from_the_checkpoint_at_tp2_starts_from_the_hf_loss(checkpoints
     first = steps["hf"][1]
     assert steps["legacy"][1] == pytest.approx(first, rel=1e-6) and steps["dist"][2] == pytest.approx(first, rel=1e-6)
     assert steps["legacy"] == pytest.approx(steps["hf"], rel=1e-5)
+    assert steps["mla-legacy"][1] == pytest.approx(steps["mla-hf"][1], rel=1e-6) and steps["mla-hf"][1] != first
+    assert steps["mla-legacy"] == pytest.approx(steps["mla-hf"], rel=1e-5)
+    assert steps["mla-ep2"][1] == pytest.approx(steps["mla-hf"][1], rel=1e-5)

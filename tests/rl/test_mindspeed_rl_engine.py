@@ -284,7 +284,7 @@ def published(tmp_path):
 def test_published_example_is_refused_by_name_for_what_a_cpu_run_lacks(published):
     """Every key of the published files is MindSpeed-RL's and every value but these is one the engine
     runs (its TP 2 x PP 2 actor is built): the Megatron checkpoint ./ckpt (not a Hugging Face directory), a
-    tokenizer directory other than it, and the preprocessed Megatron dataset prefix."""
+    tokenizer directory other than it, and the data_path prefix (no preprocessed dataset there)."""
     with pytest.raises(RLConfigError) as info:
         msrl.parse_mindspeed_rl(msrl.read_yaml(published), source=str(published))
     text = str(info.value)

@@ -1,7 +1,8 @@
 """The frameworks' own published examples on the RL engine, as published: VeRL trainer scripts (examples/
-grpo_trainer, examples/ppo_trainer and the DAPO recipe, written for VeRL 0.4 to 0.8 and read by VeRL 0.9.1's
-rules, its renamed keys under their new names) and MindSpeed-RL GRPO configs, copied byte for byte into
-tests/fixtures/upstream/{verl,mindspeed-rl}/ (SOURCE.md: repository, commit, path).
+grpo_trainer, examples/ppo_trainer and the DAPO recipe, written for VeRL 0.4 to 0.9 and read by VeRL 0.9.1's
+rules, its renamed keys under their new names; the DAPO recipe with its own rounds of generation) and MindSpeed-RL
+GRPO configs, copied byte for byte into tests/fixtures/upstream/{verl,mindspeed-rl}/ (SOURCE.md: repository,
+commit, path).
 
 A VeRL script runs under bash itself, with `python3` (and `ray`, whose `job submit ... -- <command>` runs the
 command) on PATH recording the trainer's command line: `python3 -m verl.trainer.main_ppo <overrides>` becomes
@@ -17,7 +18,8 @@ published, nothing refused.
 
 One torchrun launch of 4 CPU processes runs every case for 2 steps: the VeRL scripts on examples/tiny-qwen3-arith
 (rollout tensor parallel 2 and 4 as published), the MindSpeed-RL configs at their published tp 2 x pp 2 on a tiny
-Qwen3 (the arithmetic one) and a tiny random Qwen2 (the Qwen2.5 model file has qkv biases). The GRPO script's
+Qwen3 (the arithmetic one, its data_path MindSpeed-RL's preprocessed dataset as cli/preprocess_data.py writes it)
+and a tiny random Qwen2 (the Qwen2.5 model file has qkv biases; a JSONL file of prompts). The GRPO script's
 rollout at its published tensor_model_parallel_size 2 is also run at 1: the same rollouts and the same training.
 """
 
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,7 +56,11 @@ VERL_CASES = {
         "critic.ppo_micro_batch_size_per_gpu=2", "critic.model.path={model}"]),
     "ppo_deepseek": ("b178a3cd/examples/ppo_trainer/run_deepseek7b_llm.sh", MICRO + [
         "critic.ppo_micro_batch_size_per_gpu=2", "critic.model.path={model}"]),
-    "dapo": ("v0.7.0/recipe/dapo/test_dapo_7b.sh", ["data.gen_batch_size=12", "reward_model.overlong_buffer.len=2"]),
+    "dapo": ("v0.7.0/recipe/dapo/test_dapo_7b.sh", ["data.gen_batch_size=12", "reward_model.overlong_buffer.len=2",
+                                                    "trainer.total_epochs=10"]),
+    # VeRL 0.9's re-formatted examples: token budgets (use_dynamic_bsz) instead of micro-batch sizes
+    "grpo_qwen3_v09": ("v0.9.0/examples/grpo_trainer/run_qwen3_8b_fsdp.sh", []),
+    "ppo_qwen3_v09": ("v0.9.0/examples/ppo_trainer/run_qwen3_8b_fsdp.sh", []),
 }
 # the module each script runs -> the engine's command line before the overrides
 ENTRY = {"verl.trainer.main_ppo": [],
@@ -84,10 +91,12 @@ def _parquet(path: Path, rows: list[dict]) -> str:
 
 
 def _shims(tmp: Path) -> Path:
-    """`python3` writing its arguments (NUL-separated) to $ARGV_OUT, and `ray` running what follows `--`."""
+    """`python3` writing its arguments (NUL-separated) to $ARGV_OUT (`python3 -c <code>`, VeRL 0.9's probe for
+    torch_npu, runs in this interpreter), and `ray` running what follows `--`."""
     bin_ = tmp / "bin"
     bin_.mkdir(exist_ok=True)
-    (bin_ / "python3").write_text('#!/bin/bash\nprintf \'%s\\0\' "$@" > "$ARGV_OUT"\n')
+    (bin_ / "python3").write_text(f'#!/bin/bash\n[ "$1" = -c ] && exec {sys.executable} "$@"\n'
+                                  'printf \'%s\\0\' "$@" > "$ARGV_OUT"\n')
     (bin_ / "ray").write_text('#!/bin/bash\nwhile [ $# -gt 0 ] && [ "$1" != "--" ]; do shift; done\nshift\n'
                               'exec "$@"\n')
     for f in bin_.iterdir():
@@ -142,6 +151,18 @@ def _msrl_prompts(path: Path, prompts: list[str]) -> Path:
 PROMPTS = ROOT / "examples" / "data" / "easy_arithmetic_prompts.jsonl"  # what tiny-qwen3-arith answers
 
 
+def _msrl_packed(prefix: Path, prompts: list[str]) -> Path:
+    """The prompts as MindSpeed-RL's cli/preprocess_data.py leaves them (R1AlpacaStyleInstructionHandler, labels:
+    the answers), written by its own IndexedDatasetBuilder, in tiny-qwen3-arith's Qwen3 chat layout."""
+    import transformers
+
+    from tests.helpers.msrl_upstream import chat_rows, write_prompts
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL)
+    return write_prompts(prefix, chat_rows(tokenizer, [json.loads(p) for p in prompts]))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from tests.helpers.tiny_hf import make_tiny_hf
@@ -163,8 +184,10 @@ def runs(tmp_path_factory):
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]})
     models = {"arith": MODEL, "qwen2": make_tiny_hf("qwen2", tmp / "tiny-qwen2", rope_parameters={
         "rope_type": "default", "rope_theta": 1000000.0})}
-    data = _msrl_prompts(tmp / "prompts.jsonl", prompts[::12])
-    cases += [{"name": name, "argv": msrl_argv(name, tmp, models[MSRL_CASES[name][1]], data)} for name in MSRL_CASES]
+    data = {"grpo_qwen25_7b_A3": _msrl_prompts(tmp / "prompts.jsonl", prompts[::12]),
+            "grpo_qwen3_8b_A3": _msrl_packed(tmp / "dataset" / "data", prompts[::12])}
+    cases += [{"name": name, "argv": msrl_argv(name, tmp, models[MSRL_CASES[name][1]], data[name])}
+              for name in MSRL_CASES]
     return Launches("_rl_published_worker.py", tmp, {WORLD: cases}), tmp
 
 
@@ -196,6 +219,19 @@ def test_rollout_tensor_parallel_samples_and_trains_as_one(runs):
         for key in ("loss", "grad_norm", "reward_mean", "actor/pg_clipfrac", "actor/kl_loss", "actor/entropy"):
             assert abs(x[key] - y[key]) <= 1e-5 * max(1.0, abs(x[key])), (key, x[key], y[key])
     assert len({r["reward_mean"] for r in one}) > 1 and all(r["grad_norm"] > 0 for r in one)  # samples that train
+
+
+def test_dapo_recipe_fills_each_batch_from_rounds_of_gen_batch_size(runs):
+    """The DAPO recipe's steps (rounds of data.gen_batch_size 12 prompts, the groups whose acc differs kept): each
+    trains data.train_batch_size 4 groups of 2 responses (the surplus dropped) after train/num_gen_batches rounds
+    that kept at least 4 groups."""
+    launches, tmp = runs
+    for r in steps(launches["dapo"], "dapo"):
+        assert r["train/num_gen_batches"] == r["gen_rounds"] >= 1 and r["kept_groups"] >= 4, r
+    for step in (1, 2):
+        lines = [json.loads(x) for x in (tmp / "dapo" / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        rows = [line["uid"].split("_")[0] for line in lines]
+        assert len(rows) == 8 and rows[::2] == rows[1::2], rows
 
 
 @pytest.mark.parametrize("name,tp", [("grpo_qwen3", 2), ("grpo_qwen2_5", 4), ("ppo_qwen2_5", 4)])
@@ -246,6 +282,26 @@ def test_old_keys_and_no_effect_keys_are_read_with_one_notice_each(tmp_path):
     assert any(line.startswith("hydra.searchpath: Hydra's own settings") for line in dapo.notices), dapo.notices
     assert (dapo.algorithm, dapo.truncation, dapo.overlong_buffer, dapo.overlong_max_length, dapo.dynamic_bsz,
             dapo.clip_high, dapo.val_do_sample) == ("dapo", "left", 2, 8, True, 0.28, True)
+    # the recipe's config: its own rounds (dapo_rounds.py), not main_ppo's reading of gen_batch_size
+    assert (dapo.gen_batch_size, dapo.filter_metric, dapo.max_gen_rounds) == (12, "acc", 10)
+    assert not any(line.startswith(("data.gen_batch_size", "algorithm.filter_groups")) for line in dapo.notices)
+    v09 = from_argv(verl_argv("ppo_qwen3_v09", tmp_path, tmp_path / "home"))  # the critic by its token budget alone
+    assert (v09.critic_dynamic_bsz, v09.critic_micro_batch_size, v09.gen_batch_size) == (True, None, None)
+
+
+@pytest.mark.parametrize("override,words", [
+    ("data.gen_batch_size=null", "data.gen_batch_size: must be a positive integer for VeRL's DAPO recipe"),
+    ("algorithm.filter_groups.enable=False", "data.gen_batch_size: 12 differs from data.train_batch_size 4 without "
+     "algorithm.filter_groups: the DAPO recipe then trains each step on the whole generation batch"),
+    ("algorithm.use_kl_in_reward=True algorithm.filter_groups.metric=seq_final_reward",
+     "algorithm.filter_groups.metric: seq_final_reward with algorithm.use_kl_in_reward"),
+])
+def test_what_the_dapo_recipe_s_rounds_do_not_build_is_refused(tmp_path, override, words):
+    from backends.rl.config import RLConfigError
+    from backends.rl.dialects import from_argv
+
+    with pytest.raises(RLConfigError, match=re.escape(words)):
+        from_argv(verl_argv("dapo", tmp_path, tmp_path / "home") + override.split())
 
 
 @pytest.mark.parametrize("override,words", [

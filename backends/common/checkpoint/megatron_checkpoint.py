@@ -297,6 +297,10 @@ class DistStore:
                  if isinstance(v, TensorStorageMetadata) and not k.startswith(NOT_MODEL)}
         self.shapes = {k: tuple(v.size) for k, v in model.items()}
         self.dtypes = {k: v.properties.dtype for k, v in model.items()}
+        # the leading indices each tensor's stored chunks cover: a stacked layer tensor only some layers have
+        # (DeepSeek's dense first layers' MLP, the MoE layers' router) holds theirs only
+        self.covered = {k: {i for c in v.chunks for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])}
+                        for k, v in model.items() if v.size}
 
     def keys(self) -> list[str]:
         return list(self.shapes)  # the model's tensors

@@ -15,11 +15,26 @@ a stacked leading axis in torch_dist) and what they hold, per tensor-parallel sh
     experts: mlp.experts.local_experts.E.linear_fc1/2.weight (SequentialMLP), mlp.experts.linear_fc1/2.weightE
     (TEGroupedMLP), mlp.experts.weight1 [H, E*2I] / weight2 [E*I, H] (GroupedMLP, per expert [gate|up]^T and
     down^T), mlp.experts.experts.linear_fc1/2.weight [E, ...] (torch_dist, any of them)
+    mlp.shared_experts.linear_fc1 / linear_fc2  the shared experts, as a dense MLP; mlp.router.expert_bias: the
+                                               DeepSeek-V3 routing bias (e_score_correction_bias)
     embedding.word_embeddings.weight, decoder.final_layernorm.weight, output_layer.weight
 
+Multi-latent attention (DeepSeek), MindSpeed-LLM's layout (convert_hf2mg.py, CustomMLASelfAttention):
+
+    self_attention.linear_qkv.weight           [q_a_proj (q_proj without --q-lora-rank); kv_a_proj_with_mqa] rows,
+                                               the whole tensor on every tp rank (LinearNoTP)
+    self_attention.q_layernorm / kv_layernorm  q_a_layernorm / kv_a_layernorm
+    self_attention.linear_q_up_proj / linear_kv_up_proj   q_b_proj / kv_b_proj, split on dim 0 (by heads)
+    --mla-mm-split: linear_qk_nope + linear_qk_rope = q_b_proj, linear_kv_nope + linear_v = kv_b_proj, each
+                                               per head's rows of one part, split on dim 0 (by heads)
+
+and megatron-core's (MLASelfAttention): linear_q_proj, linear_q_down_proj, linear_kv_down_proj (q_proj, q_a_proj,
+kv_a_proj_with_mqa: column parallel, split on dim 0), linear_q_up_proj / linear_kv_up_proj as above, the latent
+norms as q_layernorm / kv_layernorm or fused into the up projections (TE: linear_q_up_proj.layer_norm_weight).
+
 Vocabulary rows and the column-parallel outputs are split over the tp ranks on dim 0, row-parallel inputs on
-dim 1; torch_dist stores each tensor whole, as one shard. Keys this mapping does not know (shared experts,
-MTP layers ...) are listed under their own names, so the loader names them as having no place in the model.
+dim 1; torch_dist stores each tensor whole, as one shard. Keys this mapping does not know (MTP layers ...) are
+listed under their own names, so the loader names them as having no place in the model.
 """
 
 from __future__ import annotations
@@ -36,6 +51,15 @@ ALTERNATIVES = {"input_layernorm": ("input_layernorm.weight", "self_attention.li
 
 
 @dataclass(frozen=True)
+class MlaDims:
+    """DeepSeek's multi-latent attention sizes (q_lora_rank None: q_proj, no q down projection)."""
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class Naming:
     """What the HF names and the fused attention rows depend on (the engine takes them from its model)."""
     num_heads: int
@@ -44,6 +68,7 @@ class Naming:
     mlp: str = "mlp"                                   # Mixtral: block_sparse_moe
     experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     fused_gate_up: bool = False                        # GLM's mlp.gate_up_proj = [gate; up]
+    mla: MlaDims | None = None                         # DeepSeek's multi-latent attention
 
 
 class Piece(Source):
@@ -200,7 +225,7 @@ class MegatronView:
         total = max([*counts, *(n + 1 for n in per_layer)], default=0)
         layers = []
         for i in range(total):
-            keys = set(stacked) | per_layer.get(i, set())
+            keys = {rest for rest in stacked if i in store.covered[f"decoder.layers.{rest}"]} | per_layer.get(i, set())
 
             def shards(rest, i=i):
                 key = f"decoder.layers.{i}.{rest}"
@@ -253,7 +278,9 @@ class MegatronView:
             shards = layer.get(*ALTERNATIVES[theirs])
             if shards:
                 self._add(f"{hf}{ours}.weight", shards[0], mg + theirs)
-        for kind in ("weight", "bias"):
+        if n.mla is not None:
+            self._mla(hf, mg, layer)
+        for kind in ("weight", "bias") if n.mla is None else ():
             qkv = layer.get(f"self_attention.linear_qkv.{kind}")
             if qkv:
                 for proj, src in zip(("q_proj", "k_proj", "v_proj"), self._split_qkv(qkv, i)):
@@ -261,7 +288,7 @@ class MegatronView:
         dense = layer.get("self_attention.linear_proj.weight")
         if dense:
             self._add(f"{hf}self_attn.o_proj.weight", Concat(1, dense), f"{mg}self_attention.linear_proj.weight")
-        for ours, theirs in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+        for ours, theirs in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")) if n.mla is None else ():
             shards = layer.get(f"self_attention.{theirs}.weight")
             if shards:
                 self._add(f"{hf}self_attn.{ours}.weight", shards[0], f"{mg}self_attention.{theirs}.weight")
@@ -269,6 +296,10 @@ class MegatronView:
         router = layer.get("mlp.router.weight")
         if router:
             self._add(f"{mlp}gate.weight", router[0], f"{mg}mlp.router.weight")
+            bias = layer.get("mlp.router.expert_bias")
+            if bias:
+                self._add(f"{mlp}gate.e_score_correction_bias", bias[0], f"{mg}mlp.router.expert_bias")
+            self._dense_mlp(layer, f"{mlp}shared_experts.", f"{mg}mlp.shared_experts.")
             experts = router[0].shape[0]
             gate, up, down = n.experts
             for e in range(experts):
@@ -279,16 +310,58 @@ class MegatronView:
                 self._add(f"{mlp}experts.{e}.{down}.weight", Concat(1, layer.experts_of("linear_fc2", e)),
                           f"{mg}mlp.experts (expert {e} linear_fc2)")
             return
-        fc1, fc2 = layer.get("mlp.linear_fc1.weight"), layer.get("mlp.linear_fc2.weight")
+        self._dense_mlp(layer, mlp, f"{mg}mlp.")
+
+    def _dense_mlp(self, layer: _Layer, hf: str, mg: str) -> None:
+        """linear_fc1 ([gate; up] per tp shard) and linear_fc2 (split on dim 1) of the MLP under `mg`."""
+        rest = mg.split(".", 3)[3]   # what follows decoder.layers.N.
+        fc1, fc2 = layer.get(f"{rest}linear_fc1.weight"), layer.get(f"{rest}linear_fc2.weight")
         if fc1:
-            g, u = self._halves(fc1, f"{mg}mlp.linear_fc1.weight")
-            if n.fused_gate_up:
-                self._add(f"{mlp}gate_up_proj.weight", Concat(0, [g, u]), f"{mg}mlp.linear_fc1.weight")
+            g, u = self._halves(fc1, f"{mg}linear_fc1.weight")
+            if self.naming.fused_gate_up:
+                self._add(f"{hf}gate_up_proj.weight", Concat(0, [g, u]), f"{mg}linear_fc1.weight")
             else:
-                self._add(f"{mlp}gate_proj.weight", g, f"{mg}mlp.linear_fc1.weight")
-                self._add(f"{mlp}up_proj.weight", u, f"{mg}mlp.linear_fc1.weight")
+                self._add(f"{hf}gate_proj.weight", g, f"{mg}linear_fc1.weight")
+                self._add(f"{hf}up_proj.weight", u, f"{mg}linear_fc1.weight")
         if fc2:
-            self._add(f"{mlp}down_proj.weight", Concat(1, fc2), f"{mg}mlp.linear_fc2.weight")
+            self._add(f"{hf}down_proj.weight", Concat(1, fc2), f"{mg}linear_fc2.weight")
+
+    def _mla(self, hf: str, mg: str, layer: _Layer) -> None:
+        """The multi-latent attention tensors of one layer (module docstring) under HF DeepSeek's names."""
+        m, heads = self.naming.mla, self.naming.num_heads
+        attn, at = f"{hf}self_attn.", f"{mg}self_attention."
+        q_first = "q_proj" if m.q_lora_rank is None else "q_a_proj"
+        fused = layer.get("self_attention.linear_qkv.weight")
+        if fused:   # one whole copy per tp rank: the first
+            rows = m.q_lora_rank or heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+            total = fused[0].shape[0]
+            if total <= rows:
+                raise MegatronCheckpointError(f"{at}linear_qkv.weight has {total} rows, not the {rows} of {q_first} "
+                                              f"and kv_a_proj_with_mqa's after them; the attention flags "
+                                              f"(--q-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim) must describe "
+                                              f"the checkpoint")
+            self._add(f"{attn}{q_first}.weight", Narrowed(fused[0], 0, 0, rows), f"{at}linear_qkv.weight")
+            self._add(f"{attn}kv_a_proj_with_mqa.weight", Narrowed(fused[0], 0, rows, total - rows),
+                      f"{at}linear_qkv.weight")
+        for ours, theirs in (("q_proj", "linear_q_proj"), ("q_a_proj", "linear_q_down_proj"),
+                             ("kv_a_proj_with_mqa", "linear_kv_down_proj"), ("q_b_proj", "linear_q_up_proj"),
+                             ("kv_b_proj", "linear_kv_up_proj")):
+            shards = layer.get(f"self_attention.{theirs}.weight")
+            if shards:
+                self._add(f"{attn}{ours}.weight", Concat(0, shards), f"{at}{theirs}.weight")
+        for ours, names in (("q_a_layernorm", ("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight")),
+                            ("kv_a_layernorm", ("kv_layernorm.weight", "linear_kv_up_proj.layer_norm_weight"))):
+            name = next((name for name in names if f"self_attention.{name}" in layer.keys), None)
+            if name:
+                self._add(f"{attn}{ours}.weight", layer.get(f"self_attention.{name}")[0], at + name)
+        for ours, parts in (("q_b_proj", (("linear_qk_nope", m.qk_nope_head_dim), ("linear_qk_rope", m.qk_rope_head_dim))),
+                            ("kv_b_proj", (("linear_kv_nope", m.qk_nope_head_dim), ("linear_v", m.v_head_dim)))):
+            got = [layer.get(f"self_attention.{name}.weight") for name, _ in parts]
+            if all(got):   # --mla-mm-split: per head [first part's rows; second part's rows]
+                whole = [(Concat(0, shards), width) for shards, (_, width) in zip(got, parts)]
+                self._add(f"{attn}{ours}.weight",
+                          Concat(0, [Narrowed(src, 0, h * width, width) for h in range(heads) for src, width in whole]),
+                          " + ".join(f"{at}{name}.weight" for name, _ in parts))
 
     def _halves(self, shards: list[Source], where: str) -> tuple[Source, Source]:
         """[gate; up] of each shard -> (gate, up) over all shards."""

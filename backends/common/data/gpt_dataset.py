@@ -39,6 +39,7 @@ import re
 import numpy as np
 
 from .indexed import IndexedDataset
+from .mtf_order import MegatronSampler
 
 SPLITS = ("train", "valid", "test")
 PAD_TOKEN_ID = -1                    # Megatron's _PAD_TOKEN_ID when the tokenizer has no pad
@@ -242,9 +243,10 @@ class GPTDataset:
 
 
 class MegatronBatches:
-    """Micro-batches of a GPTDataset in Megatron's order (MegatronPretrainingSampler): sample
-    positions are consumed in order, global micro-step k takes [k*G, (k+1)*G) with G = micro x dp
-    and dp rank r the micro samples at k*G + r*micro; nothing is reshuffled.
+    """Micro-batches of a GPTDataset in Megatron's order (mtf_order.MegatronSampler): --dataloader-type single
+    (MegatronPretrainingSampler, the default) consumes sample positions in order, global micro-step k takes
+    [k*G, (k+1)*G) with G = micro x dp and dp rank r the micro samples at k*G + r*micro; cyclic
+    (MegatronPretrainingRandomSampler) reads each rank's bucket in a seeded random order.
 
     Batches follow loader.py's contract: labels already shifted, -100 where the loss mask is 0.
     With reset_attention_mask a micro-batch is one packed row [1, micro * seq] whose cu_seqlens
@@ -254,11 +256,13 @@ class MegatronBatches:
     mode = "megatron"
     packing = None
 
-    def __init__(self, dataset: GPTDataset, micro_batch: int, dp_rank: int = 0, dp_world: int = 1):
+    def __init__(self, dataset: GPTDataset, micro_batch: int, dp_rank: int = 0, dp_world: int = 1,
+                 sampler: str = "single"):
         if micro_batch < 1 or not (dp_world >= 1 and 0 <= dp_rank < dp_world):
             raise ValueError(f"micro_batch {micro_batch}, dp_rank {dp_rank} of {dp_world}: out of range")
         self.dataset, self.micro_batch, self.dp_rank, self.dp_world = dataset, int(micro_batch), int(dp_rank), int(dp_world)
         self.n_units = len(dataset)
+        self.sampler = MegatronSampler(sampler, self.n_units, self.micro_batch, self.dp_rank, self.dp_world)
         self.epoch_units = self.n_units    # the samples of one epoch, where the run counts epochs
         self.position = 0
 
@@ -266,12 +270,11 @@ class MegatronBatches:
         return self
 
     def __next__(self) -> dict:
-        start = self.position + self.dp_rank * self.micro_batch
-        if start + self.micro_batch > self.n_units:
-            raise ValueError(f"the {self.dataset.which} split holds {self.n_units} samples, the run asks for sample "
-                             f"{start + self.micro_batch - 1}; build the dataset with num_samples = train_iters x "
-                             f"global batch")
-        items = [self.dataset[i] for i in range(start, start + self.micro_batch)]
+        try:
+            positions = self.sampler.positions(self.position // (self.micro_batch * self.dp_world))
+        except ValueError as err:
+            raise ValueError(f"the {self.dataset.which} split: {err}") from None
+        items = [self.dataset[int(i)] for i in positions]
         self.position += self.micro_batch * self.dp_world
         return self.collate(items, self.dataset.reset_attention_mask)
 
@@ -296,12 +299,13 @@ class MegatronBatches:
     def state_dict(self) -> dict:
         d = self.dataset
         return {"position": int(self.position), "mode": self.mode, "n_units": int(self.n_units), "seed": d.seed,
-                "seq_len": d.seq_length, "split_documents": [int(d.documents[0]), int(d.documents[-1]) + 1]}
+                "seq_len": d.seq_length, "sampler": self.sampler.kind,
+                "split_documents": [int(d.documents[0]), int(d.documents[-1]) + 1]}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("mode", "seed", "seq_len", "split_documents"):
-            if state.get(key) != mine[key]:
+        for key in ("mode", "seed", "seq_len", "split_documents", "sampler"):
+            if state.get(key, "single" if key == "sampler" else None) != mine[key]:   # older states: single
                 raise ValueError(f"loader state was saved with {key}={state.get(key)!r}, this run has {mine[key]!r}: "
                                  f"Megatron's sample order would differ, so it cannot resume exactly")
         self.position = int(state["position"])

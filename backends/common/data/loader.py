@@ -38,12 +38,17 @@ an epoch boundary), and `epoch` counts the epochs. `state_dict()` is the stream 
 what the order depends on); a loader built with the same arguments and `load_state_dict(state)`
 yields exactly the batches the original would have yielded next. In padded / packed mode the
 position does not depend on micro or dp_world, so a resume may change them.
+
+MindSpeed-LLM's order instead (index=, sampler=; mtf_order.py): the units are read from a fixed index
+(DecoderPackedMTFDataset's shuffle index) by Megatron's sampler, single or cyclic; packed mode then takes
+`rows` as given (the rows MindSpeed-LLM's preprocessor wrote) instead of packing them here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .mtf_order import MegatronSampler
 from .packing import best_fit_decreasing, pack_stats
 from .templates import IGNORE_INDEX
 
@@ -67,7 +72,8 @@ def round_up(n: int, multiple: int) -> int:
 class MicroBatchLoader:
     def __init__(self, dataset, mode: str = "packed", micro_batch: int = 1, seq_len: int | None = None,
                  dp_rank: int = 0, dp_world: int = 1, seed: int = 0, shuffle: bool = True, pad_id: int = 0,
-                 pad_to_multiple_of: int = 8, group_factor: int = 50, group_by_length: bool = True):
+                 pad_to_multiple_of: int = 8, group_factor: int = 50, group_by_length: bool = True,
+                 rows: list[list[int]] | None = None, index: np.ndarray | None = None, sampler: str = "single"):
         if mode not in MODES:
             raise ValueError(f"unknown batch mode {mode!r}; one of {', '.join(MODES)}")
         if micro_batch < 1:
@@ -89,7 +95,7 @@ class MicroBatchLoader:
         self.pad_to_multiple_of, self.group_factor = int(pad_to_multiple_of), int(group_factor)
         self.group_by_length = bool(group_by_length)
         if mode == "packed":
-            self.rows = best_fit_decreasing(self.lengths, self.seq_len)
+            self.rows = list(rows) if rows is not None else best_fit_decreasing(self.lengths, self.seq_len)
             self.packing = pack_stats(self.rows, self.lengths, self.seq_len)
             self.n_units = len(self.rows)
         else:
@@ -97,6 +103,12 @@ class MicroBatchLoader:
             self.n_units = len(self.lengths)
         self.position = 0
         self._orders: dict[int, np.ndarray] = {}
+        self.index, self.sampler = None, None
+        if index is not None:
+            self.index = np.asarray(index, dtype=np.int64)
+            if len(self.index) and not 0 <= int(self.index.min()) <= int(self.index.max()) < self.n_units:
+                raise ValueError(f"the index names units outside 0..{self.n_units - 1}")
+            self.sampler = MegatronSampler(sampler, len(self.index), self.micro_batch, self.dp_rank, self.dp_world)
 
     # ------------------------------------------------------------------------------------ order
     @property
@@ -154,8 +166,10 @@ class MicroBatchLoader:
         return self
 
     def __next__(self) -> dict:
-        start = self.position + self.dp_rank * self.micro_batch
-        units = self.units_at(start, self.micro_batch)
+        if self.index is None:
+            units = self.units_at(self.position + self.dp_rank * self.micro_batch, self.micro_batch)
+        else:
+            units = self.index[self.sampler.positions(self.position // self.global_micro)].tolist()
         self.position += self.global_micro
         if self.mode == "packed":
             return self._packed(units)
@@ -215,13 +229,19 @@ class MicroBatchLoader:
     def state_dict(self) -> dict:
         return {"position": int(self.position), "epoch": int(self.epoch), "seed": self.seed,
                 "shuffle": self.shuffle, "mode": self.mode, "n_units": int(self.n_units),
-                "micro_batch": self.micro_batch, "dp_world": self.dp_world, "seq_len": self.seq_len}
+                "micro_batch": self.micro_batch, "dp_world": self.dp_world, "seq_len": self.seq_len,
+                "order": self._order_kind()}
+
+    def _order_kind(self) -> str:
+        if self.sampler is None:
+            return "epochs"
+        return f"cyclic over {self.sampler.total}" if self.sampler.kind == "cyclic" else "single"
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("mode", "seed", "shuffle", "n_units", "seq_len"):
-            if key in state and state[key] != getattr(self, key):
+        for key in ("mode", "seed", "shuffle", "n_units", "seq_len", "order"):
+            if key in state and state[key] != self.state_dict()[key]:
                 raise ValueError(f"loader state was saved with {key}={state[key]!r}, this loader has "
-                                 f"{getattr(self, key)!r}: the sample order would differ, so it cannot resume "
+                                 f"{self.state_dict()[key]!r}: the sample order would differ, so it cannot resume "
                                  f"exactly (same data, seq_len, mode, seed and shuffle are needed)")
         if self.mode == "dynamic" and self.shuffle:
             for key in ("micro_batch", "dp_world"):

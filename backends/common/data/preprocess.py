@@ -140,6 +140,12 @@ class TokenDataset:
             return ids, ids.copy()
         return ids, np.asarray(self.labels.get(s, o, n), dtype=np.int64)
 
+    def file_rows(self) -> list[list[int]]:
+        """The samples of each row of the indexed dataset, row by row: a --neat-pack row's documents, else the
+        row itself (the units MindSpeed-LLM's DecoderPackedMTFDataset reads)."""
+        bounds = np.searchsorted(self.seq, np.arange(len(self.tokens) + 1))
+        return [list(range(a, b)) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+
     def stats(self) -> dict:
         return {"samples": len(self), "tokens": int(self.lengths.sum()),
                 "max_len": int(self.lengths.max()) if len(self) else 0,

@@ -130,8 +130,10 @@ class StageModule(nn.Module):
         self.block_inputs = parts.block_inputs
         self.first, self.last, self.carry_aux = first, last, carry_aux
 
-    def forward(self, x, aux=None, *, position_ids, doc_ids=None):
+    def forward(self, x, aux=None, *, position_ids, doc_ids=None, aux_mask=None):
         cu_seqlens = _cu_seqlens(doc_ids) if doc_ids is not None else None
+        # a block's own argument (not state set here), so a recomputed block sees its micro-batch's mask
+        mask = () if aux_mask is None else (aux_mask,)
         if self.first:
             hidden = self.embed_tokens(x)
             # a zero that requires grad: the aux carry must be differentiable on every stage
@@ -140,7 +142,7 @@ class StageModule(nn.Module):
             hidden = x
         inputs = self.block_inputs(position_ids, hidden.dtype) if self.block_inputs is not None else ()
         for layer in self.layers.values():
-            hidden, layer_aux = layer(hidden, *inputs, cu_seqlens)
+            hidden, layer_aux = layer(hidden, *inputs, cu_seqlens, *mask)
             if layer_aux is not None:
                 aux = aux + layer_aux.reshape(1).to(aux.dtype)
         if self.last:
@@ -278,6 +280,8 @@ class PipelineRunner:
             if mb.get("cu_seqlens") is not None:
                 doc_ids = doc_ids_from_cu_seqlens(mb["cu_seqlens"], mb["input_ids"].shape[1])
                 kw["doc_ids"] = doc_ids.unsqueeze(0).to(self.device)
+            if mb.get("aux_mask") is not None:   # context-parallel padding: out of the MoE aux loss
+                kw["aux_mask"] = mb["aux_mask"].to(self.device)
         args = [(mb["input_ids"],) if self.plan.first_rank else () for mb in micro_batches]
         self._scale = (token_scale, aux_scale)
         self._loss_sums, self._auxes = [], []

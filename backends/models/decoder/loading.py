@@ -45,7 +45,7 @@ def meta_decoder(model_cfg) -> nn.Module:
         return CausalLM(model_cfg)
 
 
-def _persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for mname, mod in module.named_modules():
         for bname, buf in mod.named_buffers(recurse=False):
             if buf is not None and bname not in mod._non_persistent_buffers_set:
@@ -107,7 +107,7 @@ class Loader:
 
         full = meta_decoder(self.cfg)
         leaves = Leaves(self.reader, self.cfg)
-        for name, t in [*full.named_parameters(), *_persistent_buffers(full)]:
+        for name, t in [*full.named_parameters(), *persistent_buffers(full)]:
             hf_source(name, tuple(t.shape), self.cfg.family, leaves)
         check_all_used(leaves.names(), leaves.used, self.cfg)
 
@@ -167,7 +167,7 @@ def materialize(root: nn.Module, decoder: nn.Module, device, *, hf_dir: str | No
         for key, value in flags.get(name, {}).items():
             if not hasattr(p, key):
                 setattr(p, key, value)
-    for name, t in [*decoder.named_parameters(), *_persistent_buffers(decoder)]:
+    for name, t in [*decoder.named_parameters(), *persistent_buffers(decoder)]:
         region = local_region(t)
         local = t.to_local() if isinstance(t, DTensor) else t
         want = tuple(b - a for a, b in region)
@@ -202,7 +202,7 @@ def gather_one_by_one(decoder: nn.Module, par, names: list[str]) -> Iterator[tup
 
     from backends.common.parallel.tensor_parallel import full_tensors
 
-    local = {**dict(decoder.named_parameters()), **dict(_persistent_buffers(decoder))}
+    local = {**dict(decoder.named_parameters()), **dict(persistent_buffers(decoder))}
     pp = par.layout.pp if par is not None and par.mesh is not None else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if pp > 1:
@@ -253,7 +253,7 @@ def export_hf(decoder: nn.Module, par, out: str | Path, *, tokenizer_dir: str | 
         from backends.common.lora import inject_lora
 
         inject_lora(reference, r=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets)
-    order = [n for n, _ in reference.named_parameters()] + [n for n, _ in _persistent_buffers(reference)]
+    order = [n for n, _ in reference.named_parameters()] + [n for n, _ in persistent_buffers(reference)]
     adapters = [n for n in order if _lora_part(n)]
     base = [n for n in order if not _lora_part(n)]
     family, out = decoder.config.family, Path(out)

@@ -45,8 +45,11 @@ class DecoderLayer(nn.Module):
             self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, cu_seqlens=None):
-        """-> (hidden, aux loss or None)."""
+    def forward(self, hidden, cos, sin, cu_seqlens=None, aux_mask=None):
+        """-> (hidden, aux loss or None). `aux_mask` (bool [T], False on context-parallel padding) keeps padding out
+        of the MoE aux loss; an argument, so a recomputed forward sees its own micro-batch's mask."""
+        if self.is_moe:
+            getattr(self, self.mlp_name).aux_token_mask = aux_mask
         h = self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens)
         if self.sandwich:
             h = self.post_self_attn_layernorm(h)
@@ -81,7 +84,7 @@ class DecoderModel(nn.Module):
         cos, sin = kernels.rotary_cos_sin(position_ids, c.rotary_dim, theta=c.rope_theta, scaling=c.rope_scaling)
         return cos.to(dtype), sin.to(dtype)  # HF casts the tables to the activations' dtype
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None):
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, aux_mask=None):
         """-> (final-norm hidden [B,S,H], summed aux loss or None)."""
         b, s = input_ids.shape
         if cu_seqlens is not None:
@@ -96,7 +99,7 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary(position_ids.to(input_ids.device), hidden.dtype)
         total_aux = None
         for layer in self.layers:
-            hidden, aux = layer(hidden, cos, sin, cu_seqlens)
+            hidden, aux = layer(hidden, cos, sin, cu_seqlens, aux_mask)
             if aux is not None:
                 total_aux = aux if total_aux is None else total_aux + aux
         return self.norm(hidden), total_aux
@@ -117,10 +120,10 @@ class CausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, return_hidden=False):
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, return_hidden=False, aux_mask=None):
         """Logits [B,S,V] in the parameters' dtype, or with return_hidden the final-norm hidden
         states [B,S,H] (for kernels.linear_cross_entropy). Sets self.aux_loss (None for dense models)."""
-        hidden, self.aux_loss = self.model(input_ids, position_ids, cu_seqlens)
+        hidden, self.aux_loss = self.model(input_ids, position_ids, cu_seqlens, aux_mask)
         if return_hidden:
             return hidden
         if self.config.tie_word_embeddings:

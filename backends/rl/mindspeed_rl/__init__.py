@@ -28,7 +28,12 @@ refused by name with a did-you-mean. A key the engine maps is read with MindSpee
                                         MindSpeed-RL's configs/model/templates.json)
   megatron_training.data_path           a JSONL file of {"prompt", "labels"} rows (prompt: a string
                                         or a list of {role, content} messages; labels: the answer),
-                                        as ascendfactory renders it; dataset_additional_keys: [labels]
+                                        as ascendfactory renders it; or, where no such file is, the prefix
+                                        of MindSpeed-RL's preprocessed dataset (cli/preprocess_data.py:
+                                        <data_path>_packed_<field>_document.{bin,idx}; packed.py): its prompt
+                                        ids as written (seq_length cuts them), the prompts not shorter than
+                                        max_prompt_length dropped, in its loader's order for seed / no_shuffle;
+                                        dataset_additional_keys: [labels]
   actor_config.load                     the Hugging Face model directory the actor starts from (the
                                         model file's architecture keys must describe it)
   lr, weight_decay, adam_beta1/2, clip_grad, lr_warmup_fraction, recompute_granularity, seed,
@@ -49,7 +54,8 @@ expert parallel sizes above 1. GRPO only (stage ray_grpo, adv_estimator group_no
 DAPO and PPO run in the VeRL dialect. Errors name the key and the file; the engine exits 2 on them.
 
 The package: keys.py (the key tables), files.py (reading and composing), parse.py (tree -> RLConfig),
-prompts.py (prompt_type templates), verifiers.py, tokens.py (prompt ids).
+prompts.py (prompt_type templates), verifiers.py, tokens.py (prompt ids), packed.py (MindSpeed-RL's
+preprocessed prompts and its loader's order).
 """
 
 from __future__ import annotations

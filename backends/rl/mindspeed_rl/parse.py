@@ -12,6 +12,7 @@ from backends.contract import trackers as tracker_packages
 
 from ..config import (BATCH_NUMBERS, KL_KINDS, RLConfig, batch_problems, did_you_mean, problems_error,
                       with_sidecar)
+from . import packed
 from .files import compose
 from .keys import (CP_ALGOS, DERIVED, GENERATE, MEGATRON, NO_DUAL_CLIP, NO_EFFECT, PARALLEL, RL, SAMPLING,
                    SECTIONS)
@@ -349,6 +350,10 @@ def parse_mindspeed_rl(tree: Mapping, side: Mapping | None = None, *, source: st
         if integrated is False and "ref_config" in tree else None,
         save_dir=actor.get("save"), save_interval=save_interval if pos(save_interval) else None,
     )
+    iters, shuffle = actor.get("train_iters"), actor.get("no_shuffle") is False
+    if records and "label_ids" in records[0] and pos(iters) and pos(train_batch) and _is_int(seed):
+        # MindSpeed-RL's own dataset: its loader's order (packed.loader_rows)
+        values["sample_rows"] = packed.loader_rows(len(records), iters * train_batch, train_batch, seed, shuffle)
     values["trackers"], tracker_notices = _trackers(rl, problems, side)
     for key, check, what in (("epochs", pos, "a positive integer"), ("entropy_coeff", _is_num, "a number"),
                              ("gamma", _is_num, "a number"), ("lam", _is_num, "a number")):
@@ -651,10 +656,12 @@ def _records(actor: _Role, max_prompt: Any, problems: list[str]) -> list[dict]:
         problems.append(f"{actor.name('data_path')}: must name the prompts (a JSONL file of prompt + labels rows)")
         return []
     file = Path(path).expanduser()
+    if not file.is_file() and packed.is_packed(file):
+        return _packed_records(actor, file, keys, max_prompt, problems)
     if not file.is_file():
-        problems.append(f"{actor.name('data_path')}: no file {file} (this engine reads a JSONL file of "
-                        "{\"prompt\", \"labels\"} rows, as ascendfactory renders it; MindSpeed-RL's preprocessed "
-                        "Megatron datasets are not read)")
+        problems.append(f"{actor.name('data_path')}: no file {file} (a JSONL file of {{\"prompt\", \"labels\"}} "
+                        "rows, as ascendfactory renders it) and no MindSpeed-RL preprocessed dataset "
+                        f"{packed.field_prefix(file, 'input_ids')}.idx (cli/preprocess_data.py's output prefix)")
         return []
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
@@ -689,4 +696,24 @@ def _records(actor: _Role, max_prompt: Any, problems: list[str]) -> list[dict]:
                         "data_source": ""})
     if not records:
         problems.append(f"{actor.name('data_path')}: {file} has no prompts")
+    return records
+
+
+def _packed_records(actor: _Role, prefix: Path, keys: Any, max_prompt: Any, problems: list[str]) -> list[dict]:
+    """MindSpeed-RL's preprocessed prompts (packed.py): their token ids as they are, the labels' ids for the
+    verifier (decoded with the tokenizer in tokens.py), the prompts not shorter than max_prompt_length dropped."""
+    seq_length = actor.get("seq_length")  # PromptDataset cuts the prompt ids to it
+    if not (seq_length is None or (_is_int(seq_length) and seq_length > 0)):
+        problems.append(f"{actor.name('seq_length')}: must be a positive integer, got {seq_length!r}")
+        return []
+    if not isinstance(keys, list) or "labels" not in keys:
+        return []  # refused above
+    try:
+        records = packed.read_packed(prefix, keys, max_prompt if _is_int(max_prompt) else None, seq_length)
+    except ValueError as err:
+        problems.append(f"{actor.name('data_path')}: {err}")
+        return []
+    if not records:
+        problems.append(f"{actor.name('data_path')}: {prefix} has no prompt shorter than rl_config.max_prompt_length "
+                        f"{max_prompt} (MindSpeed-RL drops the longer ones)")
     return records

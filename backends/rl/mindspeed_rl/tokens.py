@@ -9,8 +9,9 @@ from .prompts import BOS, EOS
 def tokenize(cfg: RLConfig, tokenizer=None, *, source: str = "mindspeed-rl config",
              stop: list[str] | None = None) -> RLConfig:
     """Encode each record's prompt parts (each string on its own, as LLaMA-Factory's templates do; BOS /
-    EOS markers as the tokenizer's ids) into prompt_ids, checking rl_config.max_prompt_length; the
-    template's stop words join the model's EOS ids as stop tokens."""
+    EOS markers as the tokenizer's ids) into prompt_ids, checking rl_config.max_prompt_length (a preprocessed
+    record keeps its prompt_ids and gets its labels' text); the template's stop words join the model's EOS
+    ids as stop tokens."""
     if tokenizer is None:
         import transformers
 
@@ -19,6 +20,11 @@ def tokenize(cfg: RLConfig, tokenizer=None, *, source: str = "mindspeed-rl confi
         except (OSError, ValueError) as err:
             raise RLConfigError(f"{source}: cannot load the tokenizer of {cfg.model_path}: {err}") from None
     for i, record in enumerate(cfg.records):
+        if "prompt_parts" not in record:  # MindSpeed-RL's preprocessed prompt: its ids as they are, the answer
+            # decoded as its rule verifier decodes the labels (batch_decode, skip_special_tokens)
+            if "label_ids" in record:
+                record["ground_truth"] = tokenizer.decode(record.pop("label_ids"), skip_special_tokens=True)
+            continue
         ids: list[int] = []
         for part in record.get("prompt_parts", []):
             if part == BOS:
