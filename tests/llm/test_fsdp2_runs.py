@@ -82,6 +82,9 @@ def fsdp2(engine_runs, tiny_model, tmp_path_factory):
     argv[0] = str(work / argv[0])  # the engine's working directory is the repository: the paths made absolute
     argv += ["--data.dataset_dir", work / "configs/fsdp2/data", "--training.max_steps", STEPS]
     engine_runs.add_command("fsdp2/published", "backends.llm.fsdp2", argv, work, world=2)
+    # the orchestrator's example (backend: fsdp2), rendered and checked as `ascendfactory run` does, in this launch
+    engine_runs.add("fsdp2/example", ROOT / "examples/mindspeed-llm/fsdp2-sft.yaml", f"output_dir={work / 'example'}",
+                    f"train.steps={STEPS}")
     return engine_runs
 
 
@@ -105,3 +108,12 @@ def test_published_tune_pair_trains(fsdp2):
     assert len(got) == STEPS and all(x == x and x > 0 for x in got)
     log = fsdp2.log("fsdp2/published")
     assert log.count("notice: training.dataloader_num_workers: accepted") == 1
+
+
+def test_the_fsdp2_example_job_trains(fsdp2):
+    run = fsdp2["fsdp2/example"]
+    got = losses(run)
+    assert len(got) == STEPS and got[-1] < got[0], got
+    log = fsdp2.log("fsdp2/example")
+    assert "4 FSDP2 units" in log and "dp 2" in log and "refus" not in log
+    assert (run / "mindspeed_llm_fsdp2.yaml").is_file() and (run / "checkpoints" / f"step_{STEPS}").is_dir()
