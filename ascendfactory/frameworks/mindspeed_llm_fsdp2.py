@@ -22,6 +22,8 @@ from backends.contract.prompts import LF_TEMPLATES
 BACKEND_HINT = "or use backend: mcore (the Megatron backend)"
 DATA_FORMATS = ("alpaca", "sharegpt")  # the sft records dataset_info.json entries describe
 # job layout fields → the FSDP2 key that would say them (None: the backend has no such parallelism)
+# a family's chat template (data.template's default): LLaMA-Factory's, Qwen3's MoE models speaking Qwen3's
+FAMILY_TEMPLATE = {**TEMPLATE_OF_FAMILY, "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
 MODEL_PARALLEL = {"tp": "parallel.tp_size", "pp": None, "vpp": None, "cp": "parallel.cp_size",
                   "ep": "parallel.ep_size"}
 
@@ -37,8 +39,9 @@ class MindSpeedLLMFSDP2(MindSpeedLLM):
     starter_sharding = ({},)
 
     def refuse(self, where, message, hint):
-        return super().refuse(where, message.replace(self.name, f"{self.name}'s FSDP2 backend", 1)
-                              if message.startswith(self.name) else message, hint)
+        from ascendfactory.errors import Problem
+
+        return Problem(where, f"{self.name}'s FSDP2 backend {message}", hint=hint)
 
     def common_limits(self, job, serving):
         """The shared checks, with the Megatron backend named as the way out of a stage or method."""
@@ -58,8 +61,9 @@ class MindSpeedLLMFSDP2(MindSpeedLLM):
 
         listed = seed2_backends(job.model)
         if "fsdp2" not in listed:
-            no("backend", f"serves the models whose card lists backend fsdp2 (the second seed's model list); "
-               f"{job.model} lists {' / '.join(listed) or 'none'}", "use backend: mcore")
+            no("backend", "serves the models whose card lists backend fsdp2 (the second seed's model list); "
+               + (f"{job.model}'s lists {' / '.join(listed)}" if listed else f"{job.model} is not on that list"),
+               "use backend: mcore")
         if not job.model_path:
             no("model_path", "builds the model from a local Hugging Face directory (model.model_name_or_path; it "
                "downloads nothing and has no random init from the card)", f"set model_path, {BACKEND_HINT}")
@@ -107,11 +111,15 @@ class MindSpeedLLMFSDP2(MindSpeedLLM):
         return out
 
     def plan_problems(self, job, arch: dict[str, Any]):
+        out = []
         if arch.get("moe") and job.train.moe_aux_loss_coeff:
-            return [self.refuse("train.moe_aux_loss_coeff", "has no MoE router auxiliary loss "
-                                "(training.router_aux_loss_coef is not built)",
-                                f"set train.moe_aux_loss_coeff: 0, {BACKEND_HINT}")]
-        return []
+            out.append(self.refuse("train.moe_aux_loss_coeff", "has no MoE router auxiliary loss "
+                                   "(training.router_aux_loss_coef is not built)",
+                                   f"set train.moe_aux_loss_coeff: 0, {BACKEND_HINT}"))
+        if not job.data.template and family_template(job) not in LF_TEMPLATES:
+            out.append(self.refuse("data.template", f"has no chat template of the {model_family(job)} family",
+                                   f"set data.template to one of {', '.join(LF_TEMPLATES)}"))
+        return out
 
     def features_used(self, job, distributed):
         uses = []
@@ -137,7 +145,7 @@ class MindSpeedLLMFSDP2(MindSpeedLLM):
     def render_config(self, shell, yml, context, job, run_dir: Path):
         t = job.train
         context = dict(context, dataset_name=dataset_name(job),
-                       lf_template=job.data.template or TEMPLATE_OF_FAMILY.get(context["family"], context["family"]),
+                       lf_template=job.data.template or family_template(job),
                        warmup_ratio=warmup_ratio(t.warmup_steps, t.steps),
                        resume_from=resume_from(job, run_dir))
         return Adapter.render_config(self, shell, yml, context, job, run_dir)
@@ -150,6 +158,17 @@ class MindSpeedLLMFSDP2(MindSpeedLLM):
 
     def shards_frozen_copies(self, job):
         return True
+
+
+def model_family(job) -> str:
+    from ascendfactory.catalog import models
+
+    return models()[job.model].get("family", "")
+
+
+def family_template(job) -> str:
+    """data.template's default: the family's LLaMA-Factory template (qwen3 → qwen3, llama → llama3 ...)."""
+    return FAMILY_TEMPLATE.get(model_family(job), model_family(job))
 
 
 def warmup_ratio(warmup_steps: int, steps: int | None) -> float:
