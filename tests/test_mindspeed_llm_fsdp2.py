@@ -138,3 +138,21 @@ def test_what_the_backend_does_not_build_is_refused_naming_the_field(monkeypatch
         parse_job(yaml.safe_dump(merged({"framework": "llamafactory"})))
     assert [p.where for p in err.value.problems] == ["backend"] and "mindspeed-llm" in err.value.render()
     assert parse_job(yaml.safe_dump({k: v for k, v in merged({}).items() if k != "backend"})).backend == "mcore"
+
+
+def test_resume_names_a_checkpoint_folder(tmp_path, monkeypatch):
+    """training.resume_from_checkpoint is upstream's path to a checkpoint: resume auto gives the run's newest
+    step_N when `run` renders (none on a first run), a path stays that path, never gives none."""
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "run"
+
+    def resume(**changes):
+        _, rendered = render_job(merged(changes), run)
+        return yaml.safe_load(rendered.files["mindspeed_llm_fsdp2.yaml"])["training"].get("resume_from_checkpoint")
+
+    assert resume() is None
+    for step in (2, 10, 9):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    assert resume() == str(run.resolve() / "checkpoints" / "step_10")
+    assert resume(resume="never") is None
+    assert resume(resume="ckpt/step_4") == "ckpt/step_4"
