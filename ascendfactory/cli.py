@@ -368,13 +368,13 @@ def preprocess(job_file: Path = JOB, overrides: Optional[List[str]] = OVERRIDES,
     """Tokenize the job's data into the run's cache (Megatron .bin/.idx) without training."""
     from ascendfactory.engines import engine_info
     from ascendfactory.errors import Problem
-    from ascendfactory.frameworks import adapter, adapters
+    from ascendfactory.frameworks import adapters, job_adapter
     from ascendfactory.launch import run_preprocess
 
     try:
         p, rendered, _ = _render_to(job_file, overrides, None, allow_unsupported)
         fw = p.job.framework
-        entry = adapter(fw).preprocess_module
+        entry = job_adapter(p.job).preprocess_module
         if entry is None:
             having = [a.name for a in adapters() if a.preprocess_module]
             raise JobError(f"{fw} jobs have no separate preprocessing step",

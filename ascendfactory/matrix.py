@@ -12,7 +12,7 @@ from typing import Any
 from ascendfactory import catalog
 from ascendfactory.catalog import NOT_PLANNED, SUPPORTED, UNSTATED, UNSUPPORTED
 from ascendfactory.errors import JobError, Problem
-from ascendfactory.frameworks import FRAMEWORKS, adapter, adapters
+from ascendfactory.frameworks import FRAMEWORKS, adapter, adapters, job_adapter
 from ascendfactory.frameworks.base import FeatureUse
 from ascendfactory.spec import JobSpec
 
@@ -44,7 +44,7 @@ def features_used(job: JobSpec) -> list[FeatureUse]:
         distributed.append(f"data parallel dp={_dp(job)}")
     if p.fsdp:
         distributed.append("parallel.fsdp")
-    return adapter(job.framework).features_used(job, distributed)
+    return job_adapter(job).features_used(job, distributed)
 
 
 def _stage_servers(stage: str) -> list[str]:
@@ -95,7 +95,7 @@ def check(job: JobSpec, allow_unsupported: bool = False) -> CapabilityReport:
     show = f"ascendfactory capabilities --model {model_id} --framework {fw}"
     uses = features_used(job)
     serving = frameworks_serving(model_id, job.stage)
-    fw_adapter = adapter(fw)
+    fw_adapter = job_adapter(job)
     report = CapabilityReport(uses=uses, refusals=fw_adapter.common_limits(job, _stage_servers(job.stage))
                               + fw_adapter.limits(job))
     alternatives = [f for f in serving if f != fw]

@@ -81,7 +81,7 @@ def activation_elements_per_token(arch: dict[str, Any], recompute: str, fused: b
 def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_memory_gib=None) -> MemoryEstimate:
     from ascendfactory.params import describe_params
 
-    from ascendfactory.frameworks import adapter
+    from ascendfactory.frameworks import job_adapter
 
     from backends.contract.layout import MAX_LAYERS
 
@@ -118,7 +118,7 @@ def estimate(job, arch: dict[str, Any], layout, card: dict[str, Any], device_mem
         est.notes.append(f"freeze: {trainable / 1e6:.1f} M trainable parameters in "
                          f"{min(abs(job.freeze.trainable_layers), layers)} layers")
 
-    fw = adapter(job.framework)
+    fw = job_adapter(job)
     states = fw.states(job, on_device, trainable, layer_only, c, layout.dp)
     weights, grads, opt, extra = states.weights, states.gradients, states.optimizer, states.buffers
     if states.note:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ascendfactory import buildable, catalog, field_effects
 from ascendfactory.errors import JobError, Problem
-from ascendfactory.frameworks import adapter
+from ascendfactory.frameworks import job_adapter
 from ascendfactory.inputs import REMOTE_FS_LAUNCHERS  # read on the cluster's file system: not checked here
 from backends.contract.layout import Layout, rl_batches
 from backends.contract.layout import solve as solve_layout
@@ -159,9 +159,9 @@ def _layout_rules(job: JobSpec, arch: dict[str, Any]) -> tuple[Layout | None, li
                 "set kernels.flash_attention: true (it is reported, never switched on silently)")
         if arch.get("sliding_window"):
             bad("parallel.cp", "context parallel does not support sliding-window attention", "set parallel.cp: 1")
-    problems += adapter(job.framework).plan_problems(job, arch)
-    warnings += adapter(job.framework).plan_warnings(job)
-    warnings += field_effects.warnings(job, arch, adapter(job.framework))
+    problems += job_adapter(job).plan_problems(job, arch)
+    warnings += job_adapter(job).plan_warnings(job)
+    warnings += field_effects.warnings(job, arch, job_adapter(job))
 
     # data and sharding options
     if d.neat_packing and not d.packing:
@@ -238,7 +238,7 @@ def _rl_batch_problems(job: JobSpec, role: str, dp: int, seen: set[tuple[str, st
     fields = {"micro_batch": "rl.critic.micro_batch"} if role == "critic" and rl.critic.micro_batch else None
     broken = rl_batches(algorithm=job.stage, prompts=t.global_batch, mini_batch=rl.mini_batch or t.global_batch,
                         micro_batch=micro, n=rl.rollout.n, dp=dp, ppo_epochs=rl.ppo_epochs, fields=fields,
-                        **adapter(job.framework).rl_batch_rules(job, world, role=role))
+                        **job_adapter(job).rl_batch_rules(job, world, role=role))
     out = []
     for b in broken:
         if (b.field, b.message) not in seen:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ascendfactory.frameworks import adapter
+from ascendfactory.frameworks import job_adapter
 from ascendfactory.frameworks.base import one_line
 from ascendfactory.plan import Plan
 from ascendfactory.resources import templates_dir
@@ -213,7 +213,7 @@ def render(plan: Plan, run_dir: str | Path | None = None, python: str | None = N
         paths = run_paths(plan, Path(os.path.normpath(run_dir)), resolve=False)
     device = job.resources.device
     env = {"PYTHONUNBUFFERED": "1", "AF_KERNELS": job.kernels.backend, "AF_DEVICE": device}
-    fw = adapter(job.framework)
+    fw = job_adapter(job)
     if fw.sidecar_template:
         env[SIDECAR_ENV] = str(Path(paths["run_dir"]) / SIDECAR_NAME)
     if device in ("cpu", "auto") and plan.layout.devices_per_node > 1:

@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from backends.contract import layout as L
 from backends.contract.trackers import TRACKERS
-from ascendfactory.frameworks import FRAMEWORKS
+from ascendfactory.frameworks import BACKENDS, DEFAULT_BACKEND, FRAMEWORK_BACKENDS, FRAMEWORKS
 from ascendfactory.frameworks.rl import RL_STAGES, TRAINED_ROLES
 
 Framework = Literal[FRAMEWORKS]  # type: ignore[valid-type]  (the registry's names)
@@ -432,6 +432,10 @@ class JobSpec(_Block):
     model_overrides: dict[str, Union[int, float, bool, None]] = Field(
         default_factory=dict, description="architecture numbers to change for random init (e.g. num_layers: 2)")
     framework: Framework
+    backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
+        DEFAULT_BACKEND, description="the framework's training backend: mindspeed-llm trains on Megatron (mcore) or on "
+                                     "FSDP2 over Hugging Face models (fsdp2, its train_fsdp2.py YAML); the other "
+                                     "frameworks have one")
     stage: Stage = "sft"
     finetuning: Literal["full", "freeze", "lora"] = Field(
         "full", description="full: every parameter; freeze: the layers a freeze block names; lora: adapters")
@@ -452,6 +456,17 @@ class JobSpec(_Block):
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the workers")
     backend_overrides: dict[str, Any] = Field(
         default_factory=dict, description="native keys of the framework's own dialect, passed through")
+
+    @field_validator("backend")
+    @classmethod
+    def _framework_backend(cls, value: str, info) -> str:
+        framework = info.data.get("framework")
+        offered = FRAMEWORK_BACKENDS.get(framework, (DEFAULT_BACKEND,))
+        if framework is not None and value not in offered:
+            raise ValueError(f"framework {framework} has no backend {value} (it has {', '.join(offered)}); "
+                             f"leave backend out, or use framework: "
+                             f"{' or '.join(f for f, b in FRAMEWORK_BACKENDS.items() if value in b)}")
+        return value
 
     @field_validator("env")
     @classmethod

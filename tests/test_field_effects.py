@@ -24,6 +24,7 @@ from ascendfactory.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["llamafactory/sft.yaml", "llamafactory/dpo.yaml", "mindspeed-llm/sft.yaml", "mindspeed-llm/long-seq-moe.yaml",
+            "mindspeed-llm/fsdp2-sft.yaml",
             "mindspeed-mm/sft.yaml", "verl/grpo.yaml", "verl/ppo.yaml", "mindspeed-rl/grpo.yaml",
             "cluster/slurm.yaml", "cluster/k8s.yaml"]
 # a ceiling the plan checks, not a setting of the run: a value below the estimate is refused (checked below)

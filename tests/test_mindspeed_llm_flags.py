@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the reference data lives next to the checkout (../shared/upstream); AF_UPSTREAM_DIR points elsewhere
 UPSTREAM = Path(os.environ.get("AF_UPSTREAM_DIR") or ROOT.parent / "shared" / "upstream")
 FW = "mindspeed-llm"
-EXAMPLES = [p for p in sorted((ROOT / "examples").rglob("*.yaml")) if load_job(p).framework == FW]
+EXAMPLES = [p for p in sorted((ROOT / "examples").rglob("*.yaml"))
+            if load_job(p).framework == FW and load_job(p).backend == "mcore"]  # fsdp2: test_mindspeed_llm_fsdp2.py
 MINDSPEED_LORA_NAMES = {"linear_qkv", "linear_qb", "linear_kvb", "linear_proj", "linear_fc1", "linear_fc2"}
 
 # one job per feature the template renders differently (merged into conftest's job_text defaults)

@@ -26,13 +26,24 @@ from tests.helpers.dist_exit import leave  # noqa: E402
 LOCAL = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def recipe_module(module: str, args: list[str]) -> str:
+    """The entry point `python -m <module> <args>` reaches: backends.llm's __main__ sends a YAML first argument
+    to its FSDP2 backend (train_fsdp2.py's dialect), Megatron flags to its recipe."""
+    if module == "backends.llm":
+        from backends.llm.fsdp2.config import is_fsdp2_command
+
+        if is_fsdp2_command(args):
+            return "backends.llm.fsdp2.recipe"
+    return module + ".recipe"
+
+
 def run_case(case: dict, base: dict) -> int:
     env = dict(case["env"])
     if "WORLD_SIZE" in base:  # under torchrun its rank variables stand, not the local launcher's
         env = {k: v for k, v in env.items() if k not in LOCAL}
     os.environ.clear()
     os.environ.update({**base, **env})
-    engine = importlib.import_module(case["module"] + ".recipe")
+    engine = importlib.import_module(recipe_module(case["module"], case["args"]))
     print(f"python -m {case['module']} {' '.join(case['args'])}", flush=True)
     try:
         return engine.main(list(case["args"]))

@@ -82,6 +82,9 @@ def fsdp2(engine_runs, tiny_model, tmp_path_factory):
     argv[0] = str(work / argv[0])  # the engine's working directory is the repository: the paths made absolute
     argv += ["--data.dataset_dir", work / "configs/fsdp2/data", "--training.max_steps", STEPS]
     engine_runs.add_command("fsdp2/published", "backends.llm.fsdp2", argv, work, world=2)
+    # the orchestrator's example (backend: fsdp2), rendered and checked as `ascendfactory run` does, in this launch
+    engine_runs.add("fsdp2/example", ROOT / "examples/mindspeed-llm/fsdp2-sft.yaml", f"output_dir={work / 'example'}",
+                    f"train.steps={STEPS}")
     return engine_runs
 
 
@@ -133,3 +136,12 @@ def test_qwen3_moe_one_process_equals_fsdp2_on_two(engine_runs, tiny_model, tmp_
     norms = losses(engine_runs["fsdp2-moe/one"], "grad_norm")  # the expert grads' scale too
     assert losses(engine_runs["fsdp2-moe/ep2"], "grad_norm") == pytest.approx(norms, rel=1e-5)
     assert "2 expert-parallel" in engine_runs.log("fsdp2-moe/ep2")
+
+
+def test_the_fsdp2_example_job_trains(fsdp2):
+    run = fsdp2["fsdp2/example"]
+    got = losses(run)
+    assert len(got) == STEPS and got[-1] < got[0], got
+    log = fsdp2.log("fsdp2/example")
+    assert "4 FSDP2 units" in log and "dp 2" in log and "refus" not in log
+    assert (run / "mindspeed_llm_fsdp2.yaml").is_file() and (run / "checkpoints" / f"step_{STEPS}").is_dir()
