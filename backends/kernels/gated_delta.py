@@ -37,11 +37,12 @@ def _chunks(q, k, v, g, beta, state):
     k_out = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
     chunk_decay = gc[..., -1].exp()[..., None, None]
     starts, news = [], []
-    for i in range(q.shape[2]):
-        v_new = u[:, :, i] - w[:, :, i] @ state
+    # unbind, not u[:, :, i]: each indexing's backward would write a full-size zero gradient (O(chunks^2))
+    for u_i, w_i, k_i, d_i in zip(u.unbind(2), w.unbind(2), k_out.transpose(-1, -2).unbind(2), chunk_decay.unbind(2)):
+        v_new = u_i - w_i @ state
         starts.append(state)
         news.append(v_new)
-        state = state * chunk_decay[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ v_new
+        state = state * d_i + k_i @ v_new
     starts, news = torch.stack(starts, 2), torch.stack(news, 2)
     out = (q * gc.exp().unsqueeze(-1)) @ starts + attn @ news
     return out, state

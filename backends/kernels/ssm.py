@@ -85,23 +85,25 @@ def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, 
     def rows(v):  # [B,T,...] -> [N, nc, L, ...]; zero padding is an identity step (dt = 0)
         return varlen.to_rows(v.reshape(b * t, *v.shape[2:]), lay).reshape(n, nc, chunk_size, *v.shape[2:])
 
+    # Head-major layout with heads split as (group, head in group): every product is a batched matmul,
+    # and C·B^T is formed once per group rather than per head (B and C are never repeated to heads).
     rep = h // groups
-    Bh = rows(B.to(work)).repeat_interleave(rep, dim=3)  # [N,c,l,H,N]
-    Ch = rows(C.to(work)).repeat_interleave(rep, dim=3)
-    xdt = rows(xw * dt[..., None])  # [N,c,l,H,P]
-    a = rows(A.to(work) * dt).permute(0, 3, 1, 2)  # [N,H,c,l]
-    a_cum = a.cumsum(-1)
-    scores = torch.einsum("bclhn,bcshn->bhcls", Ch, Bh) * segment_sum(a).exp()
-    y = torch.einsum("bhcls,bcshp->bclhp", scores, xdt)  # within chunks
-    decay_states = (a_cum[..., -1:] - a_cum).exp()
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", Bh, decay_states, xdt)
-    start = (torch.zeros_like(states[:, :1]) if initial_states is None
-             else initial_states.to(work)[:, None])
-    states = torch.cat((start, states), dim=1)
-    decay_chunk = segment_sum(F.pad(a_cum[..., -1], (1, 0))).exp()  # [N,H,c+1,c+1]
-    states = torch.einsum("bhzc,bchpn->bzhpn", decay_chunk, states)
-    states, final = states[:, :-1], states[:, -1]
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Ch, states, a_cum.exp())  # from the chunk's start state
+    bm = rows(B.to(work)).permute(0, 3, 1, 2, 4)  # [N,G,c,l,n]
+    cm = rows(C.to(work)).permute(0, 3, 1, 2, 4)
+    xdt = rows(xw * dt[..., None]).reshape(n, nc, chunk_size, groups, rep, p).permute(0, 3, 4, 1, 2, 5)  # [N,G,R,c,l,P]
+    a_cum = rows(A.to(work) * dt).reshape(n, nc, chunk_size, groups, rep).permute(0, 3, 4, 1, 2).cumsum(-1)
+    within = (a_cum.unsqueeze(-1) - a_cum.unsqueeze(-2)).masked_fill(
+        ~torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril(), float("-inf")).exp()
+    y = ((cm @ bm.transpose(-1, -2)).unsqueeze(2) * within) @ xdt  # within chunks
+    states = bm.transpose(-1, -2).unsqueeze(2) @ (xdt * (a_cum[..., -1:] - a_cum).exp().unsqueeze(-1))  # [..,c,n,P]
+    start = (torch.zeros_like(states[:, :, :, :1]) if initial_states is None
+             else initial_states.to(work).reshape(n, groups, rep, 1, p, dstate).transpose(-1, -2))
+    states = torch.cat((start, states), dim=3)
+    decay_chunk = segment_sum(F.pad(a_cum[..., -1], (1, 0))).exp()  # [N,G,R,c+1,c+1]
+    states = (decay_chunk @ states.flatten(-2)).unflatten(-1, (dstate, p))
+    states, final = states[:, :, :, :-1], states[:, :, :, -1].transpose(-1, -2).reshape(n, h, p, dstate)
+    y = y + (cm.unsqueeze(2) @ states) * a_cum.exp().unsqueeze(-1)  # from the chunk's start state
+    y = y.permute(0, 3, 4, 1, 2, 5)
     y = varlen.from_rows(y.reshape(n, lay.padded_len, h, p), lay).reshape(b, t, h, p)
     if D is not None:
         y = y + xw * (D.to(work)[:, None] if D.dim() == 1 else D.to(work))

@@ -21,6 +21,11 @@ class Layout:
     keep: torch.Tensor  # [T] padded position of each token, in token order
     tokens: int  # T
 
+    @property
+    def identity(self) -> bool:
+        """Every row full (equal lengths, a multiple of the chunk): the tokens are the rows, as a view."""
+        return self.n * self.padded_len == self.tokens
+
 
 def lengths_of(cu_seqlens) -> list[int]:
     bounds = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
@@ -42,12 +47,16 @@ def layout(lengths: list[int], chunk: int, device) -> Layout:
 
 def to_rows(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     """[T, ...] tokens -> [N, Lp, ...] with zero padding."""
+    if lay.identity:
+        return x.reshape(lay.n, lay.padded_len, *x.shape[1:])
     src = torch.cat((x, x.new_zeros(1, *x.shape[1:])))
     return src.index_select(0, lay.src).reshape(lay.n, lay.padded_len, *x.shape[1:])
 
 
 def from_rows(y: torch.Tensor, lay: Layout) -> torch.Tensor:
     """[N, Lp, ...] -> [T, ...] (padding dropped)."""
+    if lay.identity:
+        return y.reshape(lay.tokens, *y.shape[2:])
     return y.reshape(lay.n * lay.padded_len, *y.shape[2:]).index_select(0, lay.keep)
 
 

@@ -123,7 +123,7 @@ def ssd_inputs(t, b=1, h=4, p=3, groups=2, n=5, seed=0):
 
 
 def test_ssd_matches_transformers_chunk_and_recurrent_paths():
-    ins, kw = ssd_inputs(100, b=2)
+    ins, kw = ssd_inputs(96, b=2)  # rows of whole chunks: the layout is a view
     h0 = torch.randn(2, 4, 3, 5)
     y, final = K.ssd_chunk_scan(**ins, **kw, chunk_size=32, initial_states=h0, return_final_states=True)
     ry, rfinal = mamba2_chunk_scan(*ins.values(), 32, **kw, initial_states=h0, return_final_states=True)
@@ -136,7 +136,7 @@ def test_ssd_matches_transformers_chunk_and_recurrent_paths():
         outs.append(mamba2_selective_state_update(
             state, x[:, t], dt[:, t, :, None].expand(-1, -1, 3), ins["A"][:, None, None].expand(-1, 3, 5), B[:, t],
             C[:, t], kw["D"][:, None].expand(-1, 3), dt_bias=kw["dt_bias"][:, None].expand(-1, 3), dt_softplus=True))
-    # (the update has no dt limit: the inputs keep softplus(dt + bias) under 3 only where it is; compare unclamped)
+    # the single-step update has no dt limit: compare the scan without one
     y_open = K.ssd_chunk_scan(**ins, **{**kw, "dt_limit": (0.0, float("inf"))}, chunk_size=32, initial_states=h0)
     torch.testing.assert_close(y_open, torch.stack(outs, 1), rtol=1e-4, atol=1e-4)
 
