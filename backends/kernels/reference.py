@@ -24,7 +24,7 @@ IMPL_NAMES = {
     "linear_cross_entropy": "reference (chunked torch)",
     "chunk_gated_delta_rule": "reference (chunked torch, WY transform, chunks of 64)",
     "causal_conv1d": "reference (torch conv1d over documents with their history)",
-    "ssd_chunk_scan": "reference (chunked torch SSD)",
+    "ssd_chunk_scan": "reference (chunked torch SSD, blocks of <= 128 tokens)",
     "rms_norm_gated": "reference (torch fp32)",
 }
 

@@ -129,6 +129,8 @@ def test_ssd_matches_transformers_chunk_and_recurrent_paths():
     ry, rfinal = mamba2_chunk_scan(*ins.values(), 32, **kw, initial_states=h0, return_final_states=True)
     torch.testing.assert_close(y, ry)
     torch.testing.assert_close(final, rfinal)
+    y256 = K.ssd_chunk_scan(**ins, **kw, chunk_size=256, initial_states=h0)  # computed in smaller blocks
+    torch.testing.assert_close(y256, mamba2_chunk_scan(*ins.values(), 256, **kw, initial_states=h0))
     # token by token through transformers' single-step update (its decode path)
     state, outs = h0.clone(), []
     x, dt, B, C = ins["x"], ins["dt"], ins["B"], ins["C"]
