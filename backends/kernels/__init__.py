@@ -1,7 +1,8 @@
 """The shared kernel layer: one op API, three implementations (npu / cuda / reference).
 
 Every engine computes attention, norms, rotary, SwiGLU, MoE routing/dispatch and the loss
-through these functions, so one fused Ascend kernel serves all engines. The implementation is
+through these functions, so one fused Ascend kernel serves all engines; the linear-attention and
+state-space scans (gated delta rule, causal conv1d, SSD, gated RMSNorm) are here for the same reason. The implementation is
 chosen per call from the inputs' device and `configure` / AF_KERNELS (see registry.py).
 Importing this package is cheap: torch_npu and flash_attn load on first use.
 """
