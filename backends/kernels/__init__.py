@@ -1,7 +1,8 @@
 """The shared kernel layer: one op API, three implementations (npu / cuda / reference).
 
 Every engine computes attention, norms, rotary, SwiGLU, MoE routing/dispatch and the loss
-through these functions, so one fused Ascend kernel serves all engines. The implementation is
+through these functions, so one fused Ascend kernel serves all engines; the linear-attention and
+state-space scans (gated delta rule, causal conv1d, SSD, gated RMSNorm) are here for the same reason. The implementation is
 chosen per call from the inputs' device and `configure` / AF_KERNELS (see registry.py).
 Importing this package is cheap: torch_npu and flash_attn load on first use.
 """
@@ -25,6 +26,8 @@ __all__ = [
     "attention_backward",
     "auto_chunk_size",
     "cache_attention",
+    "causal_conv1d",
+    "chunk_gated_delta_rule",
     "configure",
     "describe",
     "grouped_mm",
@@ -37,8 +40,10 @@ __all__ = [
     "mrope_cos_sin",
     "patch_hf_model",
     "rms_norm",
+    "rms_norm_gated",
     "rotary_cos_sin",
     "rotary_inv_freq",
+    "ssd_chunk_scan",
     "swiglu",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_logprobs",
@@ -277,6 +282,136 @@ def vocab_parallel_logprobs(hidden: torch.Tensor, weight_shard: torch.Tensor, la
     from .logprobs import vocab_parallel_logprobs as _vplp
 
     return _vplp(hidden, weight_shard, labels, tp_group, **kw)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule (Qwen3-Next's gated DeltaNet), flash-linear-attention's chunk_gated_delta_rule API.
+
+    q, k [B,T,H,K]; v [B,T,HV,V] with HV a multiple of H (each q/k head serves HV/H consecutive value
+    heads); g [B,T,HV] the log decay (<= 0; the caller computes -exp(A_log) * softplus(a + dt_bias));
+    beta [B,T,HV]. scale defaults to K**-0.5; use_qk_l2norm_in_kernel L2-normalises q and k first.
+    Packed documents: B = 1 and cu_seqlens [N+1]; the state restarts at every document.
+    initial_state [N,HV,K,V] (N = B, or the documents). Returns (o [B,T,HV,V] in q's dtype,
+    final state [N,HV,K,V] fp32 (fp64 for fp64 inputs) or None)."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"chunk_gated_delta_rule expects q, k [B,T,H,K] and v [B,T,HV,V]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, t, h, dk = q.shape
+    hv = v.shape[2]
+    if hv % h:
+        raise ValueError(f"{hv} value heads are not a multiple of {h} query/key heads")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (b, t, hv):
+            raise ValueError(f"{name} must be [B,T,HV] = {(b, t, hv)}, got {tuple(x.shape)}")
+    _check_varlen(cu_seqlens, b, t, "chunk_gated_delta_rule")
+    _check_state(initial_state, cu_seqlens, b, (hv, dk, v.shape[-1]), "chunk_gated_delta_rule initial_state")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _impl("chunk_gated_delta_rule", q.device).chunk_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise conv1d, token-major as flash-linear-attention's: x [B,T,C], weight [C,K], bias [C],
+    activation None or "silu". initial_state [N,C,K-1] is each sequence's (or packed document's) last
+    K-1 inputs before it; returns (y [B,T,C], final state [N,C,K-1] or None)."""
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"causal_conv1d expects x [B,T,C] and weight [C,K]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    b, t, c = x.shape
+    _check_varlen(cu_seqlens, b, t, "causal_conv1d")
+    _check_state(initial_state, cu_seqlens, b, (c, weight.shape[1] - 1), "causal_conv1d initial_state")
+    return _impl("causal_conv1d", x.device).causal_conv1d(
+        x, weight, bias, activation=activation, initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens)
+
+
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    *,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """Mamba2's chunked SSD scan, mamba_ssm's mamba_chunk_scan_combined API.
+
+    x [B,T,H,P], dt [B,T,H] (dt_bias added, then softplus if dt_softplus, then clamped to dt_limit),
+    A [H] (negative), B and C [B,T,G,N] with H a multiple of G, D [H] or [H,P] (skip), z [B,T,H,P]
+    (output times silu(z)), initial_states [N,H,P,N] (N = B, or the packed documents).
+    Returns y [B,T,H,P] in x's dtype, or (y, final states [N,H,P,N]) with return_final_states."""
+    if x.dim() != 4 or B.dim() != 4 or C.shape != B.shape or B.shape[:2] != x.shape[:2]:
+        raise ValueError(f"ssd_chunk_scan expects x [B,T,H,P], B/C [B,T,G,N]; got x {tuple(x.shape)}, "
+                         f"B {tuple(B.shape)}, C {tuple(C.shape)}")
+    b, t, h, p = x.shape
+    if h % B.shape[2]:
+        raise ValueError(f"{h} heads are not a multiple of {B.shape[2]} groups")
+    if tuple(dt.shape) != (b, t, h) or tuple(A.shape) != (h,):
+        raise ValueError(f"dt must be [B,T,H] = {(b, t, h)} and A [H]; got {tuple(dt.shape)}, {tuple(A.shape)}")
+    _check_varlen(cu_seqlens, b, t, "ssd_chunk_scan")
+    _check_state(initial_states, cu_seqlens, b, (h, p, B.shape[3]), "ssd_chunk_scan initial_states")
+    return _impl("ssd_chunk_scan", x.device).ssd_chunk_scan(
+        x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        dt_limit=tuple(dt_limit), initial_states=initial_states, return_final_states=return_final_states,
+        cu_seqlens=cu_seqlens)
+
+
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6,
+                   group_size: int | None = None, norm_before_gate: bool = True) -> torch.Tensor:
+    """Gated RMSNorm: weight * norm(x) * silu(z) (norm_before_gate, Qwen3-Next) or weight * norm(x * silu(z))
+    (Mamba2, with group_size = its intermediate size / n_groups); the norm over groups of group_size
+    channels (None: all). z None: a grouped RMSNorm."""
+    if group_size is not None and (group_size < 1 or x.shape[-1] % group_size):
+        raise ValueError(f"rms_norm_gated: group_size {group_size} does not divide the last dim {x.shape[-1]}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"rms_norm_gated: z {tuple(z.shape)} must match x {tuple(x.shape)}")
+    return _impl("rms_norm_gated", x.device).rms_norm_gated(x, z, weight, eps, group_size, norm_before_gate)
+
+
+def _check_varlen(cu_seqlens, batch: int, seqlen: int, what: str) -> None:
+    from .varlen import check_cu_seqlens
+
+    check_cu_seqlens(cu_seqlens, batch, seqlen, what)
+
+
+def _check_state(state, cu_seqlens, batch: int, tail: tuple, what: str) -> None:
+    if state is None:
+        return
+    n = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    if tuple(state.shape) != (n, *tail):
+        raise ValueError(f"{what} must be {(n, *tail)}, got {tuple(state.shape)}")
 
 
 def patch_hf_model(model: torch.nn.Module) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 from . import reference
 from .loss import linear_cross_entropy  # noqa: F401  (chunked torch; cuBLAS does the matmuls)
 from .moe import moe_permute, moe_route, moe_unpermute, swiglu  # noqa: F401
-from .registry import flash_attn_available, log_once
+from .registry import flash_attn_available, log_once, module_importable
 from .rotary import rotate  # noqa: F401
 
 
@@ -22,6 +22,9 @@ def impl_name(op: str) -> str:
         return "cuda (aten._flash_attention_backward; else reference tiled)"
     if op == "grouped_mm":
         return "cuda (torch._grouped_mm)" if hasattr(torch, "_grouped_mm") else "cuda (per-expert loop)"
+    if op in LINEAR_LIBS:
+        module, name = LINEAR_LIBS[op]
+        return f"cuda ({module}.{name})" if module_importable(module) else f"cuda ({module} absent: reference torch)"
     return {
         "rms_norm": "cuda (torch fp32)",
         "apply_rotary": "cuda (torch)",
@@ -153,3 +156,90 @@ def grouped_mm(x, w, tokens_per_expert):
         log_once(f"cuda-gmm-{x.dtype}", "grouped_mm: torch._grouped_mm unusable for %s here -> per-expert loop",
                  x.dtype)
     return reference.grouped_mm(x, w, tokens_per_expert)
+
+
+# ---------------------------------------------------------------- linear attention / SSM: thin library calls
+
+LINEAR_LIBS = {
+    "chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+    "causal_conv1d": ("causal_conv1d", "causal_conv1d_fn"),
+    "ssd_chunk_scan": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+    "rms_norm_gated": ("mamba_ssm.ops.triton.layernorm_gated", "rmsnorm_fn"),
+}
+
+
+def _library(op: str, why_not: str | None = None):
+    """The library function for op, or None (logged once) when it is absent or cannot take these inputs."""
+    module, name = LINEAR_LIBS[op]
+    if why_not is None and not module_importable(module):
+        why_not = f"{module} is not importable"
+    if why_not is not None:
+        log_once(f"cuda-{op}-{why_not}", "%s: %s -> reference torch", op, why_not)
+        return None
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+    fn = _library("chunk_gated_delta_rule", None if chunk_size == 64 else f"chunk size {chunk_size} (the kernel's is 64)")
+    if fn is None:
+        return reference.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:  # grouped values: repeat q/k heads as MindSpeed's and transformers' callers do
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+              cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(q.device, torch.long))
+
+
+def causal_conv1d(x, weight, bias=None, *, activation=None, initial_state=None, output_final_state=False,
+                  cu_seqlens=None):
+    why = None
+    if cu_seqlens is not None and (initial_state is not None or output_final_state):
+        why = "packed documents with states (seq_idx takes no states)"
+    fn = _library("causal_conv1d", why)
+    if fn is None:
+        return reference.causal_conv1d(x, weight, bias, activation=activation, initial_state=initial_state,
+                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    from . import varlen
+
+    # [B,T,C] transposed is [B,C,T] with channels last in memory: the layout its states path requires.
+    seq_idx = None if cu_seqlens is None else varlen.doc_ids(cu_seqlens, x.device)
+    state = None if initial_state is None else initial_state.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    res = fn(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, initial_states=state,
+             return_final_states=output_final_state, activation=activation)
+    if output_final_state:
+        return res[0].transpose(1, 2), res[1]
+    return res.transpose(1, 2), None
+
+
+def ssd_chunk_scan(x, dt, A, B, C, *, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False, cu_seqlens=None):
+    why = "packed documents with initial states" if cu_seqlens is not None and initial_states is not None else None
+    fn = _library("ssd_chunk_scan", why)
+    if fn is None:
+        return reference.ssd_chunk_scan(
+            x, dt, A, B, C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+            dt_limit=dt_limit, initial_states=initial_states, return_final_states=return_final_states,
+            cu_seqlens=cu_seqlens)
+    from . import varlen
+
+    kw = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    if cu_seqlens is None:
+        return fn(x, dt, A, B, C, chunk_size, initial_states=initial_states, return_final_states=return_final_states,
+                  **kw)
+    cu = cu_seqlens.to(x.device, torch.int32)
+    res = fn(x, dt, A, B, C, chunk_size, seq_idx=varlen.doc_ids(cu_seqlens, x.device), cu_seqlens=cu,
+             return_varlen_states=return_final_states, **kw)
+    return res  # (y, per-document final states) when asked, as ours
+
+
+def rms_norm_gated(x, z, weight, eps=1e-6, group_size=None, norm_before_gate=True):
+    fn = _library("rms_norm_gated")
+    if fn is None:
+        return reference.rms_norm_gated(x, z, weight, eps, group_size, norm_before_gate)
+    return fn(x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)

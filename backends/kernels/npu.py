@@ -9,7 +9,8 @@ import functools
 
 import torch
 
-from . import npu_args
+from . import npu_args, reference
+from .registry import log_once, module_importable
 from .loss import linear_cross_entropy  # noqa: F401  (chunked torch; the matmuls run on the NPU)
 from .moe import moe_route  # noqa: F401
 
@@ -24,6 +25,10 @@ IMPL_NAMES = {
     "moe_unpermute": "npu (npu_moe_token_unpermute)",
     "grouped_mm": "npu (npu_grouped_matmul)",
     "linear_cross_entropy": "npu (chunked torch)",
+    "chunk_gated_delta_rule": "npu (MindSpeed flash_gated_delta_rule, else its triton chunk_gated_delta_rule)",
+    "causal_conv1d": "npu (torch conv1d, as MindSpeed-LLM)",
+    "ssd_chunk_scan": "npu (chunked torch SSD, as MindSpeed-LLM's StateSpaceProcessor)",
+    "rms_norm_gated": "npu (npu_rms_norm per group)",
 }
 
 
@@ -127,3 +132,55 @@ class _GroupedMatmul(torch.autograd.Function):
 
 def grouped_mm(x, w, tokens_per_expert):
     return _GroupedMatmul.apply(x, w, tokens_per_expert.to(device=x.device, dtype=torch.int64))
+
+
+def _gdn_function():
+    """MindSpeed's fused gated delta rule: the AscendC one where fla_npu imports, else the triton one."""
+    import importlib
+
+    for kind in ("flash", "triton"):
+        module, name, needs = npu_args.GDN_KERNELS[kind]
+        if module_importable(needs) and module_importable(module):
+            return getattr(importlib.import_module(module), name)
+    return None
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+    plan = npu_args.gated_delta_call(q_shape=q.shape, v_shape=v.shape, dtype=str(q.dtype), scale=scale,
+                                     chunk_size=chunk_size, cu_seqlens=None if cu_seqlens is None else cu_seqlens.tolist())
+    fn = _gdn_function()
+    if isinstance(plan, str) or fn is None:
+        why = plan if isinstance(plan, str) else "MindSpeed's gated delta rule kernels are not importable"
+        log_once(f"npu-gdn-{why}", "chunk_gated_delta_rule: %s -> reference chunked torch", why)
+        return reference.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    rep, kwargs = plan
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    if "cu_seqlens" in kwargs:
+        kwargs["cu_seqlens"] = torch.tensor(kwargs["cu_seqlens"], dtype=torch.long, device=q.device)
+    return fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+
+causal_conv1d = reference.causal_conv1d
+ssd_chunk_scan = reference.ssd_chunk_scan
+
+
+def rms_norm_gated(x, z, weight, eps=1e-6, group_size=None, norm_before_gate=True):
+    import torch.nn.functional as F
+
+    in_dtype = x.dtype
+    h = x.float()
+    if z is not None and not norm_before_gate:
+        h = h * F.silu(z.float())
+    groups, size = npu_args.rms_norm_gated_groups(x.shape[-1], group_size)
+    hg = h.reshape(*h.shape[:-1], groups, size)
+    normed = _torch_npu().npu_rms_norm(hg, torch.ones(size, dtype=hg.dtype, device=x.device),
+                                       **npu_args.rms_norm_kwargs(eps))[0].reshape(h.shape)
+    out = weight * normed.to(in_dtype)
+    if z is not None and norm_before_gate:
+        out = (out * F.silu(z.float())).to(in_dtype)
+    return out

@@ -4,6 +4,10 @@ Sources: the torch_npu API reference for npu_fusion_attention (sparse_mode table
 actual_seq_qlen as cumulative ends, 2048x2048 compressed mask for modes 2/3/4),
 npu_grouped_matmul (group_list_type 0 = cumsum, 1 = counts; split_item 2/3 = one output
 tensor) and LLaMA-Factory's NPU MoE kernels (the grouped-matmul backward calls).
+Gated delta rule: MindSpeed-LLM's flash_gated_delta_rule (AscendC ops from fla_npu) and its triton
+chunk_gated_delta_rule (mindspeed.ops.triton), both flash-linear-attention's signature
+(mindspeed_llm/tasks/models/transformer/{flash,chunk}_gated_delta_rule.py, chosen there by
+--use-flash-gdn / --use-triton-gdn, else transformers' torch path).
 """
 
 from __future__ import annotations
@@ -143,3 +147,44 @@ def rms_norm_kwargs(eps: float) -> dict[str, Any]:
 def swiglu_kwargs() -> dict[str, Any]:
     # npu_swiglu splits its input in half on `dim`: first half = gate (silu), second = up.
     return {"dim": -1}
+
+
+# MindSpeed-LLM's two fused gated-delta-rule implementations: (module, function, what must import).
+GDN_KERNELS = {
+    "flash": ("mindspeed_llm.tasks.models.transformer.flash_gated_delta_rule", "flash_gated_delta_rule", "fla_npu"),
+    "triton": ("mindspeed_llm.tasks.models.transformer.chunk_gated_delta_rule", "chunk_gated_delta_rule",
+               "mindspeed.ops.triton.chunk_delta_h"),
+}
+GDN_DTYPES = ("bfloat16", "float16")  # both refuse float32 ("Please use bfloat16")
+
+
+def gdn_kernel(use_flash_gdn: bool, use_triton_gdn: bool) -> str | None:
+    """MindSpeed-LLM's flags -> the kernel ("flash" | "triton"), or None: its torch path (our reference)."""
+    if use_flash_gdn and use_triton_gdn:
+        raise ValueError("`use_flash_gdn` and `use_triton_gdn` cannot be True at the same time.")
+    return "flash" if use_flash_gdn else "triton" if use_triton_gdn else None
+
+
+def gated_delta_call(*, q_shape: Sequence[int], v_shape: Sequence[int], dtype: str, scale: float | None,
+                     chunk_size: int, cu_seqlens: Sequence[int] | None) -> tuple[int, dict[str, Any]] | str:
+    """(q/k head repeat, keyword arguments after q, k, v, g, beta) of MindSpeed's fused call, or the
+    reason it cannot take these inputs (then the reference runs).
+
+    The fused kernels expect as many q/k heads as value heads (MindSpeed's caller repeats them), the
+    scale given (default K**-0.5), packed documents as a LongTensor of cumulative lengths with batch 1."""
+    if str(dtype).replace("torch.", "") not in GDN_DTYPES:
+        return f"the fused gated delta rule takes {' / '.join(GDN_DTYPES)}, not {dtype}"
+    heads, dk = int(q_shape[-2]), int(q_shape[-1])
+    kwargs: dict[str, Any] = {"scale": float(dk**-0.5 if scale is None else scale), "chunk_size": int(chunk_size)}
+    if cu_seqlens is not None:
+        kwargs["cu_seqlens"] = [0, *cumulative_ends(cu_seqlens)]
+    return int(v_shape[-2]) // heads, kwargs
+
+
+def rms_norm_gated_groups(last_dim: int, group_size: int | None) -> tuple[int, int]:
+    """(groups, group size) that x [..., last_dim] is viewed as for npu_rms_norm per group (gamma of
+    ones of the group size: the norm runs over the last dim only; the weight is applied after)."""
+    size = last_dim if group_size is None else int(group_size)
+    if size < 1 or last_dim % size:
+        raise ValueError(f"group_size {group_size} does not divide {last_dim}")
+    return last_dim // size, size

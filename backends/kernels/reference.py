@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from . import buckets, masks, rotary, tiled_attention
 from .loss import linear_cross_entropy  # noqa: F401  (portable: same code on every backend)
+from .gated_delta import chunk_gated_delta_rule  # noqa: F401
+from .ssm import causal_conv1d, rms_norm_gated, ssd_chunk_scan  # noqa: F401
 from .moe import grouped_mm, moe_permute, moe_route, moe_unpermute, swiglu  # noqa: F401
 
 IMPL_NAMES = {
@@ -20,6 +22,10 @@ IMPL_NAMES = {
     "moe_unpermute": "reference (index_select+sum)",
     "grouped_mm": "reference (per-expert loop)",
     "linear_cross_entropy": "reference (chunked torch)",
+    "chunk_gated_delta_rule": "reference (chunked torch, WY transform, chunks of 64)",
+    "causal_conv1d": "reference (torch conv1d over documents with their history)",
+    "ssd_chunk_scan": "reference (chunked torch SSD, blocks of <= 128 tokens)",
+    "rms_norm_gated": "reference (torch fp32)",
 }
 
 

@@ -32,6 +32,10 @@ OPS = (
     "moe_unpermute",
     "grouped_mm",
     "linear_cross_entropy",
+    "chunk_gated_delta_rule",
+    "causal_conv1d",
+    "ssd_chunk_scan",
+    "rms_norm_gated",
 )
 BACKENDS = ("auto", "reference", "npu", "cuda")
 ENV_VAR = "AF_KERNELS"

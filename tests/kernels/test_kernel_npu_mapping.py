@@ -161,3 +161,60 @@ def test_npu_moe_pipeline(fake_npu):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- linear attention / SSM
+
+
+def test_gdn_flags_and_call_mapping():
+    assert npu_args.gdn_kernel(False, False) is None  # MindSpeed's torch path: our reference
+    assert npu_args.gdn_kernel(True, False) == "flash" and npu_args.gdn_kernel(False, True) == "triton"
+    with pytest.raises(ValueError, match="cannot be True at the same time"):
+        npu_args.gdn_kernel(True, True)
+    rep, kw = npu_args.gated_delta_call(q_shape=(1, 20, 2, 16), v_shape=(1, 20, 6, 8), dtype="torch.bfloat16",
+                                        scale=None, chunk_size=64, cu_seqlens=[0, 7, 20])
+    assert rep == 3 and kw == {"scale": 0.25, "chunk_size": 64, "cu_seqlens": [0, 7, 20]}
+    assert "float32" in npu_args.gated_delta_call(q_shape=(1, 4, 2, 16), v_shape=(1, 4, 2, 8), dtype="torch.float32",
+                                                  scale=0.5, chunk_size=64, cu_seqlens=None)
+    assert npu_args.rms_norm_gated_groups(16, 4) == (4, 4) and npu_args.rms_norm_gated_groups(16, None) == (1, 16)
+    with pytest.raises(ValueError):
+        npu_args.rms_norm_gated_groups(16, 5)
+    from backends.kernels.varlen import doc_ids
+
+    assert doc_ids(torch.tensor([0, 3, 3, 5])).tolist() == [[0, 0, 0, 2, 2]]
+
+
+def test_npu_gated_delta_rule_calls_mindspeed_as_its_caller_does(monkeypatch):
+    calls = []
+
+    def mindspeed_gdn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, head_first=False):
+        # MindSpeed's wrapper checks: equal q/k/v heads after its caller's repeat, bf16, LongTensor cu_seqlens
+        assert q.shape[2] == v.shape[2] and q.dtype == torch.bfloat16 and cu_seqlens.dtype == torch.long
+        calls.append(cu_seqlens.tolist())
+        return reference.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+
+    monkeypatch.setattr(npu, "_gdn_function", lambda: mindspeed_gdn)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 20, 2, 8, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, 20, 4, 4, generator=g).bfloat16()
+    gate, beta = -torch.rand(1, 20, 4, generator=g), torch.rand(1, 20, 4, generator=g)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    kw = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu, output_final_state=True)
+    out, state = npu.chunk_gated_delta_rule(q, k, v, gate, beta, **kw)
+    want, want_state = reference.chunk_gated_delta_rule(q, k, v, gate, beta, **kw)
+    assert calls == [[0, 7, 20]]
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(state, want_state)
+    out32, _ = npu.chunk_gated_delta_rule(q.float(), k.float(), v.float(), gate, beta, **kw)  # fp32: reference
+    assert len(calls) == 1 and out32.dtype == torch.float32
+
+
+@pytest.mark.parametrize("group_size,before", [(None, True), (4, False)])
+def test_npu_rms_norm_gated(fake_npu, group_size, before):
+    g = torch.Generator().manual_seed(3)
+    x, z, w = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g), torch.randn(16, generator=g)
+    torch.testing.assert_close(npu.rms_norm_gated(x, z, w, 1e-5, group_size, before),
+                               reference.rms_norm_gated(x, z, w, 1e-5, group_size, before))

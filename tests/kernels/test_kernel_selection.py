@@ -102,3 +102,18 @@ def test_import_is_cheap():
             "print(','.join(m for m in ('torch_npu', 'flash_attn', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_linear_attention_ops_follow_the_rule(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    K.configure(default="reference", overrides={"chunk_gated_delta_rule": "auto", "ssd_chunk_scan": "cuda"})
+    assert registry.resolve("chunk_gated_delta_rule", "cuda") == "cuda"
+    assert registry.resolve("causal_conv1d", "cuda") == "reference"
+    with pytest.raises(K.KernelUnavailableError, match=r"overrides\['ssd_chunk_scan'\]=cuda but the ssd_chunk_scan "
+                                                       "inputs are on cpu"):
+        K.ssd_chunk_scan(torch.randn(1, 4, 2, 3), torch.randn(1, 4, 2), -torch.rand(2), torch.randn(1, 4, 1, 2),
+                         torch.randn(1, 4, 1, 2), chunk_size=4)
+    from backends.kernels import cuda
+
+    if not registry.module_importable("fla.ops.gated_delta_rule"):
+        assert cuda.impl_name("chunk_gated_delta_rule") == "cuda (fla.ops.gated_delta_rule absent: reference torch)"
