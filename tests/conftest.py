@@ -88,7 +88,9 @@ LONGEST_FIRST = (
     "tests/llm/test_engine_runs.py", "tests/llm/test_loading.py",
     "tests/llm/test_engine_pipeline.py", "tests/parallel/test_tensor_parallel.py", "tests/llm/test_smoke.py",
     "tests/rl/test_rl_tensor_parallel.py", "tests/rl/test_rl_vl.py", "tests/rl/test_rl_published.py",
-    "tests/mm/test_mm_published.py",
+    "tests/mm/test_mm_published.py", "tests/llm/test_fsdp2_runs.py", "tests/llm/test_megatron_load.py",
+    "tests/lf/test_lf_rm_kto.py", "tests/lf/test_lf_zero.py", "tests/checkpoint/test_engine_pipeline_resume.py",
+    "tests/rl/test_rl_loop.py", "tests/lf/test_lf_examples.py", "tests/mm/test_mm_runs.py", "tests/parallel/test_zero.py",
 )
 _seconds: dict[str, float] = {}
 _why: dict[str, str] = {}
@@ -115,8 +117,17 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Every test over 60 s (setup, call and teardown together) with what it says about why; one that says
-    nothing is named as such (batch it, or say why in its docstring)."""
+    """The files that cost most (to keep LONGEST_FIRST true), and every test over 60 s (setup, call and
+    teardown together) with what it says about why; one that says nothing is named as such (batch it, or say
+    why in its docstring)."""
+    files: dict[str, float] = {}
+    for nodeid, seconds in _seconds.items():
+        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
+    if files:
+        terminalreporter.section("the 30 costliest test files (seconds, all their tests)")
+        for path, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:30]:
+            mark = "" if path in LONGEST_FIRST else "   (not in LONGEST_FIRST)"
+            terminalreporter.write_line(f"{seconds:7.1f}s {path}{mark}")
     slow = sorted(((s, n) for n, s in _seconds.items() if s > SLOW_TEST_S), reverse=True)
     if not slow:
         return
