@@ -114,6 +114,7 @@ def _answer_odds(path: Path) -> tuple[float, float]:
     return sum(nll) / len(nll), sum(odds) / len(odds)
 
 
+@pytest.mark.slow  # regenerates a bundled asset (30 s): run it when the script or the policy changes
 def test_bundled_policy_is_what_the_script_makes(tmp_path):
     """examples/make_tiny_policy.py (SFT with backends.lf) regenerates examples/tiny-qwen3-arith: on any CPU a
     policy of the same kind (the answer's NLL from 6.3 down to ~0.2, the whole "#### <n>" answer at ~0.3
