@@ -69,6 +69,12 @@ def micro_batch_tokens(mb: dict) -> float:
     return max(float(int(mb.get("mb_tokens", mb["n_tokens"]))), 1.0)
 
 
+def micro_mean_scales(micro_batches: list[dict], scales: "Scales", cp: int = 1) -> list[float]:
+    """A pipeline runner's factor on each micro-batch's summed loss for Megatron's per-micro-batch token mean
+    (what Scales.terms gives a Loss.micro_mean of loss_sum x cp / micro_batch_tokens)."""
+    return [scales.extra * cp / micro_batch_tokens(mb) for mb in micro_batches]
+
+
 def logged_micro_means(micro_loss_sums: torch.Tensor, micro_batches: list[dict], scales: "Scales", cp: int = 1):
     """A pipeline step's logged loss (summed-token units, as Scales.terms logs a Loss with log_micro_mean) from
     the last stage's per-micro-batch summed losses on this context-parallel rank."""

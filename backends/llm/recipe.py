@@ -15,7 +15,8 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Recipe, Settings, logged_micro_means, micro_batch_tokens, seed_everything
+from backends.common.trainer import (Loss, Recipe, Settings, logged_micro_means, micro_batch_tokens, micro_mean_scales,
+                                     seed_everything)
 from backends.llm import parallelize
 from backends.llm.config import ConfigError, LLMConfig, lora_targets, parse_args, prompt_template
 
@@ -349,7 +350,7 @@ class LLMRecipe(Recipe):
     def _pipeline_step(self, micro_batches, scales):
         coeff, topk = self.cfg.train.moe_aux_loss_coeff, self._topk()   # Megatron's aux: see causal_lm_loss
         cp = self._micro_mean_cp()
-        token = scales.token if cp is None else [scales.extra * cp / micro_batch_tokens(mb) for mb in micro_batches]
+        token = scales.token if cp is None else micro_mean_scales(micro_batches, scales, cp)
         loss_sum, aux = self.par.pipeline.forward_backward(micro_batches, token, scales.extra * coeff / topk)
         if cp is not None and self.cfg.train.log_micro_means:
             loss_sum = logged_micro_means(self.par.pipeline.micro_loss_sums, micro_batches, scales, cp)

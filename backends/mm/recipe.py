@@ -14,7 +14,8 @@ import torch
 from backends import kernels
 from backends.common import kit
 from backends.common.parallel import data_parallel
-from backends.common.trainer import Loss, Recipe, Settings, logged_micro_means, micro_batch_tokens, seed_everything
+from backends.common.trainer import (Loss, Recipe, Settings, logged_micro_means, micro_batch_tokens, micro_mean_scales,
+                                     seed_everything)
 from backends.mm import parallelize
 from backends.mm.config import ConfigError, MMConfig, parse_args
 
@@ -165,12 +166,12 @@ class MMRecipe(Recipe):
         return out
 
     def _pipeline_step(self, micro_batches, scales):
-        pipeline = self.par.pipeline
-        if self.cfg.train.per_token_loss:
-            return pipeline.forward_backward(micro_batches, scales.token, scales.extra)[0], {}, 1.0
-        pipeline.forward_backward(micro_batches, [scales.extra / micro_batch_tokens(mb) for mb in micro_batches],
-                                  scales.extra)
-        return logged_micro_means(pipeline.micro_loss_sums, micro_batches, scales), {}, 1.0
+        pipeline, per_token = self.par.pipeline, self.cfg.train.per_token_loss
+        token = scales.token if per_token else micro_mean_scales(micro_batches, scales)
+        loss_sum, _ = pipeline.forward_backward(micro_batches, token, scales.extra)
+        if not per_token:   # logged as loss() logs it: the mean of the micro-batch means
+            loss_sum = logged_micro_means(pipeline.micro_loss_sums, micro_batches, scales)
+        return loss_sum, {}, 1.0
 
     def loss(self, model, mb: dict) -> Loss:
         """MindSpeed-MM's reduction (pretrain_vlm.loss_func): each micro-batch's token mean, averaged over the
